@@ -1,0 +1,168 @@
+"""The unit all-gather and its gradient reduction.
+
+A unit (or one dtype group of it) is gathered by one primitive,
+``fsdp_all_gather``, that takes the device's local shard buffer and returns
+the unit's full original leaves. It lowers to: cast to ``param_dtype`` (so the
+gather moves compute-precision bytes), one ``all_gather`` over the shard axes,
+and the reshapes/slices that undo the padding. It is linear; its transpose is
+the unit's gradient reduction: cast to ``reduce_dtype``, pre-divide,
+``psum_scatter`` over the shard axes, ``psum`` over the replicate axes
+(HYBRID) or over all data axes (NO_SHARD), post-divide, cast back.
+
+Being one primitive matters for FULL_SHARD: the remat policy refuses to save
+its outputs, so the backward pass recomputes it (a second all-gather) instead
+of keeping the gathered parameters alive from forward to backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import core as jax_core
+from jax.extend.core import Primitive
+from jax.interpreters import ad, mlir
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherSpec:
+  """Static description of one gather (hashable: a primitive parameter).
+
+  ``leaves`` holds, per output leaf, ``(layer_shape, dim0, chunk0, row_numel)``.
+  ``chunk`` is the local buffer length per layer (``S``).
+  """
+
+  flat: bool
+  leaves: tuple[tuple[tuple[int, ...], int, int, int], ...]
+  n: int
+  chunk: int
+  stored_dtype: Any
+  compute_dtype: Any
+  reduce_dtype: Any
+  shard_axes: tuple[str, ...]
+  reduce_axes: tuple[str, ...]
+  pre_divide: float
+  post_divide: float
+  reshard: bool
+  keep_low_precision_grads: bool
+  label: str = ""
+
+  def axis_name(self):
+    return self.shard_axes[0] if len(self.shard_axes) == 1 else self.shard_axes
+
+
+def _unpack(g, spec: GatherSpec):
+  """(prefix..., N, S) gathered buffer -> list of full leaves."""
+  prefix = g.shape[:-2]
+  p = len(prefix)
+  outs = []
+  if spec.flat:
+    full = g.reshape(prefix + (spec.n * spec.chunk,))
+    off = 0
+    for layer_shape, _, _, _ in spec.leaves:
+      size = int(np.prod(layer_shape, dtype=np.int64))
+      piece = lax.slice_in_dim(full, off, off + size, axis=p)
+      outs.append(piece.reshape(prefix + layer_shape))
+      off += size
+    return outs
+  off = 0
+  for layer_shape, dim0, chunk0, row in spec.leaves:
+    width = chunk0 * row
+    piece = lax.slice_in_dim(g, off, off + width, axis=p + 1)
+    piece = piece.reshape(prefix + (spec.n * chunk0,) + tuple(layer_shape[1:]))
+    if spec.n * chunk0 != dim0:
+      piece = lax.slice_in_dim(piece, 0, dim0, axis=p)
+    outs.append(piece.reshape(prefix + tuple(layer_shape)))
+    off += width
+  return outs
+
+
+def _pack_cotangent(cts, spec: GatherSpec, prefix):
+  """Inverse layout of :func:`_unpack`: leaves -> (prefix..., N, S), zero padded."""
+  p = len(prefix)
+  if spec.flat:
+    flat = jnp.concatenate([c.reshape(prefix + (-1,)) for c in cts], axis=p)
+    pad = spec.n * spec.chunk - flat.shape[-1]
+    if pad:
+      flat = jnp.pad(flat, [(0, 0)] * p + [(0, pad)])
+    return flat.reshape(prefix + (spec.n, spec.chunk))
+  parts = []
+  for c, (layer_shape, dim0, chunk0, row) in zip(cts, spec.leaves):
+    c = c.reshape(prefix + (dim0,) + tuple(layer_shape[1:]))
+    pad = spec.n * chunk0 - dim0
+    if pad:
+      c = jnp.pad(c, [(0, 0)] * p + [(0, pad)] + [(0, 0)] * (len(layer_shape) - 1 if layer_shape else 0))
+    parts.append(c.reshape(prefix + (spec.n, chunk0 * row)))
+  return jnp.concatenate(parts, axis=p + 1)
+
+
+def _gather_impl(buf, *, spec: GatherSpec):
+  x = buf.astype(spec.compute_dtype) if spec.compute_dtype != buf.dtype else buf
+  axis = x.ndim - 1
+  if spec.shard_axes:
+    g = lax.all_gather(x, spec.axis_name(), axis=axis, tiled=False)
+  else:
+    g = jnp.expand_dims(x, axis)
+  return _unpack(g, spec)
+
+
+def _gather_abstract_eval(buf, *, spec: GatherSpec):
+  prefix = buf.shape[:-1]
+  return [jax_core.ShapedArray(prefix + tuple(layer_shape), spec.compute_dtype)
+          for layer_shape, _, _, _ in spec.leaves]
+
+
+def reduce_gradient(g, spec: GatherSpec):
+  """The default reduction of a unit's (prefix..., N, S) gradient buffer."""
+  p = g.ndim - 2
+  g = g.astype(spec.reduce_dtype)
+  if spec.pre_divide != 1.0:
+    g = g / jnp.asarray(spec.pre_divide, spec.reduce_dtype)
+  if spec.shard_axes:
+    r = lax.psum_scatter(g, spec.axis_name(), scatter_dimension=p, tiled=False)
+  else:
+    r = jnp.squeeze(g, axis=p)
+  if spec.reduce_axes:
+    r = lax.psum(r, spec.reduce_axes)
+  if spec.post_divide != 1.0:
+    r = r / jnp.asarray(spec.post_divide, spec.reduce_dtype)
+  return r
+
+
+def _gather_transpose(cts, buf, *, spec: GatherSpec):
+  prefix = tuple(buf.aval.shape[:-1])
+  cts = [jnp.zeros(prefix + tuple(ls), spec.compute_dtype) if type(c) is ad.Zero else c
+         for c, (ls, _, _, _) in zip(cts, spec.leaves)]
+  g = _pack_cotangent(cts, spec, prefix)
+  r = reduce_gradient(g, spec)
+  return [r.astype(buf.aval.dtype)]
+
+
+fsdp_all_gather_p = Primitive("fsdp_all_gather")
+fsdp_all_gather_p.multiple_results = True
+fsdp_all_gather_p.def_abstract_eval(_gather_abstract_eval)
+mlir.register_lowering(
+    fsdp_all_gather_p, mlir.lower_fun(_gather_impl, multiple_results=True))
+ad.deflinear2(fsdp_all_gather_p, _gather_transpose)
+
+
+def _no_eager(*args, **kwargs):
+  raise RuntimeError("fsdp_all_gather only runs inside fsdp_jax's sharded step.")
+
+
+fsdp_all_gather_p.def_impl(_no_eager)
+
+
+def gather(buf, spec: GatherSpec):
+  """Gathers one unit (or dtype group) from the local buffer ``buf``."""
+  with jax.named_scope(f"fsdp_all_gather[{spec.label}]"):
+    return fsdp_all_gather_p.bind(buf, spec=spec)
+
+
+def remat_policy(prim, *_, **params) -> bool:
+  """Saves every residual except the outputs of resharded gathers."""
+  return not (prim is fsdp_all_gather_p and params["spec"].reshard)

@@ -1,0 +1,222 @@
+"""Configuration objects mirroring ``torch.distributed.fsdp``.
+
+Every option keeps PyTorch's name and default. Options that change numbers
+follow PyTorch's documented semantics; options that only change scheduling in
+PyTorch (``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``)
+are accepted with their defaults and map to the compiled XLA schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable, Optional, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+
+class ShardingStrategy(enum.Enum):
+  """How parameters, gradients and optimizer state are sharded.
+
+  * ``FULL_SHARD``: parameters, gradients and optimizer state are sharded over
+    the whole data-parallel world; a unit is all-gathered before its forward,
+    freed after it, and all-gathered again for its backward (ZeRO-3).
+  * ``SHARD_GRAD_OP``: like ``FULL_SHARD`` but the gathered unit is kept from
+    forward to backward (one all-gather per unit per step, ZeRO-2).
+  * ``NO_SHARD``: replicated parameters and all-reduced gradients (DDP).
+  * ``HYBRID_SHARD``: ``FULL_SHARD`` inside each ``"shard"`` group and
+    replication across the ``"replicate"`` mesh axis.
+  * ``_HYBRID_SHARD_ZERO2``: ``SHARD_GRAD_OP`` inside each ``"shard"`` group,
+    replicated across ``"replicate"``.
+  """
+
+  FULL_SHARD = enum.auto()
+  SHARD_GRAD_OP = enum.auto()
+  NO_SHARD = enum.auto()
+  HYBRID_SHARD = enum.auto()
+  _HYBRID_SHARD_ZERO2 = enum.auto()
+
+
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD,
+                     ShardingStrategy._HYBRID_SHARD_ZERO2)
+RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD,
+                         ShardingStrategy.HYBRID_SHARD)
+
+
+class BackwardPrefetch(enum.Enum):
+  """PyTorch's backward prefetch modes (``BACKWARD_PRE`` is the default)."""
+
+  BACKWARD_PRE = enum.auto()
+  BACKWARD_POST = enum.auto()
+
+
+class StateDictType(enum.Enum):
+  """PyTorch's state-dict kinds."""
+
+  FULL_STATE_DICT = enum.auto()
+  LOCAL_STATE_DICT = enum.auto()
+  SHARDED_STATE_DICT = enum.auto()
+
+
+def _canon_dtype(dtype):
+  return None if dtype is None else jnp.dtype(dtype)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixedPrecision:
+  """PyTorch's ``MixedPrecision``: the dtypes used in forward, backward and
+  gradient reduction.
+
+  Sharded master parameters stay in their stored (full) precision. A unit is
+  cast to ``param_dtype`` *before* its all-gather, so a bf16 gather moves half
+  the bytes of an fp32 one. Gradients are reduced in ``reduce_dtype``, which
+  falls back to ``param_dtype`` when unset, and are returned to the optimizer
+  in the stored precision unless ``keep_low_precision_grads``. Only floating
+  point values are cast.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import fsdp_jax
+    >>> mp = fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16,
+    ...                              reduce_dtype=jnp.float32)
+    >>> mp.effective_reduce_dtype
+    dtype('float32')
+  """
+
+  param_dtype: Optional[Any] = None
+  reduce_dtype: Optional[Any] = None
+  buffer_dtype: Optional[Any] = None
+  keep_low_precision_grads: bool = False
+  cast_forward_inputs: bool = False
+  cast_root_forward_inputs: bool = True
+
+  def __post_init__(self):
+    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+      value = _canon_dtype(getattr(self, name))
+      if value is not None and not jnp.issubdtype(value, jnp.floating):
+        raise ValueError(
+            f"MixedPrecision.{name}={value} is not a floating-point dtype. "
+            "Mixed precision only casts floating-point values; pass e.g. "
+            "jnp.bfloat16, jnp.float16 or jnp.float32.")
+      object.__setattr__(self, name, value)
+
+  @property
+  def effective_reduce_dtype(self):
+    """``reduce_dtype``, falling back to ``param_dtype`` (PyTorch's rule)."""
+    return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CPUOffload:
+  """PyTorch's ``CPUOffload(offload_params=False)``."""
+
+  offload_params: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FSDPConfig:
+  """The ``FullyShardedDataParallel`` constructor's options, keyword-only.
+
+  Args:
+    sharding_strategy: a :class:`ShardingStrategy` (default ``FULL_SHARD``).
+    cpu_offload: a :class:`CPUOffload` or ``None``.
+    auto_wrap_policy: a wrap policy choosing the FSDP units (see
+      :mod:`fsdp_jax.wrap`); ``None`` makes the whole tree one root unit.
+    backward_prefetch: ``BackwardPrefetch.BACKWARD_PRE`` (default).
+    mixed_precision: a :class:`MixedPrecision` or ``None`` (full precision).
+    ignored_states: parameter paths (dotted names, glob patterns allowed) that
+      are not managed by FSDP.
+    sync_module_states: broadcast process 0's parameters when sharding.
+    forward_prefetch: PyTorch's ``forward_prefetch`` (default ``False``).
+    limit_all_gathers: PyTorch's rate limiter (default ``True``).
+    use_orig_params: ``False`` (default) flattens each unit into one padded
+      FlatParameter; ``True`` keeps the original tree for the optimizer with
+      each leaf sharded along dimension 0 (padded).
+    stacked_layers: dotted-name glob patterns of subtrees whose leaves carry a
+      leading layer axis (models that ``lax.scan`` over stacked layers). Each
+      such subtree is its own unit, sharded layer by layer, and is gathered one
+      layer per scan iteration.
+
+  Example:
+    >>> import fsdp_jax
+    >>> cfg = fsdp_jax.FSDPConfig(
+    ...     sharding_strategy=fsdp_jax.ShardingStrategy.SHARD_GRAD_OP,
+    ...     use_orig_params=True)
+    >>> cfg.limit_all_gathers
+    True
+  """
+
+  sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+  cpu_offload: Optional[CPUOffload] = None
+  auto_wrap_policy: Optional[Callable[..., Any]] = None
+  backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
+  mixed_precision: Optional[MixedPrecision] = None
+  ignored_states: Optional[Sequence[str]] = None
+  sync_module_states: bool = False
+  forward_prefetch: bool = False
+  limit_all_gathers: bool = True
+  use_orig_params: bool = False
+  stacked_layers: Sequence[str] = ()
+
+  def __post_init__(self):
+    if not isinstance(self.sharding_strategy, ShardingStrategy):
+      raise TypeError(
+          f"sharding_strategy={self.sharding_strategy!r} is not a "
+          "fsdp_jax.ShardingStrategy; pass e.g. "
+          "fsdp_jax.ShardingStrategy.FULL_SHARD.")
+    if self.mixed_precision is not None and not isinstance(
+        self.mixed_precision, MixedPrecision):
+      raise TypeError("mixed_precision must be a fsdp_jax.MixedPrecision or None.")
+    if isinstance(self.stacked_layers, str):
+      object.__setattr__(self, "stacked_layers", (self.stacked_layers,))
+    object.__setattr__(self, "stacked_layers", tuple(self.stacked_layers))
+    if self.ignored_states is not None:
+      object.__setattr__(self, "ignored_states", tuple(self.ignored_states))
+    unsupported = []
+    if self.cpu_offload is not None and self.cpu_offload.offload_params:
+      unsupported.append("cpu_offload=CPUOffload(offload_params=True)")
+    if self.ignored_states:
+      unsupported.append("ignored_states")
+    if self.sync_module_states:
+      unsupported.append("sync_module_states=True")
+    if self.backward_prefetch not in (BackwardPrefetch.BACKWARD_PRE,):
+      unsupported.append(f"backward_prefetch={self.backward_prefetch}")
+    if self.forward_prefetch:
+      unsupported.append("forward_prefetch=True")
+    if not self.limit_all_gathers:
+      unsupported.append("limit_all_gathers=False")
+    if unsupported:
+      raise NotImplementedError(
+          "FSDPConfig: " + ", ".join(unsupported) + " is not implemented in "
+          "this version of fsdp_jax. Leave the option at its default.")
+
+  @property
+  def is_hybrid(self) -> bool:
+    return self.sharding_strategy in HYBRID_STRATEGIES
+
+  @property
+  def reshard_after_forward(self) -> bool:
+    return self.sharding_strategy in RESHARD_AFTER_FORWARD
+
+
+def gradient_divide_factors(world_size: int) -> tuple[float, float]:
+  """PyTorch's gradient pre/post divide factors for a data-parallel world.
+
+  The pre-factor is the largest power of two ``f`` with ``world % f == 0`` and
+  ``world / f > f`` (PyTorch ``_get_gradient_predivide_factor``); gradients
+  are divided by it before the reduction and by ``world / f`` after, so fp16
+  sums do not overflow.
+
+  Example:
+    >>> [gradient_divide_factors(n) for n in (2, 3, 4, 8, 16)]
+    [(2.0, 1.0), (2.0, 1.5), (2.0, 2.0), (4.0, 2.0), (4.0, 4.0)]
+  """
+  factor = 1
+  while world_size % factor == 0 and world_size / factor > factor:
+    factor *= 2
+  return float(factor), world_size / float(factor)
+
+
+def is_float_dtype(dtype) -> bool:
+  return jnp.issubdtype(np.dtype(dtype), jnp.floating)

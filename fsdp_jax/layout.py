@@ -1,0 +1,150 @@
+"""Parameter layouts: full tree <-> stored shards <-> per-device gather buffers.
+
+Flat layout (``use_orig_params=False``, PyTorch's FlatParameter): a unit's
+leaves are flattened, concatenated and zero-padded to ``N * chunk``; device r
+holds ``[r * chunk, (r + 1) * chunk)``. Stored as ``{"<unit>._flat_param": x}``.
+
+Original layout (``use_orig_params=True``, FSDP2 style): every leaf keeps its
+place in the original tree and is zero-padded along its first dimension to a
+multiple of N and sharded along it. A unit's local chunks are concatenated
+into one buffer so the unit is still gathered with one collective (per dtype).
+
+Stacked units (``FSDPConfig.stacked_layers``) carry a leading layer axis that
+is not sharded: each layer is laid out as above, independently.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fsdp_jax.collectives import GatherSpec
+from fsdp_jax.config import is_float_dtype
+from fsdp_jax.plan import Plan, UnitSpec
+
+
+def pack_unit(plan: Plan, unit: UnitSpec, full_leaves: dict):
+  """Full leaves of ``unit`` -> its stored arrays (global view, zero padded).
+
+  Returns ``{leaf_id: array}`` (original layout) or ``{"flat": array}``.
+  """
+  prefix = plan.prefix(unit)
+  p = len(prefix)
+  n = plan.n
+  if plan.use_orig_params:
+    out = {}
+    for i in unit.leaf_ids:
+      leaf = plan.leaves[i]
+      x = jnp.reshape(full_leaves[i], prefix + (leaf.dim0,) + leaf.rest)
+      pad = n * plan.chunk0(leaf) - leaf.dim0
+      if pad:
+        x = jnp.pad(x, [(0, 0)] * p + [(0, pad)] + [(0, 0)] * len(leaf.rest))
+      out[i] = x
+    return out
+  flat = jnp.concatenate(
+      [jnp.reshape(full_leaves[i], prefix + (-1,)) for i in unit.leaf_ids], axis=p)
+  pad = n * plan.flat_chunk(unit) - flat.shape[-1]
+  if pad:
+    flat = jnp.pad(flat, [(0, 0)] * p + [(0, pad)])
+  return {"flat": flat}
+
+
+def unit_storage(plan: Plan, unit: UnitSpec, storage) -> list:
+  """The stored arrays of ``unit`` from the state's params tree, in order."""
+  if plan.use_orig_params:
+    leaves = jax.tree_util.tree_leaves(storage)
+    return [leaves[i] for i in unit.leaf_ids]
+  return [storage[unit.flat_key]]
+
+
+def unpack_storage_full(plan: Plan, unit: UnitSpec, arrays: list) -> dict:
+  """Stored (global) arrays of a unit -> its full leaves, without collectives
+  (used outside the step, where arrays are global)."""
+  prefix = plan.prefix(unit)
+  p = len(prefix)
+  out = {}
+  if plan.use_orig_params:
+    for i, x in zip(unit.leaf_ids, arrays):
+      leaf = plan.leaves[i]
+      x = lax.slice_in_dim(x, 0, leaf.dim0, axis=p)
+      out[i] = x.reshape(leaf.shape)
+    return out
+  (flat,) = arrays
+  off = 0
+  for i in unit.leaf_ids:
+    leaf = plan.leaves[i]
+    size = leaf.layer_numel
+    out[i] = lax.slice_in_dim(flat, off, off + size, axis=p).reshape(leaf.shape)
+    off += size
+  return out
+
+
+def gather_specs(plan: Plan, unit: UnitSpec, *, layer: bool = False):
+  """One :class:`GatherSpec` per dtype group of ``unit``, with its leaf ids."""
+  mp = plan.config.mixed_precision
+  axes = plan.axes
+  pre, post = plan.divide_factors()
+  out = []
+  for group in plan.dtype_groups(unit):
+    stored = jnp.dtype(plan.leaves[group[0]].dtype)
+    compute = stored
+    reduce = stored
+    if mp is not None and is_float_dtype(stored):
+      if mp.param_dtype is not None:
+        compute = jnp.dtype(mp.param_dtype)
+      if mp.effective_reduce_dtype is not None:
+        reduce = jnp.dtype(mp.effective_reduce_dtype)
+    leaves = tuple((plan.leaves[i].layer_shape, plan.leaves[i].dim0,
+                    plan.chunk0(plan.leaves[i]), plan.leaves[i].row_numel)
+                   for i in group)
+    if plan.use_orig_params:
+      chunk = sum(plan.chunk0(plan.leaves[i]) * plan.leaves[i].row_numel for i in group)
+    else:
+      chunk = plan.flat_chunk(unit)
+    reduce_axes = axes.replicate_axes
+    spec = GatherSpec(
+        flat=not plan.use_orig_params, leaves=leaves, n=plan.n, chunk=chunk,
+        stored_dtype=stored, compute_dtype=compute, reduce_dtype=reduce,
+        shard_axes=axes.shard_axes, reduce_axes=reduce_axes,
+        pre_divide=pre, post_divide=post, reshard=plan.reshard(unit),
+        keep_low_precision_grads=bool(mp and mp.keep_low_precision_grads),
+        label=unit.display_name)
+    out.append((group, spec))
+  return out
+
+
+def local_buffer(plan: Plan, unit: UnitSpec, group, local_arrays: dict):
+  """Concatenates the local shards of ``group`` into one (prefix..., S) buffer.
+
+  ``local_arrays`` maps leaf id -> local shard (original layout) or holds the
+  local flat shard under ``"flat"``; ``prefix`` is the leading layer axis of a
+  stacked unit, if present in the arrays.
+  """
+  if not plan.use_orig_params:
+    return local_arrays["flat"]
+  parts = []
+  for i in group:
+    x = local_arrays[i]
+    leaf = plan.leaves[i]
+    p = x.ndim - 1 - len(leaf.rest)
+    parts.append(x.reshape(x.shape[:p] + (-1,)))
+  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+
+def check_flat_dtypes(plan_leaves, units, use_orig_params: bool):
+  """A FlatParameter holds one dtype (PyTorch's rule): refuse mixed units."""
+  if use_orig_params:
+    return
+  for u in units:
+    dtypes = {np.dtype(plan_leaves[i].dtype).name for i in u.leaf_ids}
+    if len(dtypes) > 1:
+      detail = ", ".join(f"{plan_leaves[i].name}: {np.dtype(plan_leaves[i].dtype).name}"
+                         for i in u.leaf_ids[:8])
+      raise ValueError(
+          f"Unit {u.name or '<root>'!r} mixes dtypes {sorted(dtypes)} ({detail}). "
+          "A flat parameter (use_orig_params=False) holds a single dtype, as in "
+          "PyTorch. Fix: cast the parameters to one dtype, wrap the leaves of "
+          "each dtype into separate units with auto_wrap_policy, or pass "
+          "use_orig_params=True (one gather per dtype).")

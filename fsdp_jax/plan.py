@@ -1,0 +1,250 @@
+"""The sharding plan: units, their leaves, and how each is laid out in shards.
+
+A :class:`Plan` is static (hashable) metadata carried by the train state. It is
+what ``print(state.plan)`` shows, like printing an FSDP-wrapped PyTorch model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from fsdp_jax.config import FSDPConfig, MixedPrecision, ShardingStrategy, gradient_divide_factors
+from fsdp_jax.mesh import MeshAxes
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+  """One original parameter.
+
+  ``shape`` is the full shape; ``layer_shape`` drops the leading layer axis of
+  a stacked unit. In the original-parameter layout the leaf is padded along
+  its first per-layer dimension ``dim0`` to ``shard_size * chunk0`` rows.
+  """
+
+  index: int
+  name: str
+  shape: tuple[int, ...]
+  dtype: Any
+  unit: int
+  layer_shape: tuple[int, ...]
+
+  @property
+  def numel(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64))
+
+  @property
+  def layer_numel(self) -> int:
+    return int(np.prod(self.layer_shape, dtype=np.int64))
+
+  @property
+  def dim0(self) -> int:
+    return self.layer_shape[0] if self.layer_shape else 1
+
+  @property
+  def rest(self) -> tuple[int, ...]:
+    return self.layer_shape[1:] if self.layer_shape else ()
+
+  @property
+  def row_numel(self) -> int:
+    return int(np.prod(self.rest, dtype=np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitSpec:
+  """One FSDP unit."""
+
+  index: int
+  name: str
+  leaf_ids: tuple[int, ...]
+  stacked: bool
+  num_layers: int
+  is_root: bool
+  overrides: tuple = ()
+
+  @property
+  def display_name(self) -> str:
+    return self.name or "<root>"
+
+  @property
+  def flat_key(self) -> str:
+    """The FlatParameter's name, as PyTorch names it."""
+    return f"{self.name}._flat_param" if self.name else "_flat_param"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+  """Static description of how a parameter tree is sharded."""
+
+  treedef: Any
+  leaves: tuple[LeafSpec, ...]
+  units: tuple[UnitSpec, ...]
+  config: FSDPConfig
+  mesh: Mesh
+  axes: MeshAxes
+
+  # Plans compare by identity of content that matters for tracing.
+  def _key(self):
+    return (self.treedef, self.leaves, self.units, self.config, self.mesh, self.axes)
+
+  def __hash__(self):
+    return hash(self._key())
+
+  def __eq__(self, other):
+    return isinstance(other, Plan) and self._key() == other._key()
+
+  # ---- layout arithmetic -------------------------------------------------
+  @property
+  def use_orig_params(self) -> bool:
+    return self.config.use_orig_params
+
+  @property
+  def n(self) -> int:
+    return self.axes.shard_size
+
+  def reshard(self, unit: UnitSpec) -> bool:
+    """FULL_SHARD/HYBRID_SHARD free a unit after forward; the root is kept."""
+    return self.config.reshard_after_forward and not unit.is_root
+
+  def chunk0(self, leaf: LeafSpec) -> int:
+    return -(-leaf.dim0 // self.n)
+
+  def flat_numel(self, unit: UnitSpec) -> int:
+    return sum(self.leaves[i].layer_numel for i in unit.leaf_ids)
+
+  def flat_chunk(self, unit: UnitSpec) -> int:
+    return -(-self.flat_numel(unit) // self.n)
+
+  def unit_dtype(self, unit: UnitSpec):
+    return self.leaves[unit.leaf_ids[0]].dtype
+
+  def prefix(self, unit: UnitSpec) -> tuple[int, ...]:
+    return (unit.num_layers,) if unit.stacked else ()
+
+  def storage_shape_of_leaf(self, leaf: LeafSpec) -> tuple[int, ...]:
+    unit = self.units[leaf.unit]
+    return self.prefix(unit) + (self.n * self.chunk0(leaf),) + leaf.rest
+
+  def storage_shape_of_unit(self, unit: UnitSpec) -> tuple[int, ...]:
+    return self.prefix(unit) + (self.n * self.flat_chunk(unit),)
+
+  def spec_for(self, unit: UnitSpec) -> P:
+    axes = self.axes.shard_axes
+    if not axes:
+      return P()
+    axis = axes[0] if len(axes) == 1 else axes
+    return P(None, axis) if unit.stacked else P(axis)
+
+  def padded_numel(self, unit: UnitSpec) -> int:
+    """Elements stored for the unit across all devices (with padding)."""
+    layers = unit.num_layers if unit.stacked else 1
+    if self.use_orig_params:
+      per_layer = sum(self.n * self.chunk0(self.leaves[i]) * self.leaves[i].row_numel
+                      for i in unit.leaf_ids)
+    else:
+      per_layer = self.n * self.flat_chunk(unit)
+    return layers * per_layer
+
+  def unit_numel(self, unit: UnitSpec) -> int:
+    return sum(self.leaves[i].numel for i in unit.leaf_ids)
+
+  def unit_by_name(self, name: str) -> UnitSpec:
+    for u in self.units:
+      if u.name == name:
+        return u
+    raise KeyError(f"no unit named {name!r}; units are "
+                   f"{[u.display_name for u in self.units]}")
+
+  # ---- storage tree ------------------------------------------------------
+  def storage_shardings(self):
+    """The sharding of each stored parameter array (the state's params)."""
+    if self.use_orig_params:
+      specs = [NamedSharding(self.mesh, self.spec_for(self.units[l.unit]))
+               for l in self.leaves]
+      return jax.tree_util.tree_unflatten(self.treedef, specs)
+    return {u.flat_key: NamedSharding(self.mesh, self.spec_for(u)) for u in self.units}
+
+  def storage_shapes(self):
+    """``jax.ShapeDtypeStruct`` of each stored parameter array."""
+    shard = self.storage_shardings()
+    if self.use_orig_params:
+      structs = [jax.ShapeDtypeStruct(self.storage_shape_of_leaf(l), l.dtype)
+                 for l in self.leaves]
+      structs = jax.tree_util.tree_unflatten(self.treedef, structs)
+    else:
+      structs = {u.flat_key: jax.ShapeDtypeStruct(self.storage_shape_of_unit(u),
+                                                  self.unit_dtype(u))
+                 for u in self.units}
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        structs, shard)
+
+  # ---- printing ----------------------------------------------------------
+  def divide_factors(self) -> tuple[float, float]:
+    return gradient_divide_factors(self.axes.world_size)
+
+  def collectives_per_step(self) -> dict[str, int]:
+    """Collectives the strategy implies per step (upper bound for FULL_SHARD:
+    a unit whose parameters the backward does not need is not re-gathered)."""
+    strategy = self.config.sharding_strategy
+    groups = sum(len(self.dtype_groups(u)) for u in self.units)
+    out = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
+    if strategy is ShardingStrategy.NO_SHARD:
+      out["all-reduce"] = groups
+      return out
+    resharded = sum(len(self.dtype_groups(u)) for u in self.units if self.reshard(u))
+    out["all-gather"] = groups + resharded
+    out["reduce-scatter"] = groups
+    if self.config.is_hybrid:
+      out["all-reduce"] = groups
+    return out
+
+  def dtype_groups(self, unit: UnitSpec) -> list[tuple[int, ...]]:
+    """Leaves gathered together (one collective each): all of a flat unit, or
+    the leaves of one dtype in the original-parameter layout."""
+    if not self.use_orig_params:
+      return [unit.leaf_ids]
+    groups: dict = {}
+    for i in unit.leaf_ids:
+      groups.setdefault(np.dtype(self.leaves[i].dtype).name, []).append(i)
+    return [tuple(v) for v in groups.values()]
+
+  def __str__(self) -> str:
+    cfg = self.config
+    mp = cfg.mixed_precision
+    lines = [
+        f"FSDP plan: {cfg.sharding_strategy.name}, "
+        f"{'original parameters' if self.use_orig_params else 'flat parameters'}, "
+        f"mesh {dict(self.mesh.shape)}, shard over {self.axes.shard_axes or '()'} "
+        f"(N={self.n}), data-parallel world {self.axes.world_size}",
+    ]
+    if mp is not None:
+      lines.append(f"  mixed precision: param {mp.param_dtype}, reduce "
+                   f"{mp.effective_reduce_dtype}, buffers {mp.buffer_dtype}")
+    header = f"  {'unit':<32} {'leaves':>6} {'numel':>12} {'padding':>8} {'bytes/device':>13}"
+    lines.append(header)
+    total_numel = total_bytes = 0
+    for u in self.units:
+      numel = self.unit_numel(u)
+      padded = self.padded_numel(u)
+      itemsize = max(np.dtype(self.leaves[i].dtype).itemsize for i in u.leaf_ids)
+      per_dev = padded // self.n * itemsize
+      total_numel += numel
+      total_bytes += per_dev
+      tag = " [stacked x%d]" % u.num_layers if u.stacked else ""
+      lines.append(f"  {u.display_name + tag:<32} {len(u.leaf_ids):>6} {numel:>12,} "
+                   f"{padded - numel:>8,} {per_dev:>13,}")
+      for i in u.leaf_ids:
+        leaf = self.leaves[i]
+        lines.append(f"      {leaf.name:<40} {str(leaf.shape):<18} {np.dtype(leaf.dtype).name}")
+    lines.append(f"  {'total':<32} {len(self.leaves):>6} {total_numel:>12,} "
+                 f"{'':>8} {total_bytes:>13,}")
+    coll = self.collectives_per_step()
+    lines.append("  collectives per step: " + ", ".join(f"{v} {k}" for k, v in coll.items() if v))
+    pre, post = self.divide_factors()
+    lines.append(f"  gradient divide factors: pre {pre:g}, post {post:g}")
+    return "\n".join(lines)

@@ -1,0 +1,385 @@
+"""The sharded train state: building it (from parameters or an init function,
+never holding the full model on one device) and reading the full parameters
+back."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from fsdp_jax import layout, wrap
+from fsdp_jax.config import FSDPConfig
+from fsdp_jax.mesh import mesh_axes
+from fsdp_jax.plan import LeafSpec, Plan, UnitSpec
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ShardedTrainState:
+  """Train state of a sharded model: a pytree, with the plan as static data.
+
+  Attributes:
+    step: number of optimizer steps taken (int32 scalar).
+    params: the stored parameter shards: ``{"<unit>._flat_param": array}``
+      (flat layout) or the original tree of padded dim-0 shards
+      (``use_orig_params=True``). Global ``jax.Array`` s sharded over the mesh.
+    opt_state: the optax state of ``params``, sharded like them.
+    plan: the :class:`~fsdp_jax.plan.Plan` (units, layout, mesh, config).
+  """
+
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  plan: Plan = dataclasses.field(metadata=dict(static=True))
+
+  def replace(self, **changes) -> "ShardedTrainState":
+    return dataclasses.replace(self, **changes)
+
+
+# --------------------------------------------------------------------------
+# Names and module classes
+
+
+def key_name(key) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def leaf_paths(tree) -> list[tuple[str, ...]]:
+  """Dotted-name parts of every leaf (NNX's trailing ``.value`` dropped)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  out = []
+  for path, _ in flat:
+    parts = tuple(key_name(k) for k in path)
+    if len(parts) > 1 and parts[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
+      parts = parts[:-1]
+    out.append(parts)
+  return out
+
+
+def _sequence_prefixes(tree) -> set:
+  """Paths of list/tuple containers (PyTorch's ModuleList)."""
+  out = set()
+
+  def walk(x, prefix):
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+      out.add(prefix)
+      for i, c in enumerate(x):
+        walk(c, prefix + (str(i),))
+    elif isinstance(x, dict) or hasattr(x, "items"):
+      try:
+        items = list(x.items())
+      except Exception:  # not a mapping after all
+        return
+      for k, c in items:
+        walk(c, prefix + (str(k),))
+
+  walk(tree, ())
+  return out
+
+
+def module_classes(model_or_fn, *args, **kwargs) -> dict:
+  """Maps subtree paths to the Flax module classes that own them.
+
+  * an ``flax.nnx.Module``: read from the object graph;
+  * a function (e.g. ``model.init`` of a Flax linen model) and its
+    arguments: the function runs abstractly (``jax.eval_shape``) while Flax
+    module calls are intercepted; paths are prefixed with ``"params"``.
+
+  The result is what :class:`~fsdp_jax.ModuleWrapPolicy` matches classes
+  against; :func:`init_train_state` collects it itself from ``init_fn``.
+
+  Example:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp, fsdp_jax
+    >>> model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
+    >>> classes = fsdp_jax.module_classes(model.init, jax.random.key(0),
+    ...                                   jnp.ones((1, 3)))
+    >>> classes[("params", "layers_0")].__name__
+    'Dense'
+  """
+  try:
+    from flax import nnx
+  except ImportError:  # pragma: no cover
+    nnx = None
+  if nnx is not None and isinstance(model_or_fn, nnx.Module):
+    out = {}
+    for path, value in nnx.iter_graph(model_or_fn):
+      if isinstance(value, nnx.Module):
+        out[tuple(str(p) for p in path)] = type(value)
+    return out
+  out: dict = {}
+  _, captured = _eval_shape_capturing(model_or_fn, *args, **kwargs)
+  out.update(captured)
+  return out
+
+
+def _eval_shape_capturing(fn, *args, **kwargs):
+  """``jax.eval_shape(fn)`` that records the linen modules called inside."""
+  captured: dict = {}
+  try:
+    import flax.linen as nn
+  except ImportError:  # pragma: no cover
+    return jax.eval_shape(fn, *args, **kwargs), captured
+
+  def interceptor(next_fun, a, kw, context):
+    mod = context.module
+    path = tuple(str(p) for p in mod.path)
+    for collection in ("params",):
+      captured.setdefault((collection,) + path, type(mod))
+    return next_fun(*a, **kw)
+
+  with nn.intercept_methods(interceptor):
+    shapes = jax.eval_shape(fn, *args, **kwargs)
+  return shapes, captured
+
+
+# --------------------------------------------------------------------------
+# Plans
+
+
+def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
+               module_types: Optional[dict] = None) -> Plan:
+  """Chooses units with the wrap policy and lays them out for ``mesh``."""
+  if not isinstance(config, FSDPConfig):
+    raise TypeError(f"config must be a fsdp_jax.FSDPConfig, got {type(config).__name__}.")
+  axes = mesh_axes(mesh, config)
+  flat, treedef = jax.tree_util.tree_flatten(abstract_params)
+  if not flat:
+    raise ValueError("The parameter tree has no leaves: there is nothing to shard.")
+  paths = leaf_paths(abstract_params)
+  for p, x in zip(paths, flat):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"Parameter {'.'.join(p)!r} is a {type(x).__name__}, not an "
+                      "array; the parameter tree must hold arrays only.")
+  numels = [int(np.prod(x.shape, dtype=np.int64)) for x in flat]
+  choices = wrap.choose_units(
+      paths, numels, policy=config.auto_wrap_policy, module_types=module_types or {},
+      sequence_prefixes=_sequence_prefixes(abstract_params),
+      stacked_patterns=config.stacked_layers)
+  leaf_unit = {}
+  units = []
+  for idx, c in enumerate(choices):
+    num_layers = 0
+    if c.stacked:
+      leads = {flat[i].shape[0] if flat[i].shape else None for i in c.leaf_ids}
+      if len(leads) != 1 or None in leads:
+        detail = ", ".join(f"{'.'.join(paths[i])}: {tuple(flat[i].shape)}" for i in c.leaf_ids[:6])
+        raise ValueError(
+            f"Stacked unit {c.name!r} needs every leaf to have the same leading "
+            f"layer axis; got {detail}. Fix stacked_layers or stack the layers.")
+      num_layers = leads.pop()
+    for i in c.leaf_ids:
+      leaf_unit[i] = idx
+    units.append(UnitSpec(idx, c.name, c.leaf_ids, c.stacked, num_layers,
+                          is_root=(c.name == "" and idx == len(choices) - 1),
+                          overrides=c.overrides))
+  leaves = []
+  for i, (p, x) in enumerate(zip(paths, flat)):
+    u = units[leaf_unit[i]]
+    layer_shape = tuple(x.shape[1:]) if u.stacked else tuple(x.shape)
+    leaves.append(LeafSpec(i, ".".join(p), tuple(x.shape), jnp.dtype(x.dtype),
+                           leaf_unit[i], layer_shape))
+  layout.check_flat_dtypes(leaves, units, config.use_orig_params)
+  for u in units:
+    if u.overrides:
+      raise NotImplementedError(
+          f"CustomPolicy returned per-unit overrides {dict(u.overrides)} for unit "
+          f"{u.display_name!r}; per-unit overrides are not supported in this "
+          "version. Return True instead.")
+  return Plan(treedef, tuple(leaves), tuple(units), config, mesh, axes)
+
+
+# --------------------------------------------------------------------------
+# Optimizer state sharding
+
+
+def opt_state_specs(plan: Plan, optimizer: optax.GradientTransformation):
+  """PartitionSpecs of the optimizer state for ``plan``'s stored params.
+
+  A state leaf whose shape differs between the global and the per-device
+  view of the params is sharded along the dimension that differs; every
+  other leaf (counts, scalars) is replicated.
+  """
+  global_shapes = plan.storage_shapes()
+  global_shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), global_shapes)
+  local_shapes = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(_local_shape(plan, s.shape, spec), s.dtype),
+                              global_shapes, _storage_specs(plan))
+  g = jax.eval_shape(optimizer.init, global_shapes)
+  l = jax.eval_shape(optimizer.init, local_shapes)
+  axis = plan.axes.shard_axes
+  axis = axis[0] if len(axis) == 1 else axis
+
+  def spec(gs, ls):
+    if gs.shape == ls.shape:
+      return P()
+    diff = [d for d, (a, b) in enumerate(zip(gs.shape, ls.shape)) if a != b]
+    if len(diff) != 1 or gs.shape[diff[0]] != ls.shape[diff[0]] * plan.n:
+      raise ValueError(
+          f"Optimizer state leaf of global shape {gs.shape} has local shape "
+          f"{ls.shape}; fsdp_jax can only shard optimizer state that mirrors "
+          "the parameters elementwise.")
+    out = [None] * len(gs.shape)
+    out[diff[0]] = axis
+    return P(*out)
+
+  return jax.tree.map(spec, g, l), g
+
+
+def _storage_specs(plan: Plan):
+  return jax.tree.map(lambda s: s.spec, plan.storage_shardings(),
+                      is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def _local_shape(plan: Plan, shape, spec):
+  out = list(shape)
+  for d, a in enumerate(spec):
+    if a is not None:
+      out[d] //= plan.n
+  return tuple(out)
+
+
+# --------------------------------------------------------------------------
+# Building the state
+
+
+def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
+                     config: FSDPConfig, params: Any = None,
+                     init_fn: Optional[Callable[..., Any]] = None,
+                     rng: Any = None,
+                     module_classes: Optional[dict] = None) -> ShardedTrainState:
+  """Builds the sharded train state (PyTorch: wrapping a module in FSDP).
+
+  Pass either materialised ``params`` (a pytree of arrays) or ``init_fn``
+  (called as ``init_fn(rng)``, e.g. ``lambda k: model.init(k, x)``, or
+  ``init_fn()`` when ``rng`` is None). With ``init_fn`` the shapes come from
+  ``jax.eval_shape`` and each unit is materialised by its own jitted program
+  straight into its shards, so the full model never exists on one device
+  (PyTorch's ``param_init_fn`` / meta-device initialisation).
+
+  Args:
+    optimizer: an optax ``GradientTransformation``; its state is built on the
+      local shards and sharded like the parameters.
+    mesh: from :func:`fsdp_jax.make_mesh`.
+    config: a :class:`fsdp_jax.FSDPConfig`.
+    params: materialised parameters, or None.
+    init_fn: an initialiser, or None.
+    rng: the argument of ``init_fn``.
+    module_classes: subtree path -> Flax module class, for
+      ``ModuleWrapPolicy`` with classes (collected automatically from
+      ``init_fn`` for Flax linen; see :func:`fsdp_jax.module_classes`).
+
+  Returns:
+    A :class:`ShardedTrainState` with ``step == 0``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4])
+    >>> params = {"w": jnp.ones((10, 3)), "b": jnp.zeros((3,))}
+    >>> state = fsdp_jax.init_train_state(
+    ...     params=params, optimizer=optax.adam(1e-3), mesh=mesh,
+    ...     config=fsdp_jax.FSDPConfig())
+    >>> state.params["_flat_param"].shape   # 33 elements padded to 4 x 9
+    (36,)
+  """
+  if (params is None) == (init_fn is None):
+    raise ValueError("init_train_state: pass exactly one of params= or init_fn=.")
+  if not isinstance(optimizer, optax.GradientTransformation):
+    raise TypeError("optimizer must be an optax.GradientTransformation "
+                    f"(e.g. optax.adam(1e-3)); got {type(optimizer).__name__}.")
+  init_args = () if rng is None else (rng,)
+  captured = {}
+  if init_fn is not None:
+    abstract, captured = _eval_shape_capturing(init_fn, *init_args)
+  else:
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
+  types = dict(captured)
+  types.update(module_classes or {})
+  plan = build_plan(abstract, mesh=mesh, config=config, module_types=types)
+
+  storage_leaves: dict = {}
+  shardings = plan.storage_shardings()
+  for unit in plan.units:
+    out_sharding = _unit_out_shardings(plan, unit, shardings)
+    if init_fn is not None:
+      def make(*a, unit=unit):
+        full = jax.tree_util.tree_leaves(init_fn(*a))
+        return layout.pack_unit(plan, unit, {i: full[i] for i in unit.leaf_ids})
+      packed = jax.jit(make, out_shardings=out_sharding)(*init_args)
+    else:
+      flat = jax.tree_util.tree_leaves(params)
+      packed = jax.jit(lambda xs, unit=unit: layout.pack_unit(plan, unit, xs),
+                       out_shardings=out_sharding)({i: flat[i] for i in unit.leaf_ids})
+    storage_leaves[unit.index] = packed
+  storage = assemble_storage(plan, storage_leaves)
+  opt_state = _init_opt_state(plan, optimizer, storage)
+  step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
+  return ShardedTrainState(step=step, params=storage, opt_state=opt_state, plan=plan)
+
+
+def _unit_out_shardings(plan: Plan, unit: UnitSpec, shardings):
+  sh = NamedSharding(plan.mesh, plan.spec_for(unit))
+  if plan.use_orig_params:
+    return {i: sh for i in unit.leaf_ids}
+  return {"flat": sh}
+
+
+def assemble_storage(plan: Plan, per_unit: dict):
+  """``{unit index: pack_unit output}`` -> the state's params tree."""
+  if plan.use_orig_params:
+    leaves = [None] * len(plan.leaves)
+    for u in plan.units:
+      for i in u.leaf_ids:
+        leaves[i] = per_unit[u.index][i]
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+  return {u.flat_key: per_unit[u.index]["flat"] for u in plan.units}
+
+
+def _init_opt_state(plan: Plan, optimizer, storage):
+  specs, _ = opt_state_specs(plan, optimizer)
+  fn = jax.shard_map(optimizer.init, mesh=plan.mesh, in_specs=(_storage_specs(plan),),
+                     out_specs=specs, check_vma=False)
+  return jax.jit(fn)(storage)
+
+
+# --------------------------------------------------------------------------
+# Full parameters
+
+
+def full_params(state: ShardedTrainState, *, replicated: bool = True):
+  """The full, original parameter tree (PyTorch ``summon_full_params``).
+
+  Returns global arrays replicated on every device of the mesh (the default)
+  or, with ``replicated=False``, left where the compiler puts them.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=3, devices=jax.devices()[:3])
+    >>> params = {"w": jnp.arange(10.0)}
+    >>> state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1),
+    ...                                   mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> fsdp_jax.full_params(state)["w"].tolist() == params["w"].tolist()
+    True
+  """
+  plan = state.plan
+  out_sh = NamedSharding(plan.mesh, P()) if replicated else None
+  fn = jax.jit(lambda storage: unpack_all(plan, storage),
+               out_shardings=out_sh)
+  return fn(state.params)
+
+
+def unpack_all(plan: Plan, storage):
+  """Stored global arrays -> the original tree (global view)."""
+  leaves = [None] * len(plan.leaves)
+  for u in plan.units:
+    arrays = layout.unit_storage(plan, u, storage)
+    for i, x in layout.unpack_storage_full(plan, u, arrays).items():
+      leaves[i] = x
+  return jax.tree_util.tree_unflatten(plan.treedef, leaves)

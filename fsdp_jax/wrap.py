@@ -1,0 +1,283 @@
+"""Wrap policies: which subtrees of the parameter tree become FSDP units.
+
+The parameter pytree is walked like PyTorch walks ``nn.Module`` children: every
+container (dict, list, Flax module scope, ...) is a *node*, every array a
+parameter. A policy is called as ``policy(node, recurse, nonwrapped_numel)``
+exactly like PyTorch's ``auto_wrap_policy(module, recurse, nonwrapped_numel)``:
+with ``recurse=True`` it says whether to descend into the node, with
+``recurse=False`` whether to make the node a unit, given the number of
+parameters its children did not already claim. The root unit takes what no
+policy claimed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+  """A container in the parameter tree, as seen by a wrap policy.
+
+  Attributes:
+    path: the keys from the root, as strings.
+    name: the dotted name (``"params.Block_0"``); ``""`` for the root.
+    module_type: the Flax module class that owns this subtree, when known.
+    numel: the number of parameters under this node.
+    is_sequence: whether the node is a list/tuple (PyTorch's ``ModuleList``).
+  """
+
+  path: tuple[str, ...]
+  name: str
+  module_type: Optional[type]
+  numel: int
+  is_sequence: bool
+
+
+def _is_sequence_node(node: Node) -> bool:
+  return node.is_sequence
+
+
+def size_based_auto_wrap_policy(
+    module: Node, recurse: bool, nonwrapped_numel: int,
+    min_num_params: int = int(1e8),
+    force_leaf_modules: Optional[Iterable[Any]] = None,
+    exclude_wrap_modules: Optional[Iterable[Any]] = None) -> bool:
+  """PyTorch's size-based policy: wrap a node whose unclaimed parameters are
+  ``>= min_num_params``.
+
+  As in PyTorch, the traversal only descends into nodes that are large
+  enough, lists (``ModuleList``) are never wrapped themselves, and
+  ``force_leaf_modules`` (module classes or dotted-name patterns) are not
+  descended into. Use with ``functools.partial``.
+
+  Example:
+    >>> import functools, fsdp_jax
+    >>> policy = functools.partial(fsdp_jax.size_based_auto_wrap_policy,
+    ...                            min_num_params=1000)
+  """
+  is_large = nonwrapped_numel >= min_num_params
+  if recurse:
+    return is_large and not _matches(module, force_leaf_modules or ())
+  excluded = _is_sequence_node(module) or _matches(module, exclude_wrap_modules or ())
+  return is_large and not excluded
+
+
+def lambda_auto_wrap_policy(module: Node, recurse: bool, nonwrapped_numel: int,
+                            lambda_fn: Callable[[Node], bool]) -> bool:
+  """PyTorch's lambda policy: wrap every node for which ``lambda_fn(node)``."""
+  del nonwrapped_numel
+  if recurse:
+    return True
+  return bool(lambda_fn(module))
+
+
+def _matches(node: Node, specs: Iterable[Any]) -> bool:
+  for spec in specs:
+    if isinstance(spec, str):
+      if fnmatch.fnmatchcase(node.name, spec):
+        return True
+    elif isinstance(spec, type):
+      if node.module_type is not None and issubclass(node.module_type, spec):
+        return True
+    else:
+      raise TypeError(
+          f"Wrap policy entry {spec!r} is neither a module class nor a "
+          "dotted-name pattern string.")
+  return False
+
+
+class ModuleWrapPolicy:
+  """Wraps every node that is an instance of one of ``module_classes``.
+
+  Entries may be Flax module classes (matched when the tree comes from a
+  Flax model whose module classes are known, see
+  :func:`fsdp_jax.module_classes`) or dotted-name glob patterns for plain
+  trees (``"layers.*"``, ``"params.Block_*"``).
+
+  Example:
+    >>> import fsdp_jax
+    >>> policy = fsdp_jax.ModuleWrapPolicy({"blocks.*"})
+  """
+
+  def __init__(self, module_classes: Iterable[Union[type, str]]):
+    if isinstance(module_classes, (str, type)):
+      module_classes = [module_classes]
+    self._module_classes = tuple(module_classes)
+    if not self._module_classes:
+      raise ValueError("ModuleWrapPolicy needs at least one module class or pattern.")
+    _matches(Node((), "", None, 0, False), self._module_classes)
+
+  def __call__(self, module: Node, recurse: bool, nonwrapped_numel: int) -> bool:
+    del nonwrapped_numel
+    if recurse:
+      return True
+    return _matches(module, self._module_classes)
+
+  def __repr__(self):
+    return f"ModuleWrapPolicy({self._module_classes!r})"
+
+
+class CustomPolicy:
+  """PyTorch's ``CustomPolicy``: ``lambda_fn(node)`` returns ``True`` to wrap
+  the node, ``False`` not to, or a dict of per-unit option overrides (which
+  also wraps it; an empty dict does not).
+
+  Example:
+    >>> import fsdp_jax
+    >>> policy = fsdp_jax.CustomPolicy(lambda node: node.name.startswith("enc"))
+  """
+
+  def __init__(self, lambda_fn: Callable[[Node], Union[bool, dict]]):
+    self._lambda_fn = lambda_fn
+
+  def __call__(self, module: Node, recurse: bool, nonwrapped_numel: int) -> bool:
+    del nonwrapped_numel
+    if recurse:
+      return True
+    return bool(self._lambda_fn(module))
+
+  def overrides(self, module: Node) -> dict:
+    out = self._lambda_fn(module)
+    return dict(out) if isinstance(out, dict) else {}
+
+
+@dataclasses.dataclass
+class _Trie:
+  path: tuple[str, ...]
+  children: dict
+  leaf_ids: list  # direct leaves
+  is_sequence: bool = False
+
+
+def build_trie(leaf_paths: Sequence[tuple[str, ...]],
+               sequence_prefixes: set) -> _Trie:
+  root = _Trie((), {}, [])
+  for i, path in enumerate(leaf_paths):
+    node = root
+    for depth, key in enumerate(path[:-1]):
+      if key not in node.children:
+        sub = path[: depth + 1]
+        node.children[key] = _Trie(sub, {}, [], sub in sequence_prefixes)
+      node = node.children[key]
+    node.leaf_ids.append(i)
+  return root
+
+
+def _all_leaves(t: _Trie) -> list[int]:
+  out = list(t.leaf_ids)
+  for c in t.children.values():
+    out.extend(_all_leaves(c))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitChoice:
+  name: str
+  leaf_ids: tuple[int, ...]
+  overrides: tuple[tuple[str, Any], ...]
+  stacked: bool
+
+
+def choose_units(leaf_paths: Sequence[tuple[str, ...]],
+                 leaf_numels: Sequence[int],
+                 *,
+                 policy: Optional[Callable[..., bool]],
+                 module_types: dict,
+                 sequence_prefixes: set,
+                 stacked_patterns: Sequence[str]) -> list[UnitChoice]:
+  """Runs ``policy`` over the tree the way PyTorch's ``_recursive_wrap`` does.
+
+  Returns the units in post-order (children before parents), root last.
+  """
+  trie = build_trie(leaf_paths, sequence_prefixes)
+  claimed: set[int] = set()
+  units: list[UnitChoice] = []
+  dotted = lambda p: ".".join(p)
+
+  def node_of(t: _Trie, numel: int) -> Node:
+    return Node(t.path, dotted(t.path), module_types.get(t.path), numel, t.is_sequence)
+
+  def numel_of(ids):
+    return int(sum(leaf_numels[i] for i in ids))
+
+  def add_unit(t: _Trie, overrides: dict, stacked: bool):
+    ids = tuple(i for i in sorted(_all_leaves(t)) if i not in claimed)
+    if not ids:
+      return 0
+    claimed.update(ids)
+    units.append(UnitChoice(dotted(t.path), ids,
+                            tuple(sorted(overrides.items())), stacked))
+    return numel_of(ids)
+
+  # Stacked subtrees are units of their own, decided before any policy.
+  stacked_hits: set[str] = set()
+
+  def mark_stacked(t: _Trie):
+    for c in t.children.values():
+      mark_stacked(c)
+    if t.path and any(fnmatch.fnmatchcase(dotted(t.path), p) for p in stacked_patterns):
+      stacked_hits.add(dotted(t.path))
+      add_unit(t, {}, True)
+
+  mark_stacked(trie)
+  for pattern in stacked_patterns:
+    if not any(fnmatch.fnmatchcase(h, pattern) for h in stacked_hits):
+      raise ValueError(
+          f"stacked_layers pattern {pattern!r} matches no subtree of the "
+          f"parameter tree. Subtrees are named by dotted paths such as "
+          f"{_example_names(trie)}; fix the pattern.")
+
+  def recurse(t: _Trie, is_root: bool) -> int:
+    total = numel_of([i for i in _all_leaves(t) if i not in claimed])
+    node = node_of(t, total)
+    if not policy(node, recurse=True, nonwrapped_numel=total):
+      return 0
+    wrapped = 0
+    for child in t.children.values():
+      wrapped += recurse(child, False)
+    remainder = total - wrapped
+    if not is_root and remainder > 0 and policy(
+        node_of(t, remainder), recurse=False, nonwrapped_numel=remainder):
+      overrides = policy.overrides(node) if isinstance(policy, CustomPolicy) else {}
+      add_unit(t, overrides, False)
+      return total
+    return wrapped
+
+  if policy is not None:
+    before = len(units)
+    recurse(trie, True)
+    is_size_based = getattr(policy, "func", None) is size_based_auto_wrap_policy or \
+        policy is size_based_auto_wrap_policy
+    if len(units) == before and not is_size_based:
+      raise ValueError(
+          f"auto_wrap_policy {policy!r} claims no parameter: it did not wrap "
+          f"any subtree. Subtrees are named by dotted paths such as "
+          f"{_example_names(trie)}"
+          + (f" and have module classes {sorted({t.__name__ for t in module_types.values()})}"
+             if module_types else " (no Flax module classes are known for this tree: "
+             "pass module_classes= to init_train_state, or use name patterns)")
+          + ". Fix the policy or pass auto_wrap_policy=None.")
+  rest = tuple(i for i in range(len(leaf_paths)) if i not in claimed)
+  if rest:
+    units.append(UnitChoice("", rest, (), False))
+  return units
+
+
+def _example_names(trie: _Trie, limit: int = 6) -> str:
+  names = []
+
+  def walk(t):
+    if len(names) >= limit:
+      return
+    if t.path:
+      names.append(".".join(t.path))
+    for c in t.children.values():
+      walk(c)
+
+  walk(trie)
+  return ", ".join(repr(n) for n in names[:limit])
