@@ -104,7 +104,14 @@ def _gather_impl(buf, *, spec: GatherSpec):
   x = buf.astype(spec.compute_dtype) if spec.compute_dtype != buf.dtype else buf
   axis = x.ndim - 1
   if spec.shard_axes:
-    g = lax.all_gather(x, spec.axis_name(), axis=axis, tiled=False)
+    # A gather does no arithmetic: 16-bit floats travel as their uint16 bit
+    # patterns, which every backend gathers natively (the CPU backend would
+    # otherwise widen a bf16 all-gather to f32 and move twice the bytes).
+    as_bits = x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating)
+    payload = lax.bitcast_convert_type(x, jnp.uint16) if as_bits else x
+    g = lax.all_gather(payload, spec.axis_name(), axis=axis, tiled=False)
+    if as_bits:
+      g = lax.bitcast_convert_type(g, x.dtype)
   else:
     g = jnp.expand_dims(x, axis)
   return _unpack(g, spec)

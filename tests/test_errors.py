@@ -1,0 +1,124 @@
+"""Bad input gets a clear error naming the path, shape, mesh axis and fix."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+import fsdp_jax
+from fsdp_jax.config import ShardingStrategy as S
+
+from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params
+
+
+def _state_and_step(loss_fn=mlp_loss, strategy=S.FULL_SHARD, n=8, replicate=None, opt=None,
+                    step_opt=None, params=None, **kw):
+  mesh = mesh_for(strategy, n, replicate)
+  config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, **kw)
+  opt = opt or optax.adam(1e-3)
+  state = fsdp_jax.init_train_state(params=params or mlp_params(), optimizer=opt, mesh=mesh,
+                                    config=config)
+  step = fsdp_jax.shard_train_step(loss_fn, step_opt or opt, mesh=mesh, config=config)
+  return state, step
+
+
+def test_batch_not_divisible_by_data_parallel_size():
+  state, step = _state_and_step()
+  batch = mlp_batch(n=20)
+  with pytest.raises(ValueError) as e:
+    step(state, batch)
+  msg = str(e.value)
+  for part in ("['x']", "(20, 5)", "not divisible by the data-parallel size 8",
+               "('shard',)", "e.g. 24"):
+    assert part in msg, msg
+
+
+def test_hybrid_world_is_replicate_times_shard():
+  state, step = _state_and_step(strategy=S.HYBRID_SHARD, n=2, replicate=2)
+  with pytest.raises(ValueError, match=r"data-parallel size 4 \(mesh axes \('replicate', 'shard'\)"):
+    step(state, mlp_batch(n=6))
+
+
+def test_scalar_batch_leaf():
+  state, step = _state_and_step()
+  batch = dict(mlp_batch(), lr=jnp.asarray(0.1))
+  with pytest.raises(ValueError, match=r"Batch leaf \['lr'\] is a scalar"):
+    step(state, batch)
+
+
+def test_mesh_without_expected_axes():
+  mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+  with pytest.raises(ValueError, match=r"axes \('shard',\).*got axes \('data',\).*make_mesh"):
+    fsdp_jax.init_train_state(params=mlp_params(), optimizer=optax.sgd(0.1), mesh=mesh,
+                              config=fsdp_jax.FSDPConfig())
+
+
+def test_hybrid_needs_2d_mesh():
+  mesh = fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4])
+  with pytest.raises(ValueError, match=r"HYBRID_SHARD needs a 2-D mesh.*make_mesh\(replicate=R, shard=S\)"):
+    fsdp_jax.init_train_state(params=mlp_params(), optimizer=optax.sgd(0.1), mesh=mesh,
+                              config=fsdp_jax.FSDPConfig(sharding_strategy=S.HYBRID_SHARD))
+
+
+def test_flat_unit_mixing_dtypes():
+  params = {"w": jnp.ones((3, 3), jnp.float32), "h": jnp.ones((3,), jnp.bfloat16)}
+  mesh = mesh_for(S.FULL_SHARD, 2)
+  with pytest.raises(ValueError) as e:
+    fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+                              config=fsdp_jax.FSDPConfig())
+  msg = str(e.value)
+  assert "'<root>' mixes dtypes ['bfloat16', 'float32']" in msg
+  assert "h: bfloat16" in msg and "use_orig_params=True" in msg
+
+
+def test_mixed_dtypes_with_original_params_gather_once_per_dtype():
+  params = {"w": jnp.ones((3, 3), jnp.float32), "h": jnp.ones((3,), jnp.bfloat16)}
+  mesh = mesh_for(S.FULL_SHARD, 2)
+  state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+                                    config=fsdp_jax.FSDPConfig(use_orig_params=True))
+  assert len(state.plan.dtype_groups(state.plan.units[0])) == 2
+  full = fsdp_jax.full_params(state)
+  assert full["h"].dtype == jnp.bfloat16 and full["w"].dtype == jnp.float32
+
+
+def test_non_scalar_loss():
+  state, step = _state_and_step(loss_fn=lambda p, b: (b["x"] @ p["inp"]["w"]) ** 2)
+  with pytest.raises(ValueError, match=r"scalar floating-point loss.*jnp.mean"):
+    step(state, mlp_batch())
+
+
+def test_optimizer_state_that_does_not_match():
+  state, step = _state_and_step(opt=optax.adam(1e-3), step_opt=optax.sgd(0.1, momentum=0.9))
+  with pytest.raises(ValueError, match="optimizer state does not match"):
+    step(state, mlp_batch())
+
+
+def test_state_from_another_config():
+  mesh = mesh_for(S.FULL_SHARD, 4)
+  opt = optax.sgd(0.1)
+  state = fsdp_jax.init_train_state(params=mlp_params(), optimizer=opt, mesh=mesh,
+                                    config=fsdp_jax.FSDPConfig())
+  step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh,
+                                   config=fsdp_jax.FSDPConfig(use_orig_params=True))
+  with pytest.raises(ValueError, match="different FSDPConfig"):
+    step(state, mlp_batch())
+
+
+def test_unimplemented_options_are_refused():
+  with pytest.raises(NotImplementedError, match="sync_module_states=True"):
+    fsdp_jax.FSDPConfig(sync_module_states=True)
+
+
+def test_config_is_keyword_only():
+  with pytest.raises(TypeError):
+    fsdp_jax.FSDPConfig(S.FULL_SHARD)  # pylint: disable=too-many-function-args
+
+
+def test_params_or_init_fn():
+  mesh = mesh_for(S.FULL_SHARD, 2)
+  with pytest.raises(ValueError, match="exactly one of params= or init_fn="):
+    fsdp_jax.init_train_state(optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())

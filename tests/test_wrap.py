@@ -1,0 +1,136 @@
+"""Wrap policies choose units the way PyTorch's _recursive_wrap does."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import fsdp_jax
+from fsdp_jax.state import build_plan
+
+from helpers import mesh_for
+
+
+def _units(params, policy, **kw):
+  mesh = mesh_for(fsdp_jax.ShardingStrategy.FULL_SHARD, 2)
+  cfg = fsdp_jax.FSDPConfig(auto_wrap_policy=policy, **kw)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  plan = build_plan(abstract, mesh=mesh, config=cfg)
+  return {u.display_name: sorted(plan.leaves[i].name for i in u.leaf_ids) for u in plan.units}
+
+
+def z(*shape):
+  return jnp.zeros(shape)
+
+
+TREE = {
+    "a": {"x": z(10, 10)},              # 100 params
+    "b": {"y": z(3)},                   # 3
+    "c": [{"w": z(20, 20)}, {"w": z(20, 20)}],   # a list (ModuleList) of 2 x 400
+    "big": {"child": {"k": z(150)}, "own": z(60)},
+}
+
+
+def test_size_based_respects_min_num_params_and_lists():
+  policy = functools.partial(fsdp_jax.size_based_auto_wrap_policy, min_num_params=100)
+  units = _units(TREE, policy)
+  # "c" is a list: its elements are wrapped, the list itself never is.
+  assert units["c.0"] == ["c.0.w"] and units["c.1"] == ["c.1.w"]
+  assert "c" not in units
+  assert units["a"] == ["a.x"]
+  # "big": its child (150) is wrapped; the 60 it has left is < 100, so "big"
+  # is not wrapped and the root takes "own".
+  assert units["big.child"] == ["big.child.k"]
+  assert "big" not in units
+  assert units["<root>"] == ["b.y", "big.own"]
+
+
+def test_size_based_parent_decides_on_what_children_left():
+  policy = functools.partial(fsdp_jax.size_based_auto_wrap_policy, min_num_params=50)
+  units = _units(TREE, policy)
+  assert units["big.child"] == ["big.child.k"]
+  assert units["big"] == ["big.own"]  # 60 >= 50 remains after the child
+  assert units["<root>"] == ["b.y"]
+
+
+def test_size_based_does_not_descend_into_small_nodes():
+  # With min 1000 nothing is large enough: everything is the root unit.
+  policy = functools.partial(fsdp_jax.size_based_auto_wrap_policy, min_num_params=1000)
+  units = _units(TREE, policy)
+  assert list(units) == ["<root>"]
+
+
+def test_size_based_force_leaf_modules():
+  policy = functools.partial(fsdp_jax.size_based_auto_wrap_policy, min_num_params=100,
+                             force_leaf_modules={"big"})
+  units = _units(TREE, policy)
+  # As in PyTorch's _recursive_wrap, a node that is not descended into is not
+  # wrapped either: "big" and its child fall to the root unit.
+  assert "big" not in units and "big.child" not in units
+  assert units["<root>"] == ["b.y", "big.child.k", "big.own"]
+
+
+def test_module_wrap_policy_with_patterns():
+  units = _units(TREE, fsdp_jax.ModuleWrapPolicy({"c.*", "a"}))
+  assert set(units) == {"a", "c.0", "c.1", "<root>"}
+
+
+def test_lambda_and_custom_policies():
+  lam = functools.partial(fsdp_jax.lambda_auto_wrap_policy,
+                          lambda_fn=lambda node: node.name == "big.child")
+  assert set(_units(TREE, lam)) == {"big.child", "<root>"}
+  custom = fsdp_jax.CustomPolicy(lambda node: node.numel == 400)
+  assert set(_units(TREE, custom)) == {"c.0", "c.1", "<root>"}
+
+
+def test_module_wrap_policy_with_linen_classes():
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(6)(nn.LayerNorm()(x))
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(6)(x)
+      for _ in range(3):
+        x = Block()(x)
+      return nn.Dense(2)(x)
+
+  model = Model()
+  x = jnp.ones((2, 5))
+  classes = fsdp_jax.module_classes(model.init, jax.random.key(0), x)
+  assert classes[("params", "Block_0")] is Block
+  mesh = mesh_for(fsdp_jax.ShardingStrategy.FULL_SHARD, 4)
+  cfg = fsdp_jax.FSDPConfig(auto_wrap_policy=fsdp_jax.ModuleWrapPolicy({Block}))
+  # init_fn captures the module classes itself.
+  state = fsdp_jax.init_train_state(init_fn=lambda k: model.init(k, x), rng=jax.random.key(0),
+                                    optimizer=optax.sgd(0.1), mesh=mesh, config=cfg)
+  names = [u.display_name for u in state.plan.units]
+  assert names == ["params.Block_0", "params.Block_1", "params.Block_2", "<root>"]
+  # Each block unit holds exactly the block's Dense and LayerNorm parameters.
+  block0 = state.plan.units[0]
+  assert sorted(state.plan.leaves[i].name for i in block0.leaf_ids) == [
+      "params.Block_0.Dense_0.bias", "params.Block_0.Dense_0.kernel",
+      "params.Block_0.LayerNorm_0.bias", "params.Block_0.LayerNorm_0.scale"]
+
+
+def test_policy_that_claims_no_leaf_is_an_error():
+  with pytest.raises(ValueError, match=r"claims no parameter.*'a'"):
+    _units(TREE, fsdp_jax.ModuleWrapPolicy({"encoder.*"}))
+
+
+def test_stacked_pattern_that_matches_nothing_is_an_error():
+  with pytest.raises(ValueError, match="stacked_layers pattern 'layers' matches no subtree"):
+    _units(TREE, None, stacked_layers=("layers",))
+
+
+def test_stacked_unit_needs_a_common_layer_axis():
+  tree = {"layers": {"w": z(4, 3, 3), "b": z(5, 3)}}
+  with pytest.raises(ValueError, match=r"same leading layer axis.*layers.b: \(5, 3\)"):
+    _units(tree, None, stacked_layers=("layers",))
