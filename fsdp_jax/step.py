@@ -64,7 +64,6 @@ def make_local_loss(loss_fn: Callable, plan: Plan):
   full_structs = jax.tree_util.tree_unflatten(plan.treedef, [param_struct(l) for l in plan.leaves])
   cast_inputs = mp is not None and mp.param_dtype is not None and mp.cast_root_forward_inputs
   specs_per_unit = {u.index: layout.gather_specs(plan, u) for u in plan.units}
-  has_aux_box = []
 
   def local(params_local, batch_local):
     if cast_inputs:
@@ -72,7 +71,6 @@ def make_local_loss(loss_fn: Callable, plan: Plan):
     batch_structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch_local)
     closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(full_structs, batch_structs)
     has_aux = _check_loss_output(out_shape)
-    has_aux_box.append(has_aux)
     storage_leaves = (jax.tree_util.tree_leaves(params_local) if plan.use_orig_params
                       else params_local)
 
@@ -206,7 +204,7 @@ def shard_train_step(loss_fn: Callable[[Any, Any], Any],
     donate: donate the input state's buffers to the output (default True).
 
   Returns:
-    A jitted function ``step(state, batch) -> (state, metrics)``;
+    A :class:`TrainStep`, called as ``step(state, batch) -> (state, metrics)``;
     ``metrics["loss"]`` is the global mean loss and ``metrics["aux"]`` the
     aux output averaged over the data-parallel world.
 
@@ -270,4 +268,55 @@ def shard_train_step(loss_fn: Callable[[Any, Any], Any],
                               opt_state=new_opt_state)
     return new_state, metrics
 
-  return jax.jit(step, donate_argnums=(0,) if donate else ())
+  return TrainStep(jax.jit(step, donate_argnums=(0,) if donate else ()), mesh, config)
+
+
+def place_batch(plan: Plan, batch):
+  """Puts a batch on the mesh, split along dim 0 over the data axes.
+
+  With one process, host arrays are transferred (and global ``jax.Array`` s
+  passed through). With several processes (``jax.distributed``), each process
+  passes its own part of the global batch, in process order, and the global
+  array is assembled from the parts (``jax.make_array_from_process_local_data``).
+  """
+  sharding = NamedSharding(plan.mesh, _data_spec(plan))
+  multi = jax.process_count() > 1
+
+  def place(x):
+    if isinstance(x, jax.Array) and (not multi or not x.is_fully_addressable):
+      return x
+    if multi:
+      return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+    return jax.device_put(x, sharding)
+
+  return jax.tree.map(place, batch)
+
+
+class TrainStep:
+  """The step returned by :func:`shard_train_step`.
+
+  ``step(state, batch)`` places the batch on the mesh (assembling per-process
+  parts in multi-process runs) and runs the jitted step. ``step.lower(state,
+  batch)`` lowers it for inspection (``.compile().as_text()``,
+  ``.compile().memory_analysis()``); ``step.jitted`` is the ``jax.jit``
+  function itself, taking global arrays.
+  """
+
+  def __init__(self, jitted, mesh: Mesh, config: FSDPConfig):
+    self.jitted = jitted
+    self.mesh = mesh
+    self.config = config
+
+  def _place(self, state, batch):
+    if not isinstance(state, ShardedTrainState):
+      raise TypeError("step(state, batch) needs the ShardedTrainState built by "
+                      f"fsdp_jax.init_train_state; got {type(state).__name__}.")
+    if jax.process_count() == 1:
+      check_batch(state.plan, batch)
+    return place_batch(state.plan, batch)
+
+  def __call__(self, state, batch):
+    return self.jitted(state, self._place(state, batch))
+
+  def lower(self, state, batch):
+    return self.jitted.lower(state, self._place(state, batch))
