@@ -50,6 +50,7 @@ class GatherSpec:
   reshard: bool
   keep_low_precision_grads: bool
   label: str = ""
+  hook: Any = None  # a stateless communication hook replacing reduce_gradient
 
   def axis_name(self):
     return self.shard_axes[0] if len(self.shard_axes) == 1 else self.shard_axes
@@ -81,7 +82,7 @@ def _unpack(g, spec: GatherSpec):
   return outs
 
 
-def _pack_cotangent(cts, spec: GatherSpec, prefix):
+def pack_full(cts, spec: GatherSpec, prefix):
   """Inverse layout of :func:`_unpack`: leaves -> (prefix..., N, S), zero padded."""
   p = len(prefix)
   if spec.flat:
@@ -144,9 +145,20 @@ def _gather_transpose(cts, buf, *, spec: GatherSpec):
   prefix = tuple(buf.aval.shape[:-1])
   cts = [jnp.zeros(prefix + tuple(ls), spec.compute_dtype) if type(c) is ad.Zero else c
          for c, (ls, _, _, _) in zip(cts, spec.leaves)]
-  g = _pack_cotangent(cts, spec, prefix)
-  r = reduce_gradient(g, spec)
-  return [r.astype(buf.aval.dtype)]
+  g = pack_full(cts, spec, prefix)
+  if spec.hook is not None:
+    r, _ = spec.hook(None, g, spec)
+  else:
+    r = reduce_gradient(g, spec)
+  return [finish_gradient(r, spec, buf.aval.dtype)]
+
+
+def finish_gradient(r, spec: GatherSpec, stored_dtype):
+  """The reduced gradient in the optimizer's dtype: the stored dtype, after
+  rounding to ``reduce_dtype`` when ``keep_low_precision_grads``."""
+  if spec.keep_low_precision_grads:
+    r = r.astype(spec.reduce_dtype)
+  return r.astype(stored_dtype)
 
 
 fsdp_all_gather_p = Primitive("fsdp_all_gather")

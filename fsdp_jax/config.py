@@ -90,8 +90,11 @@ class MixedPrecision:
   keep_low_precision_grads: bool = False
   cast_forward_inputs: bool = False
   cast_root_forward_inputs: bool = True
+  _module_classes_to_ignore: tuple = ("BatchNorm",)
 
   def __post_init__(self):
+    object.__setattr__(self, "_module_classes_to_ignore",
+                       tuple(self._module_classes_to_ignore))
     for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
       value = _canon_dtype(getattr(self, name))
       if value is not None and not jnp.issubdtype(value, jnp.floating):
@@ -133,6 +136,9 @@ class FSDPConfig:
     use_orig_params: ``False`` (default) flattens each unit into one padded
       FlatParameter; ``True`` keeps the original tree for the optimizer with
       each leaf sharded along dimension 0 (padded).
+    comm_hook: a communication hook replacing each unit's gradient reduction
+      (PyTorch ``register_comm_hook``), e.g. ``fsdp_jax.hooks.bf16_compress_hook``;
+      see :mod:`fsdp_jax.hooks`.
     stacked_layers: dotted-name glob patterns of subtrees whose leaves carry a
       leading layer axis (models that ``lax.scan`` over stacked layers). Each
       such subtree is its own unit, sharded layer by layer, and is gathered one
@@ -158,6 +164,7 @@ class FSDPConfig:
   limit_all_gathers: bool = True
   use_orig_params: bool = False
   stacked_layers: Sequence[str] = ()
+  comm_hook: Optional[Any] = None
 
   def __post_init__(self):
     if not isinstance(self.sharding_strategy, ShardingStrategy):
@@ -168,6 +175,9 @@ class FSDPConfig:
     if self.mixed_precision is not None and not isinstance(
         self.mixed_precision, MixedPrecision):
       raise TypeError("mixed_precision must be a fsdp_jax.MixedPrecision or None.")
+    if self.comm_hook is not None:
+      from fsdp_jax.hooks import check_hook  # pylint: disable=import-outside-toplevel
+      check_hook(self.comm_hook)
     if isinstance(self.stacked_layers, str):
       object.__setattr__(self, "stacked_layers", (self.stacked_layers,))
     object.__setattr__(self, "stacked_layers", tuple(self.stacked_layers))

@@ -21,6 +21,7 @@ import numpy as np
 from jax import lax
 
 from fsdp_jax.collectives import GatherSpec
+from fsdp_jax.hooks import is_stateful
 from fsdp_jax.config import is_float_dtype
 from fsdp_jax.plan import Plan, UnitSpec
 
@@ -83,8 +84,9 @@ def unpack_storage_full(plan: Plan, unit: UnitSpec, arrays: list) -> dict:
 
 def gather_specs(plan: Plan, unit: UnitSpec, *, layer: bool = False):
   """One :class:`GatherSpec` per dtype group of ``unit``, with its leaf ids."""
-  mp = plan.config.mixed_precision
+  mp = plan.mixed_precision(unit)
   axes = plan.axes
+  hook = plan.config.comm_hook
   pre, post = plan.divide_factors()
   out = []
   for group in plan.dtype_groups(unit):
@@ -110,7 +112,8 @@ def gather_specs(plan: Plan, unit: UnitSpec, *, layer: bool = False):
         shard_axes=axes.shard_axes, reduce_axes=reduce_axes,
         pre_divide=pre, post_divide=post, reshard=plan.reshard(unit),
         keep_low_precision_grads=bool(mp and mp.keep_low_precision_grads),
-        label=unit.display_name)
+        label=unit.display_name,
+        hook=None if hook is None or is_stateful(hook) else hook)
     out.append((group, spec))
   return out
 
@@ -133,6 +136,23 @@ def local_buffer(plan: Plan, unit: UnitSpec, group, local_arrays: dict):
   return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
 
 
+def split_local_buffer(plan: Plan, group, buf) -> dict:
+  """Inverse of :func:`local_buffer`: a (prefix..., S) gradient buffer back to
+  the local shards of ``group`` (``{leaf_id: x}`` or ``{"flat": x}``)."""
+  if not plan.use_orig_params:
+    return {"flat": buf}
+  out = {}
+  off = 0
+  prefix = buf.shape[:-1]
+  for i in group:
+    leaf = plan.leaves[i]
+    width = plan.chunk0(leaf) * leaf.row_numel
+    piece = lax.slice_in_dim(buf, off, off + width, axis=len(prefix))
+    out[i] = piece.reshape(prefix + (plan.chunk0(leaf),) + leaf.rest)
+    off += width
+  return out
+
+
 def check_flat_dtypes(plan_leaves, units, use_orig_params: bool):
   """A FlatParameter holds one dtype (PyTorch's rule): refuse mixed units."""
   if use_orig_params:
@@ -148,3 +168,12 @@ def check_flat_dtypes(plan_leaves, units, use_orig_params: bool):
           "PyTorch. Fix: cast the parameters to one dtype, wrap the leaves of "
           "each dtype into separate units with auto_wrap_policy, or pass "
           "use_orig_params=True (one gather per dtype).")
+    frozen = {plan_leaves[i].frozen for i in u.leaf_ids}
+    if len(frozen) > 1:
+      names = [plan_leaves[i].name for i in u.leaf_ids if plan_leaves[i].frozen][:6]
+      raise ValueError(
+          f"Unit {u.name or '<root>'!r} mixes frozen ({', '.join(names)}) and "
+          "trainable parameters. With use_orig_params=False each unit's flat "
+          "parameter is all frozen or all trainable (PyTorch's rule). Fix: wrap "
+          "the frozen subtree as its own unit with auto_wrap_policy, or pass "
+          "use_orig_params=True.")

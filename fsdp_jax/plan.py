@@ -33,6 +33,7 @@ class LeafSpec:
   dtype: Any
   unit: int
   layer_shape: tuple[int, ...]
+  frozen: bool = False
 
   @property
   def numel(self) -> int:
@@ -68,6 +69,10 @@ class UnitSpec:
   overrides: tuple = ()
 
   @property
+  def override_dict(self) -> dict:
+    return dict(self.overrides)
+
+  @property
   def display_name(self) -> str:
     return self.name or "<root>"
 
@@ -87,10 +92,13 @@ class Plan:
   config: FSDPConfig
   mesh: Mesh
   axes: MeshAxes
+  # dtypes of the model state (buffers) before the cast to buffer_dtype.
+  model_state_dtypes: Optional[tuple] = None
 
-  # Plans compare by identity of content that matters for tracing.
+  # Plans compare by the content that matters for tracing.
   def _key(self):
-    return (self.treedef, self.leaves, self.units, self.config, self.mesh, self.axes)
+    return (self.treedef, self.leaves, self.units, self.config, self.mesh, self.axes,
+            self.model_state_dtypes)
 
   def __hash__(self):
     return hash(self._key())
@@ -106,6 +114,21 @@ class Plan:
   @property
   def n(self) -> int:
     return self.axes.shard_size
+
+  def mixed_precision(self, unit: UnitSpec) -> Optional[MixedPrecision]:
+    """The unit's MixedPrecision: a per-unit override, else the config's."""
+    over = unit.override_dict
+    if "mixed_precision" in over:
+      return over["mixed_precision"]
+    return self.config.mixed_precision
+
+  @property
+  def has_frozen(self) -> bool:
+    return any(l.frozen for l in self.leaves)
+
+  @property
+  def trainable_units(self) -> tuple[UnitSpec, ...]:
+    return tuple(u for u in self.units if not all(self.leaves[i].frozen for i in u.leaf_ids))
 
   def reshard(self, unit: UnitSpec) -> bool:
     """FULL_SHARD/HYBRID_SHARD free a unit after forward; the root is kept."""
@@ -210,7 +233,8 @@ class Plan:
       return [unit.leaf_ids]
     groups: dict = {}
     for i in unit.leaf_ids:
-      groups.setdefault(np.dtype(self.leaves[i].dtype).name, []).append(i)
+      key = (np.dtype(self.leaves[i].dtype).name, self.leaves[i].frozen)
+      groups.setdefault(key, []).append(i)
     return [tuple(v) for v in groups.values()]
 
   def __str__(self) -> str:
@@ -225,6 +249,9 @@ class Plan:
     if mp is not None:
       lines.append(f"  mixed precision: param {mp.param_dtype}, reduce "
                    f"{mp.effective_reduce_dtype}, buffers {mp.buffer_dtype}")
+    frozen = sum(l.frozen for l in self.leaves)
+    if frozen:
+      lines.append(f"  frozen parameters: {frozen} of {len(self.leaves)} (no gradient, no optimizer state)")
     header = f"  {'unit':<32} {'leaves':>6} {'numel':>12} {'padding':>8} {'bytes/device':>13}"
     lines.append(header)
     total_numel = total_bytes = 0
@@ -236,11 +263,15 @@ class Plan:
       total_numel += numel
       total_bytes += per_dev
       tag = " [stacked x%d]" % u.num_layers if u.stacked else ""
+      if "mixed_precision" in u.override_dict:
+        mpu = u.override_dict["mixed_precision"]
+        tag += " [fp32]" if mpu is None else f" [{mpu.param_dtype}]"
       lines.append(f"  {u.display_name + tag:<32} {len(u.leaf_ids):>6} {numel:>12,} "
                    f"{padded - numel:>8,} {per_dev:>13,}")
       for i in u.leaf_ids:
         leaf = self.leaves[i]
-        lines.append(f"      {leaf.name:<40} {str(leaf.shape):<18} {np.dtype(leaf.dtype).name}")
+        lines.append(f"      {leaf.name:<40} {str(leaf.shape):<18} {np.dtype(leaf.dtype).name}"
+                     + (" frozen" if leaf.frozen else ""))
     lines.append(f"  {'total':<32} {len(self.leaves):>6} {total_numel:>12,} "
                  f"{'':>8} {total_bytes:>13,}")
     coll = self.collectives_per_step()

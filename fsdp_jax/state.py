@@ -14,7 +14,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fsdp_jax import layout, wrap
-from fsdp_jax.config import FSDPConfig
+from fsdp_jax.config import FSDPConfig, is_float_dtype
 from fsdp_jax.mesh import mesh_axes
 from fsdp_jax.plan import LeafSpec, Plan, UnitSpec
 
@@ -29,14 +29,21 @@ class ShardedTrainState:
     params: the stored parameter shards: ``{"<unit>._flat_param": array}``
       (flat layout) or the original tree of padded dim-0 shards
       (``use_orig_params=True``). Global ``jax.Array`` s sharded over the mesh.
-    opt_state: the optax state of ``params``, sharded like them.
+    opt_state: the optax state of the trainable params (frozen parameters
+      have none), sharded like them.
+    model_state: non-trainable model state (Flax ``batch_stats``, PyTorch's
+      buffers): replicated on every device, in ``buffer_dtype``; or None.
+    comm_hook_state: the per-device state of a stateful communication hook,
+      or None.
     plan: the :class:`~fsdp_jax.plan.Plan` (units, layout, mesh, config).
   """
 
   step: jax.Array
   params: Any
   opt_state: Any
-  plan: Plan = dataclasses.field(metadata=dict(static=True))
+  model_state: Any = None
+  comm_hook_state: Any = None
+  plan: Plan = dataclasses.field(default=None, metadata=dict(static=True))
 
   def replace(self, **changes) -> "ShardedTrainState":
     return dataclasses.replace(self, **changes)
@@ -145,8 +152,38 @@ def _eval_shape_capturing(fn, *args, **kwargs):
 # Plans
 
 
+def _frozen_mask(abstract_params, requires_grad) -> list[bool]:
+  """``requires_grad`` (a tree of bools, or a prefix of the params tree) ->
+  per-leaf frozen flags."""
+  n = len(jax.tree_util.tree_leaves(abstract_params))
+  if requires_grad is None:
+    return [False] * n
+  try:
+    full = jax.tree.map(lambda r, x: jax.tree.map(lambda _: bool(r), x),
+                        requires_grad, abstract_params)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        "requires_grad must be a tree of bools with the structure of the "
+        f"params (or a prefix of it): {e}. Params structure: "
+        f"{jax.tree.structure(abstract_params)}; requires_grad structure: "
+        f"{jax.tree.structure(requires_grad)}. Fix: build it with "
+        "jax.tree.map(lambda _: True, params) and set the frozen leaves to False.") from e
+  return [not r for r in jax.tree_util.tree_leaves(full)]
+
+
+def _matches_class(cls, specs) -> bool:
+  for spec in specs:
+    if isinstance(spec, str):
+      if any(c.__name__ == spec for c in getattr(cls, "__mro__", (cls,))):
+        return True
+    elif isinstance(spec, type) and issubclass(cls, spec):
+      return True
+  return False
+
+
 def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
-               module_types: Optional[dict] = None) -> Plan:
+               module_types: Optional[dict] = None, requires_grad=None,
+               model_state=None) -> Plan:
   """Chooses units with the wrap policy and lays them out for ``mesh``."""
   if not isinstance(config, FSDPConfig):
     raise TypeError(f"config must be a fsdp_jax.FSDPConfig, got {type(config).__name__}.")
@@ -160,10 +197,21 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
       raise TypeError(f"Parameter {'.'.join(p)!r} is a {type(x).__name__}, not an "
                       "array; the parameter tree must hold arrays only.")
   numels = [int(np.prod(x.shape, dtype=np.int64)) for x in flat]
+  module_types = module_types or {}
+  mp = config.mixed_precision
+  full_precision_nodes = ()
+  if mp is not None and config.auto_wrap_policy is not None:
+    # PyTorch's _module_classes_to_ignore: with auto-wrapping, these modules
+    # (BatchNorm by default) become their own units without mixed precision.
+    full_precision_nodes = tuple(sorted(
+        path for path, cls in module_types.items()
+        if _matches_class(cls, mp._module_classes_to_ignore)))
   choices = wrap.choose_units(
-      paths, numels, policy=config.auto_wrap_policy, module_types=module_types or {},
+      paths, numels, policy=config.auto_wrap_policy, module_types=module_types,
       sequence_prefixes=_sequence_prefixes(abstract_params),
-      stacked_patterns=config.stacked_layers)
+      stacked_patterns=config.stacked_layers,
+      full_precision_nodes=full_precision_nodes)
+  frozen = _frozen_mask(abstract_params, requires_grad)
   leaf_unit = {}
   units = []
   for idx, c in enumerate(choices):
@@ -186,15 +234,20 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
     u = units[leaf_unit[i]]
     layer_shape = tuple(x.shape[1:]) if u.stacked else tuple(x.shape)
     leaves.append(LeafSpec(i, ".".join(p), tuple(x.shape), jnp.dtype(x.dtype),
-                           leaf_unit[i], layer_shape))
+                           leaf_unit[i], layer_shape, frozen[i]))
   layout.check_flat_dtypes(leaves, units, config.use_orig_params)
   for u in units:
-    if u.overrides:
+    unknown = set(u.override_dict) - {"mixed_precision"}
+    if unknown:
       raise NotImplementedError(
-          f"CustomPolicy returned per-unit overrides {dict(u.overrides)} for unit "
-          f"{u.display_name!r}; per-unit overrides are not supported in this "
-          "version. Return True instead.")
-  return Plan(treedef, tuple(leaves), tuple(units), config, mesh, axes)
+          f"CustomPolicy returned per-unit overrides {sorted(unknown)} for unit "
+          f"{u.display_name!r}; only 'mixed_precision' can be overridden per unit.")
+  if all(frozen):
+    raise ValueError("requires_grad marks every parameter frozen: there is nothing to train.")
+  ms_dtypes = None
+  if model_state is not None:
+    ms_dtypes = tuple(jnp.dtype(x.dtype) for x in jax.tree_util.tree_leaves(model_state))
+  return Plan(treedef, tuple(leaves), tuple(units), config, mesh, axes, ms_dtypes)
 
 
 # --------------------------------------------------------------------------
@@ -208,10 +261,13 @@ def opt_state_specs(plan: Plan, optimizer: optax.GradientTransformation):
   view of the params is sharded along the dimension that differs; every
   other leaf (counts, scalars) is replicated.
   """
+  from fsdp_jax.grads import split_trainable  # pylint: disable=import-outside-toplevel
   global_shapes = plan.storage_shapes()
   global_shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), global_shapes)
   local_shapes = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(_local_shape(plan, s.shape, spec), s.dtype),
                               global_shapes, _storage_specs(plan))
+  global_shapes = split_trainable(plan, global_shapes)[0]
+  local_shapes = split_trainable(plan, local_shapes)[0]
   g = jax.eval_shape(optimizer.init, global_shapes)
   l = jax.eval_shape(optimizer.init, local_shapes)
   axis = plan.axes.shard_axes
@@ -254,7 +310,9 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
                      config: FSDPConfig, params: Any = None,
                      init_fn: Optional[Callable[..., Any]] = None,
                      rng: Any = None,
-                     module_classes: Optional[dict] = None) -> ShardedTrainState:
+                     module_classes: Optional[dict] = None,
+                     model_state: Any = None,
+                     requires_grad: Any = None) -> ShardedTrainState:
   """Builds the sharded train state (PyTorch: wrapping a module in FSDP).
 
   Pass either materialised ``params`` (a pytree of arrays) or ``init_fn``
@@ -275,6 +333,15 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
     module_classes: subtree path -> Flax module class, for
       ``ModuleWrapPolicy`` with classes (collected automatically from
       ``init_fn`` for Flax linen; see :func:`fsdp_jax.module_classes`).
+    model_state: non-trainable state threaded through the step (Flax
+      ``batch_stats``; PyTorch's buffers): replicated, never sharded, cast once
+      to ``MixedPrecision.buffer_dtype`` and kept there. With model state the
+      step calls ``loss_fn(params, batch, model_state)``, which returns
+      ``(loss, new_model_state)`` or ``((loss, aux), new_model_state)``.
+    requires_grad: a tree of bools shaped like the params (or a prefix of
+      it); ``False`` marks frozen leaves (PyTorch ``requires_grad=False``):
+      no gradient reduction, no optimizer state, never updated. With
+      ``use_orig_params=False`` a unit must be all frozen or all trainable.
 
   Returns:
     A :class:`ShardedTrainState` with ``step == 0``.
@@ -302,7 +369,8 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
   types = dict(captured)
   types.update(module_classes or {})
-  plan = build_plan(abstract, mesh=mesh, config=config, module_types=types)
+  plan = build_plan(abstract, mesh=mesh, config=config, module_types=types,
+                    requires_grad=requires_grad, model_state=model_state)
 
   storage_leaves: dict = {}
   shardings = plan.storage_shardings()
@@ -320,8 +388,39 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
     storage_leaves[unit.index] = packed
   storage = assemble_storage(plan, storage_leaves)
   opt_state = _init_opt_state(plan, optimizer, storage)
-  step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))
-  return ShardedTrainState(step=step, params=storage, opt_state=opt_state, plan=plan)
+  replicated = NamedSharding(mesh, P())
+  step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+  if model_state is not None:
+    mp = config.mixed_precision
+    if mp is not None and mp.buffer_dtype is not None:
+      model_state = jax.tree.map(
+          lambda x: jnp.asarray(x).astype(mp.buffer_dtype) if is_float_dtype(jnp.result_type(x))
+          else jnp.asarray(x), model_state)
+    model_state = jax.device_put(model_state, replicated)
+  return ShardedTrainState(step=step, params=storage, opt_state=opt_state,
+                           model_state=model_state,
+                           comm_hook_state=_init_hook_state(plan), plan=plan)
+
+
+def _init_hook_state(plan: Plan):
+  """A stateful hook's initial state, one copy per device."""
+  from fsdp_jax import grads, hooks  # pylint: disable=import-outside-toplevel
+  hook = plan.config.comm_hook
+  if not hooks.is_stateful(hook):
+    return None
+  world = plan.axes.world_size
+  sharding = NamedSharding(plan.mesh, grads.hook_state_spec(plan))
+  out = {}
+  for unit in plan.trainable_units:
+    for gi, (_, spec) in enumerate(layout.gather_specs(plan, unit)):
+      shape = plan.prefix(unit) + (spec.n, spec.chunk)
+
+      def one(shape=shape, dtype=spec.reduce_dtype):
+        st = hook.init(shape, dtype)
+        return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (world,) + x.shape), st)
+
+      out[grads.hook_key(unit, gi)] = jax.jit(one, out_shardings=sharding)()
+  return out
 
 
 def _unit_out_shardings(plan: Plan, unit: UnitSpec, shardings):
@@ -343,10 +442,13 @@ def assemble_storage(plan: Plan, per_unit: dict):
 
 
 def _init_opt_state(plan: Plan, optimizer, storage):
+  from fsdp_jax.grads import split_trainable  # pylint: disable=import-outside-toplevel
   specs, _ = opt_state_specs(plan, optimizer)
-  fn = jax.shard_map(optimizer.init, mesh=plan.mesh, in_specs=(_storage_specs(plan),),
+  trainable = split_trainable(plan, storage)[0]
+  in_specs = split_trainable(plan, _storage_specs(plan))[0]
+  fn = jax.shard_map(optimizer.init, mesh=plan.mesh, in_specs=(in_specs,),
                      out_specs=specs, check_vma=False)
-  return jax.jit(fn)(storage)
+  return jax.jit(fn)(trainable)
 
 
 # --------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -12,16 +12,15 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fsdp_jax import collectives, layout, schedule
+from fsdp_jax import grads as grads_lib
 from fsdp_jax.config import FSDPConfig, is_float_dtype
 from fsdp_jax.mesh import cpu_flags_active
 from fsdp_jax.plan import Plan
-from fsdp_jax.state import ShardedTrainState, _storage_specs, opt_state_specs
+from fsdp_jax.state import ShardedTrainState, opt_state_specs
 
 
 def _data_spec(plan: Plan):
-  axes = plan.axes.data_axes
-  return P(axes[0] if len(axes) == 1 else axes)
+  return grads_lib.batch_spec(plan)
 
 
 def check_batch(plan: Plan, batch) -> None:
@@ -43,95 +42,6 @@ def check_batch(plan: Plan, batch) -> None:
           f"(mesh axes {axes} of sizes {dict(plan.mesh.shape)}). Fix: use a "
           f"global batch size that is a multiple of {world}, e.g. "
           f"{-(-shape[0] // world) * world}.")
-
-
-def _cast_floats(tree, dtype):
-  return jax.tree.map(lambda x: x.astype(dtype) if is_float_dtype(x.dtype) else x, tree)
-
-
-def make_local_loss(loss_fn: Callable, plan: Plan):
-  """Returns ``local(params_local, batch_local) -> (loss, aux)``: ``loss_fn``
-  evaluated on this device's batch with each unit gathered before first use.
-  Also returns whether ``loss_fn`` returned ``(loss, aux)``."""
-  mp = plan.config.mixed_precision
-
-  def param_struct(leaf):
-    dtype = leaf.dtype
-    if mp is not None and mp.param_dtype is not None and is_float_dtype(dtype):
-      dtype = mp.param_dtype
-    return jax.ShapeDtypeStruct(leaf.shape, dtype)
-
-  full_structs = jax.tree_util.tree_unflatten(plan.treedef, [param_struct(l) for l in plan.leaves])
-  cast_inputs = mp is not None and mp.param_dtype is not None and mp.cast_root_forward_inputs
-  specs_per_unit = {u.index: layout.gather_specs(plan, u) for u in plan.units}
-
-  def local(params_local, batch_local):
-    if cast_inputs:
-      batch_local = _cast_floats(batch_local, mp.param_dtype)
-    batch_structs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch_local)
-    closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(full_structs, batch_structs)
-    has_aux = _check_loss_output(out_shape)
-    storage_leaves = (jax.tree_util.tree_leaves(params_local) if plan.use_orig_params
-                      else params_local)
-
-    def unit_locals(u):
-      unit = plan.units[u]
-      if plan.use_orig_params:
-        return [storage_leaves[i] for i in unit.leaf_ids]
-      return [storage_leaves[unit.flat_key]]
-
-    def as_dict(unit, arrays):
-      if plan.use_orig_params:
-        return dict(zip(unit.leaf_ids, arrays))
-      return {"flat": arrays[0]}
-
-    def gather_arrays(u, arrays):
-      unit = plan.units[u]
-      local_arrays = as_dict(unit, arrays)
-      out = {}
-      for group, spec in specs_per_unit[u]:
-        buf = layout.local_buffer(plan, unit, group, local_arrays)
-        for i, v in zip(group, collectives.gather(buf, spec)):
-          out[i] = v
-      return out
-
-    g = schedule.Gatherer(
-        gather_unit=lambda u: gather_arrays(u, unit_locals(u)),
-        gather_layer=gather_arrays,
-        leaf_unit={l.index: l.unit for l in plan.leaves},
-        stacked_units={u.index for u in plan.units if u.stacked},
-        unit_layers={u.index: u.num_layers for u in plan.units},
-        unit_storage=unit_locals)
-    jaxpr = closed.jaxpr
-    n_params = len(plan.leaves)
-    param_vars = jaxpr.invars[:n_params]
-    lazy = {v: i for i, v in enumerate(param_vars)}
-    args = [None] * n_params + jax.tree_util.tree_leaves(batch_local)
-    outs = schedule.eval_with_gathers(jaxpr, closed.consts, args, lazy, g)
-    out = jax.tree_util.tree_unflatten(jax.tree.structure(out_shape), outs)
-    if has_aux:
-      return out[0], out[1]
-    return out, None
-
-  return local
-
-
-def _check_loss_output(out_shape) -> bool:
-  def is_scalar(s):
-    return hasattr(s, "shape") and s.shape == () and is_float_dtype(s.dtype)
-
-  if is_scalar(out_shape):
-    return False
-  if isinstance(out_shape, (tuple, list)) and len(out_shape) == 2 and is_scalar(out_shape[0]):
-    return True
-  first = out_shape[0] if isinstance(out_shape, (tuple, list)) and out_shape else out_shape
-  shape = getattr(first, "shape", None)
-  raise ValueError(
-      f"loss_fn must return a scalar floating-point loss (the mean over the "
-      f"device's batch) or a (loss, aux) pair; it returned "
-      f"{jax.tree.map(lambda s: f'{s.dtype}{list(s.shape)}', out_shape)}"
-      + (f" (loss of shape {shape})" if shape else "")
-      + ". Fix: reduce it, e.g. `return jnp.mean(per_example_loss)`.")
 
 
 def _check_state(state, plan_cfg: FSDPConfig, mesh: Mesh, optimizer):
@@ -173,16 +83,22 @@ def _check_state(state, plan_cfg: FSDPConfig, mesh: Mesh, optimizer):
 _warned_cpu = []
 
 
-def shard_train_step(loss_fn: Callable[[Any, Any], Any],
+def shard_train_step(loss_fn: Callable[..., Any],
                      optimizer: optax.GradientTransformation, *, mesh: Mesh,
-                     config: FSDPConfig, donate: bool = True):
+                     config: FSDPConfig, max_norm: Optional[float] = None,
+                     norm_type: float = 2.0, gradient_accumulation_steps: int = 1,
+                     accumulation: str = "no_sync", donate: bool = True):
   """Builds a jitted FSDP train step ``step(state, batch) -> (state, metrics)``.
 
   ``loss_fn(params, batch)`` is any pure JAX function of the **full, original**
   parameter tree and the device-local batch (a Flax linen ``model.apply``, an
   NNX model through ``nnx.merge``, or a plain function) returning the mean
-  loss over that batch, or ``(loss, aux)``. Inside the step, which runs under
-  ``jax.shard_map`` over ``mesh``:
+  loss over that batch, or ``(loss, aux)``. When the state holds model state
+  (``init_train_state(model_state=...)``) it is called as
+  ``loss_fn(params, batch, model_state)`` and returns
+  ``(loss, new_model_state)`` or ``((loss, aux), new_model_state)``.
+
+  Inside the step, which runs under ``jax.shard_map`` over ``mesh``:
 
   1. each unit is all-gathered (in ``param_dtype``) right before the first
      operation that reads it; FULL_SHARD/HYBRID_SHARD free it after forward
@@ -190,23 +106,35 @@ def shard_train_step(loss_fn: Callable[[Any, Any], Any],
      a stacked unit scanned over is gathered one layer per iteration;
   2. each unit's gradient is reduce-scattered (``psum_scatter``) in
      ``reduce_dtype`` and averaged over the data-parallel world with PyTorch's
-     pre/post divide factors; HYBRID adds an all-reduce over ``"replicate"``,
-     NO_SHARD all-reduces;
-  3. ``optimizer.update`` runs on the local shards.
+     pre/post divide factors (or reduced by ``config.comm_hook``); HYBRID adds
+     an all-reduce over ``"replicate"``, NO_SHARD all-reduces;
+  3. optionally the gradients are clipped (``max_norm``, PyTorch's
+     ``clip_grad_norm_``);
+  4. ``optimizer.update`` runs on the local shards of the trainable params.
 
   Args:
-    loss_fn: ``loss_fn(params, batch) -> loss`` or ``(loss, aux)``.
+    loss_fn: ``loss_fn(params, batch[, model_state])`` as above.
     optimizer: the optax optimizer the state was built with. Elementwise
       transforms (sgd, momentum, adam, adamw with masks, lion, ...) give the
-      same result as unsharded training.
+      same result as unsharded training; whole-tensor transforms such as
+      ``optax.clip_by_global_norm`` would see only local shards: use
+      ``max_norm`` instead.
     mesh: the mesh the state lives on.
     config: the :class:`FSDPConfig` the state was built with.
+    max_norm: clip gradients to this total norm (``None``: no clipping).
+    norm_type: the p of the norm (``2.0``, any ``p > 0``, or ``inf``).
+    gradient_accumulation_steps: split each device's batch into this many
+      microbatches and accumulate their gradients before one update.
+    accumulation: ``"no_sync"`` (accumulate full local gradients, reduce once:
+      PyTorch's ``no_sync()``) or ``"sharded"`` (reduce-scatter every
+      microbatch into a sharded accumulator; less memory).
     donate: donate the input state's buffers to the output (default True).
 
   Returns:
     A :class:`TrainStep`, called as ``step(state, batch) -> (state, metrics)``;
-    ``metrics["loss"]`` is the global mean loss and ``metrics["aux"]`` the
-    aux output averaged over the data-parallel world.
+    ``metrics["loss"]`` is the global mean loss, ``metrics["aux"]`` the aux
+    output averaged over the data-parallel world, ``metrics["grad_norm"]`` the
+    pre-clip total gradient norm when ``max_norm`` is set.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax
@@ -229,6 +157,8 @@ def shard_train_step(loss_fn: Callable[[Any, Any], Any],
     raise TypeError("optimizer must be an optax.GradientTransformation.")
   if not isinstance(config, FSDPConfig):
     raise TypeError(f"config must be a fsdp_jax.FSDPConfig, got {type(config).__name__}.")
+  if max_norm is not None and not float(max_norm) > 0:
+    raise ValueError(f"max_norm={max_norm} must be positive (or None for no clipping).")
   if (jax.devices()[0].platform == "cpu" and not cpu_flags_active()
       and config.reshard_after_forward and not _warned_cpu):
     _warned_cpu.append(True)
@@ -242,30 +172,52 @@ def shard_train_step(loss_fn: Callable[[Any, Any], Any],
     opt_specs = _check_state(state, config, mesh, optimizer)
     plan = state.plan
     check_batch(plan, batch)
-    param_specs = _storage_specs(plan)
-    batch_specs = jax.tree.map(lambda _: _data_spec(plan), batch)
-    local_loss = make_local_loss(loss_fn, plan)
-    if any(plan.reshard(u) for u in plan.units):
-      local_loss = jax.checkpoint(local_loss, policy=collectives.remat_policy,
-                                  prevent_cse=True)
+    if gradient_accumulation_steps > 1:
+      grads_lib._microbatches(  # pylint: disable=protected-access
+          jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+              (x.shape[0] // plan.axes.world_size,) + x.shape[1:], x.dtype), batch),
+          gradient_accumulation_steps)
+    p_specs = grads_lib.param_specs(plan)
+    b_specs = jax.tree.map(lambda _: grads_lib.batch_spec(plan), batch)
+    ms_specs = jax.tree.map(lambda _: P(), state.model_state)
+    h_specs = jax.tree.map(lambda _: grads_lib.hook_state_spec(plan), state.comm_hook_state)
+    vg = grads_lib.value_and_grad(loss_fn, plan=plan,
+                                  gradient_accumulation_steps=gradient_accumulation_steps,
+                                  accumulation=accumulation)
     data_axes = plan.axes.data_axes
 
-    def body(params, opt_state, batch_local):
-      (loss, aux), grads = jax.value_and_grad(local_loss, has_aux=True)(params, batch_local)
-      updates, new_opt_state = optimizer.update(grads, opt_state, params)
-      new_params = optax.apply_updates(params, updates)
-      metrics = {"loss": jax.lax.pmean(loss.astype(jnp.float32), data_axes)}
-      if aux is not None:
+    def body(params, opt_state, model_state, hook_state, batch_local):
+      out, grads, new_hook_state = vg(params, batch_local, model_state, hook_state)
+      metrics = {"loss": jax.lax.pmean(out.loss.astype(jnp.float32), data_axes)}
+      if max_norm is not None:
+        grads, norm = grads_lib.clip_grad_norm(grads, plan=plan, max_norm=max_norm,
+                                               norm_type=norm_type)
+        metrics["grad_norm"] = norm
+      trainable, frozen = grads_lib.split_trainable(plan, params)
+      updates, new_opt_state = optimizer.update(grads, opt_state, trainable)
+      new_params = grads_lib.merge_trainable(plan, optax.apply_updates(trainable, updates), frozen)
+      if out.aux is not None:
         metrics["aux"] = jax.tree.map(
-            lambda a: jax.lax.pmean(jnp.asarray(a, jnp.float32), data_axes), aux)
-      return new_params, new_opt_state, metrics
+            lambda a: jax.lax.pmean(jnp.asarray(a, jnp.float32), data_axes), out.aux)
+      new_ms = model_state
+      if out.model_state is not None:
+        # Model state stays replicated: floating values (e.g. batch-norm
+        # statistics of each device's batch) are averaged over the world.
+        new_ms = jax.tree.map(
+            lambda new, old: (jax.lax.pmean(new, data_axes).astype(old.dtype)
+                              if is_float_dtype(old.dtype) else new.astype(old.dtype)),
+            out.model_state, model_state)
+      return new_params, new_opt_state, new_ms, new_hook_state, metrics
 
     fn = jax.shard_map(body, mesh=mesh,
-                       in_specs=(param_specs, opt_specs, batch_specs),
-                       out_specs=(param_specs, opt_specs, P()), check_vma=False)
-    new_params, new_opt_state, metrics = fn(state.params, state.opt_state, batch)
+                       in_specs=(p_specs, opt_specs, ms_specs, h_specs, b_specs),
+                       out_specs=(p_specs, opt_specs, ms_specs, h_specs, P()),
+                       check_vma=False)
+    new_params, new_opt_state, new_ms, new_hook, metrics = fn(
+        state.params, state.opt_state, state.model_state, state.comm_hook_state, batch)
     new_state = state.replace(step=state.step + 1, params=new_params,
-                              opt_state=new_opt_state)
+                              opt_state=new_opt_state, model_state=new_ms,
+                              comm_hook_state=new_hook)
     return new_state, metrics
 
   return TrainStep(jax.jit(step, donate_argnums=(0,) if donate else ()), mesh, config)

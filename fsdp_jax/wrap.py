@@ -189,7 +189,8 @@ def choose_units(leaf_paths: Sequence[tuple[str, ...]],
                  policy: Optional[Callable[..., bool]],
                  module_types: dict,
                  sequence_prefixes: set,
-                 stacked_patterns: Sequence[str]) -> list[UnitChoice]:
+                 stacked_patterns: Sequence[str],
+                 full_precision_nodes: Sequence[tuple] = ()) -> list[UnitChoice]:
   """Runs ``policy`` over the tree the way PyTorch's ``_recursive_wrap`` does.
 
   Returns the units in post-order (children before parents), root last.
@@ -225,6 +226,17 @@ def choose_units(leaf_paths: Sequence[tuple[str, ...]],
       add_unit(t, {}, True)
 
   mark_stacked(trie)
+
+  # Modules kept out of mixed precision (PyTorch's _module_classes_to_ignore)
+  # are units of their own with mixed precision disabled.
+  def mark_full_precision(t: _Trie):
+    for c in t.children.values():
+      mark_full_precision(c)
+    if t.path and t.path in full_precision_nodes:
+      add_unit(t, {"mixed_precision": None}, False)
+
+  if full_precision_nodes:
+    mark_full_precision(trie)
   for pattern in stacked_patterns:
     if not any(fnmatch.fnmatchcase(h, pattern) for h in stacked_hits):
       raise ValueError(

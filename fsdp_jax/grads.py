@@ -1,0 +1,450 @@
+"""Building blocks of a sharded train step, for use inside ``jax.shard_map``.
+
+:func:`shard_train_step` composes them; research code that needs two losses,
+EMA weights or its own optimizer loop composes them itself (see
+``docs/custom_step.md``):
+
+* :func:`param_specs`, :func:`batch_spec`, :func:`opt_state_specs` — the
+  ``PartitionSpec`` s for ``jax.shard_map``;
+* :func:`value_and_grad` — gathers each unit before its first use, runs the
+  loss and its backward, and reduce-scatters each unit's gradient (with
+  optional gradient accumulation over microbatches);
+* :func:`clip_grad_norm` — PyTorch's ``clip_grad_norm_`` over the shards;
+* :func:`split_trainable` / :func:`merge_trainable` — the parameters the
+  optimizer sees (frozen parameters have no gradient and no optimizer state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from fsdp_jax import collectives, hooks, layout, schedule
+from fsdp_jax.config import is_float_dtype
+from fsdp_jax.plan import Plan
+
+
+# --------------------------------------------------------------------------
+# Specs
+
+
+def param_specs(plan: Plan):
+  """``PartitionSpec`` of every stored parameter array (``state.params``)."""
+  return jax.tree.map(lambda s: s.spec, plan.storage_shardings(),
+                      is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def batch_spec(plan: Plan) -> P:
+  """Batch leaves are split along dim 0 over all data-parallel mesh axes."""
+  axes = plan.axes.data_axes
+  return P(axes[0] if len(axes) == 1 else axes)
+
+
+def hook_state_spec(plan: Plan) -> P:
+  """Per-device hook state: a leading device axis split over the data axes."""
+  return batch_spec(plan)
+
+
+# --------------------------------------------------------------------------
+# Trainable / frozen
+
+
+def split_trainable(plan: Plan, params):
+  """Stored params -> ``(trainable, frozen)``.
+
+  Flat layout: two dicts of flat parameters (a unit is all frozen or all
+  trainable). Original layout: two trees shaped like the params, with
+  ``None`` in place of the other kind's leaves.
+  """
+  if not plan.use_orig_params:
+    frozen_keys = {u.flat_key for u in plan.units if u not in plan.trainable_units}
+    return ({k: v for k, v in params.items() if k not in frozen_keys},
+            {k: v for k, v in params.items() if k in frozen_keys})
+  leaves = jax.tree_util.tree_leaves(params)
+  train = [None if l.frozen else x for l, x in zip(plan.leaves, leaves)]
+  frozen = [x if l.frozen else None for l, x in zip(plan.leaves, leaves)]
+  return (jax.tree_util.tree_unflatten(plan.treedef, train),
+          jax.tree_util.tree_unflatten(plan.treedef, frozen))
+
+
+def merge_trainable(plan: Plan, trainable, frozen):
+  """Inverse of :func:`split_trainable`."""
+  if not plan.use_orig_params:
+    return {u.flat_key: (trainable if u in plan.trainable_units else frozen)[u.flat_key]
+            for u in plan.units}
+  t = iter(jax.tree_util.tree_leaves(trainable))
+  f = iter(jax.tree_util.tree_leaves(frozen))
+  leaves = [next(f) if l.frozen else next(t) for l in plan.leaves]
+  return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+
+def trainable_shapes(plan: Plan):
+  """``ShapeDtypeStruct`` s of what the optimizer sees (global view)."""
+  trainable, _ = split_trainable(plan, plan.storage_shapes())
+  return trainable
+
+
+# --------------------------------------------------------------------------
+# The loss with gathers
+
+
+def _cast_floats(tree, dtype):
+  return jax.tree.map(lambda x: x.astype(dtype) if is_float_dtype(x.dtype) else x, tree)
+
+
+def _compute_dtype(plan: Plan, leaf):
+  mp = plan.mixed_precision(plan.units[leaf.unit])
+  if mp is not None and mp.param_dtype is not None and is_float_dtype(leaf.dtype):
+    return jnp.dtype(mp.param_dtype)
+  return jnp.dtype(leaf.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LossOutput:
+  """What the loss returned on this device: ``loss``, ``aux`` (or None) and
+  the new ``model_state`` (or None)."""
+
+  loss: Any
+  aux: Any
+  model_state: Any
+
+
+def check_loss_output(out_shape, with_model_state: bool):
+  """Splits ``loss_fn``'s output structure: returns ``(has_aux, ok)``."""
+
+  def is_scalar(s):
+    return hasattr(s, "shape") and s.shape == () and is_float_dtype(s.dtype)
+
+  head = out_shape
+  if with_model_state:
+    if not (isinstance(out_shape, (tuple, list)) and len(out_shape) == 2):
+      raise ValueError(
+          "With model state, loss_fn(params, batch, model_state) must return "
+          "(loss, new_model_state) or ((loss, aux), new_model_state); it returned "
+          f"{jax.tree.map(lambda s: f'{s.dtype}{list(s.shape)}', out_shape)}.")
+    head = out_shape[0]
+  if is_scalar(head):
+    return False
+  if isinstance(head, (tuple, list)) and len(head) == 2 and is_scalar(head[0]):
+    return True
+  first = head[0] if isinstance(head, (tuple, list)) and head else head
+  shape = getattr(first, "shape", None)
+  raise ValueError(
+      f"loss_fn must return a scalar floating-point loss (the mean over the "
+      f"device's batch) or a (loss, aux) pair; it returned "
+      f"{jax.tree.map(lambda s: f'{s.dtype}{list(s.shape)}', head)}"
+      + (f" (loss of shape {shape})" if shape else "")
+      + ". Fix: reduce it, e.g. `return jnp.mean(per_example_loss)`.")
+
+
+def make_local_loss(loss_fn: Callable, plan: Plan):
+  """``local(params, batch, model_state, probes) -> LossOutput``.
+
+  Evaluates ``loss_fn`` on this device's batch with every unit gathered right
+  before its first use. ``probes`` (``{leaf_id: zeros}`` or None) are added to
+  the gathered leaves: their gradient is the leaf's full, unreduced local
+  gradient (used by ``no_sync`` accumulation and stateful hooks).
+  """
+  mp_root = plan.config.mixed_precision
+  full_structs = jax.tree_util.tree_unflatten(
+      plan.treedef, [jax.ShapeDtypeStruct(l.shape, _compute_dtype(plan, l)) for l in plan.leaves])
+  cast_inputs = (mp_root is not None and mp_root.param_dtype is not None
+                 and mp_root.cast_root_forward_inputs)
+  specs_per_unit = {u.index: layout.gather_specs(plan, u) for u in plan.units}
+  with_model_state = plan.model_state_dtypes is not None
+
+  def local(params, batch, model_state=None, probes=None):
+    if cast_inputs:
+      batch = _cast_floats(batch, mp_root.param_dtype)
+    structs = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+    args = (full_structs, structs(batch)) + ((structs(model_state),) if with_model_state else ())
+    closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+    has_aux = check_loss_output(out_shape, with_model_state)
+    storage = jax.tree_util.tree_leaves(params) if plan.use_orig_params else params
+
+    def unit_locals(u):
+      unit = plan.units[u]
+      arrays = ([storage[i] for i in unit.leaf_ids] if plan.use_orig_params
+                else [storage[unit.flat_key]])
+      if probes is not None:
+        arrays = arrays + [probes[i] for i in unit.leaf_ids if i in probes]
+      return arrays
+
+    def gather_arrays(u, arrays):
+      unit = plan.units[u]
+      n_store = len(unit.leaf_ids) if plan.use_orig_params else 1
+      store, extra = arrays[:n_store], arrays[n_store:]
+      local_arrays = dict(zip(unit.leaf_ids, store)) if plan.use_orig_params else {"flat": store[0]}
+      probe_ids = [i for i in unit.leaf_ids if probes is not None and i in probes]
+      probe_of = dict(zip(probe_ids, extra))
+      out = {}
+      for group, spec in specs_per_unit[u]:
+        buf = layout.local_buffer(plan, unit, group, local_arrays)
+        for i, v in zip(group, collectives.gather(buf, spec)):
+          out[i] = v + probe_of[i] if i in probe_of else v
+      return out
+
+    g = schedule.Gatherer(
+        gather_unit=lambda u: gather_arrays(u, unit_locals(u)),
+        gather_layer=gather_arrays,
+        leaf_unit={l.index: l.unit for l in plan.leaves},
+        stacked_units={u.index for u in plan.units if u.stacked},
+        unit_layers={u.index: u.num_layers for u in plan.units},
+        unit_storage=unit_locals)
+    jaxpr = closed.jaxpr
+    n_params = len(plan.leaves)
+    lazy = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
+    flat_args = [None] * n_params + jax.tree_util.tree_leaves(
+        (batch,) + ((model_state,) if with_model_state else ()))
+    outs = schedule.eval_with_gathers(jaxpr, closed.consts, flat_args, lazy, g)
+    out = jax.tree_util.tree_unflatten(jax.tree.structure(out_shape), outs)
+    new_ms = None
+    if with_model_state:
+      out, new_ms = out
+    if has_aux:
+      return LossOutput(out[0], out[1], new_ms)
+    return LossOutput(out, None, new_ms)
+
+  return local
+
+
+def _maybe_remat(local, plan: Plan):
+  if any(plan.reshard(u) for u in plan.units):
+    return jax.checkpoint(local, policy=collectives.remat_policy, prevent_cse=True,
+                          static_argnums=())
+  return local
+
+
+# --------------------------------------------------------------------------
+# Gradients
+
+
+def _probe_shapes(plan: Plan) -> dict:
+  return {l.index: jax.ShapeDtypeStruct(l.shape, _compute_dtype(plan, l))
+          for l in plan.leaves if not l.frozen}
+
+
+def _acc_dtype(plan: Plan, leaf):
+  """Unreduced gradients accumulate in the unit's ``reduce_dtype``, at least
+  float32 (a 16-bit accumulator would lose the small microbatch terms)."""
+  spec = layout.gather_specs(plan, plan.units[leaf.unit])[0][1]
+  return jnp.promote_types(spec.reduce_dtype, jnp.float32)
+
+
+def reduce_full_grads(plan: Plan, full_grads: dict, hook_state=None):
+  """Reduces full, unreduced local leaf gradients unit by unit.
+
+  Returns ``(trainable grads in the stored layout, new hook state)``: one
+  reduce-scatter (or hook call) per unit and dtype group.
+  """
+  hook = plan.config.comm_hook
+  stateful = hooks.is_stateful(hook)
+  new_hook_state = {} if stateful else None
+  local = {}
+  for unit in plan.trainable_units:
+    prefix = plan.prefix(unit)
+    for gi, (group, spec) in enumerate(layout.gather_specs(plan, unit)):
+      if all(plan.leaves[i].frozen for i in group):
+        continue
+      full = collectives.pack_full([full_grads[i] for i in group], spec, prefix)
+      if stateful:
+        key = hook_key(unit, gi)
+        reduced, st = hook(jax.tree.map(lambda x: x[0], hook_state[key]), full, spec)
+        new_hook_state[key] = jax.tree.map(lambda x: x[None], st)
+      else:
+        reduced = collectives.reduce_gradient(full, spec)
+      reduced = collectives.finish_gradient(reduced, spec, spec.stored_dtype)
+      for k, v in layout.split_local_buffer(plan, group, reduced).items():
+        local[(unit.index, k)] = v
+  if plan.use_orig_params:
+    leaves = [None if l.frozen else local[(l.unit, l.index)] for l in plan.leaves]
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves), new_hook_state
+  return {u.flat_key: local[(u.index, "flat")] for u in plan.trainable_units}, new_hook_state
+
+
+def hook_key(unit, group_index: int) -> str:
+  return f"{unit.flat_key}#{group_index}"
+
+
+def hook_state_shapes(plan: Plan):
+  """Global shapes of a stateful hook's state: one state per device."""
+  hook = plan.config.comm_hook
+  if not hooks.is_stateful(hook):
+    return None
+  world = plan.axes.world_size
+  out = {}
+  for unit in plan.trainable_units:
+    for gi, (group, spec) in enumerate(layout.gather_specs(plan, unit)):
+      shape = plan.prefix(unit) + (spec.n, spec.chunk)
+      st = jax.eval_shape(lambda: hook.init(shape, spec.reduce_dtype))
+      out[hook_key(unit, gi)] = jax.tree.map(
+          lambda s: jax.ShapeDtypeStruct((world,) + s.shape, s.dtype), st)
+  return out
+
+
+def _microbatches(batch, k: int):
+  def split(x):
+    if x.shape[0] % k:
+      raise ValueError(
+          f"The local batch has {x.shape[0]} rows on each device, which "
+          f"gradient_accumulation_steps={k} does not divide. Fix: use a "
+          f"per-device batch that is a multiple of {k} (global batch a multiple "
+          f"of {k} x the data-parallel size), or change the number of microbatches.")
+    return x.reshape((k, x.shape[0] // k) + x.shape[1:])
+  return jax.tree.map(split, batch)
+
+
+def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps: int = 1,
+                   accumulation: str = "no_sync"):
+  """Returns ``f(params, batch, model_state=None, hook_state=None)``, for use
+  inside ``jax.shard_map`` on the local shards, computing
+  ``(LossOutput, trainable_grads, new_hook_state)``.
+
+  ``trainable_grads`` are the reduced, averaged gradient shards in the layout
+  of :func:`split_trainable`'s first output.
+
+  Gradient accumulation over ``gradient_accumulation_steps`` microbatches of
+  the local batch:
+
+  * ``"no_sync"`` (PyTorch's ``no_sync()``): each microbatch's full unreduced
+    gradient is accumulated locally (in ``reduce_dtype``, at least float32)
+    and every unit is reduced once at the end: fewer collectives, a full
+    gradient of every unit held per device.
+  * ``"sharded"``: every microbatch reduce-scatters its gradient into a
+    sharded accumulator (in the stored dtype): one reduction per unit per
+    microbatch, only the shard held.
+
+  Either way the result equals one step over the whole local batch: the
+  gradient is the mean over microbatches of each microbatch's mean gradient.
+  """
+  if accumulation not in ("no_sync", "sharded"):
+    raise ValueError(f"accumulation={accumulation!r}: use 'no_sync' or 'sharded'.")
+  k = int(gradient_accumulation_steps)
+  if k < 1:
+    raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1.")
+  local = _maybe_remat(make_local_loss(loss_fn, plan), plan)
+  stateful_hook = hooks.is_stateful(plan.config.comm_hook)
+  use_probes = stateful_hook or (k > 1 and accumulation == "no_sync")
+
+  def direct(params, batch, model_state):
+    trainable, frozen = split_trainable(plan, params)
+
+    def objective(t):
+      out = local(merge_trainable(plan, t, frozen), batch, model_state, None)
+      return out.loss, out
+
+    (_, out), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
+    return out, grads
+
+  def probed(params, batch, model_state):
+    params = jax.lax.stop_gradient(params)
+    shapes = _probe_shapes(plan)
+    probes = {i: jnp.zeros(s.shape, s.dtype) for i, s in shapes.items()}
+
+    def objective(pr):
+      out = local(params, batch, model_state, pr)
+      return out.loss, out
+
+    (_, out), full = jax.value_and_grad(objective, has_aux=True)(probes)
+    return out, full
+
+  def f(params, batch, model_state=None, hook_state=None):
+    if k == 1:
+      if use_probes:
+        out, full = probed(params, batch, model_state)
+        grads, new_hook = reduce_full_grads(plan, full, hook_state)
+        return out, grads, new_hook
+      out, grads = direct(params, batch, model_state)
+      return out, grads, hook_state
+    micro = _microbatches(batch, k)
+    if use_probes:
+      acc0 = {i: jnp.zeros(s.shape, _acc_dtype(plan, plan.leaves[i]))
+              for i, s in _probe_shapes(plan).items()}
+    else:
+      acc0 = jax.tree.map(jnp.zeros_like, split_trainable(plan, params)[0])
+
+    def body(carry, mb):
+      acc, ms, loss_sum, aux_sum = carry
+      if use_probes:
+        out, g = probed(params, mb, ms)
+      else:
+        out, g = direct(params, mb, ms)
+      acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype) / k, acc, g)
+      aux = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32) / k, out.aux)
+      aux_sum = aux if aux_sum is None else jax.tree.map(jnp.add, aux_sum, aux)
+      return (acc, out.model_state if out.model_state is not None else ms,
+              loss_sum + out.loss.astype(jnp.float32) / k, aux_sum), None
+
+    # The first microbatch runs outside the loop to learn the aux structure.
+    first = jax.tree.map(lambda x: x[0], micro)
+    rest = jax.tree.map(lambda x: x[1:], micro)
+    carry, _ = body((acc0, model_state, jnp.zeros((), jnp.float32), None), first)
+    carry, _ = lax.scan(body, carry, rest)
+    acc, ms, loss, aux = carry
+    out = LossOutput(loss, aux, ms)
+    if use_probes:
+      grads, new_hook = reduce_full_grads(plan, acc, hook_state)
+      return out, grads, new_hook
+    return out, acc, hook_state
+
+  return f
+
+
+# --------------------------------------------------------------------------
+# Clipping
+
+
+def _grad_dtypes(plan: Plan):
+  """The dtype PyTorch's gradients would have per trainable leaf: the reduce
+  dtype with ``keep_low_precision_grads``, else the stored dtype."""
+  out = []
+  for unit in plan.trainable_units:
+    for group, spec in layout.gather_specs(plan, unit):
+      d = spec.reduce_dtype if spec.keep_low_precision_grads else spec.stored_dtype
+      out.extend(jnp.dtype(d) for i in group if not plan.leaves[i].frozen)
+  return out
+
+
+def clip_grad_norm(grads, *, plan: Plan, max_norm: float, norm_type: float = 2.0):
+  """PyTorch's ``FullyShardedDataParallel.clip_grad_norm_`` on local shards.
+
+  Call inside ``jax.shard_map`` on the reduced gradient shards. The total norm
+  is the norm of all gradients viewed as one vector: local sums of
+  ``|g| ** norm_type`` (in float32) are summed over the shard axes (``max``
+  for ``inf``); gradients replicated across devices (NO_SHARD, the replicate
+  axis of HYBRID) count once. Gradients are scaled by
+  ``clip(max_norm / (total_norm + 1e-6), max=1)``.
+
+  Returns ``(clipped_grads, total_norm)``; the norm is the pre-clip norm in
+  the promoted dtype of the gradients, as in PyTorch.
+  """
+  max_norm = float(max_norm)
+  norm_type = float(norm_type)
+  if not max_norm > 0:
+    raise ValueError(f"clip_grad_norm: max_norm={max_norm} must be positive "
+                     "(PyTorch clips to a norm > 0).")
+  if not (norm_type > 0):
+    raise ValueError(f"clip_grad_norm: norm_type={norm_type} must be > 0 or inf.")
+  leaves = [x for x in jax.tree.leaves(grads)]
+  axes = plan.axes.shard_axes
+  if math.isinf(norm_type):
+    local = jnp.max(jnp.stack([jnp.max(jnp.abs(x.astype(jnp.float32))) for x in leaves]))
+    total = lax.pmax(local, axes) if axes else local
+  else:
+    local = sum(jnp.sum(jnp.abs(x.astype(jnp.float32)) ** norm_type) for x in leaves)
+    total = (lax.psum(local, axes) if axes else local) ** (1.0 / norm_type)
+  coef = jnp.minimum(max_norm / (total + 1e-6), 1.0)
+  clipped = jax.tree.map(lambda x: (x * coef.astype(x.dtype)).astype(x.dtype), grads)
+  dtypes = _grad_dtypes(plan) or [jnp.dtype(jnp.float32)]
+  out_dtype = dtypes[0]
+  for d in dtypes[1:]:
+    out_dtype = jnp.promote_types(out_dtype, d)
+  return clipped, total.astype(out_dtype)

@@ -1,0 +1,127 @@
+"""Communication hooks: pure functions that replace a unit's gradient reduction
+(PyTorch ``FullyShardedDataParallel.register_comm_hook``).
+
+A hook is called as ``hook(state, grad, spec) -> (reduced, new_state)`` inside
+the sharded step, once per unit (per dtype group) and step:
+
+* ``grad`` is the device's full, unreduced gradient of the unit laid out as
+  ``(..., N, S)``: row r is the part that device r of the shard group keeps;
+* ``spec`` (:class:`fsdp_jax.collectives.GatherSpec`) carries the mesh axes
+  (``shard_axes``, ``reduce_axes``), PyTorch's ``pre_divide`` / ``post_divide``
+  factors and the ``reduce_dtype``;
+* it returns this device's reduced shard ``(..., S)`` (any float dtype: it is
+  cast to the stored dtype afterwards) and its new state.
+
+Stateless hooks (``stateful = False``) run inside the backward pass, exactly
+where the default reduce-scatter would. Stateful hooks declare
+``init(shape, dtype) -> state`` with a state per device; their state lives in
+``ShardedTrainState.comm_hook_state`` and the hook runs after the backward pass
+(the unit's full gradient is kept until then).
+
+Built-ins mirror ``torch.distributed.algorithms._comm_hooks.default_hooks``:
+:data:`allreduce_hook` (NO_SHARD), :data:`reduce_scatter_hook` (sharded
+strategies), :data:`fp16_compress_hook`, :data:`bf16_compress_hook`, and the
+stateful :class:`ErrorFeedbackHook` (low-precision reduction with the
+compression error carried to the next step).
+
+Example:
+  >>> import fsdp_jax
+  >>> cfg = fsdp_jax.FSDPConfig(comm_hook=fsdp_jax.hooks.bf16_compress_hook)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any
+
+import jax.numpy as jnp
+
+from fsdp_jax.collectives import GatherSpec, reduce_gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultHook:
+  """PyTorch's default reduction: divide by ``pre_divide``, reduce-scatter
+  over the shard axes (all-reduce for NO_SHARD), all-reduce over
+  ``"replicate"`` for HYBRID, divide by ``post_divide``; in ``reduce_dtype``."""
+
+  name: str
+  stateful = False
+
+  def __call__(self, state, grad, spec: GatherSpec):
+    return reduce_gradient(grad, spec), state
+
+
+@dataclasses.dataclass(frozen=True)
+class LowPrecisionHook:
+  """PyTorch's ``fp16_compress_hook`` / ``bf16_compress_hook``: cast the
+  gradient to ``dtype``, run the default reduction in that dtype (with the
+  divide factors), and cast back."""
+
+  dtype: Any
+  stateful = False
+
+  def __call__(self, state, grad, spec: GatherSpec):
+    low = dataclasses.replace(spec, reduce_dtype=jnp.dtype(self.dtype))
+    return reduce_gradient(grad.astype(self.dtype), low).astype(grad.dtype), state
+
+
+@dataclasses.dataclass(frozen=True)
+class ErrorFeedbackHook:
+  """Low-precision reduction with error feedback (a stateful hook).
+
+  Each device keeps the rounding error of its last compressed gradient and
+  adds it to the next one before compressing: ``c = round(g + e)``,
+  ``e' = (g + e) - c``, and ``c`` is reduced like ``LowPrecisionHook``. The
+  error state is per device, in ``ShardedTrainState.comm_hook_state``.
+  """
+
+  dtype: Any = jnp.bfloat16
+  stateful = True
+
+  def init(self, shape, dtype):
+    return jnp.zeros(shape, jnp.float32)
+
+  def __call__(self, state, grad, spec: GatherSpec):
+    corrected = grad.astype(jnp.float32) + state
+    compressed = corrected.astype(self.dtype)
+    new_state = corrected - compressed.astype(jnp.float32)
+    low = dataclasses.replace(spec, reduce_dtype=jnp.dtype(self.dtype))
+    return reduce_gradient(compressed, low).astype(jnp.float32), new_state
+
+
+allreduce_hook = DefaultHook("allreduce")
+reduce_scatter_hook = DefaultHook("reduce_scatter")
+fp16_compress_hook = LowPrecisionHook(jnp.float16)
+bf16_compress_hook = LowPrecisionHook(jnp.bfloat16)
+
+
+def check_hook(hook) -> None:
+  """Validates a hook's signature with a clear error."""
+  if not callable(hook):
+    raise TypeError(f"comm_hook={hook!r} is not callable. A hook is called as "
+                    "hook(state, grad, spec) -> (reduced, new_state); see fsdp_jax.hooks.")
+  try:
+    hash(hook)
+  except TypeError as e:
+    raise TypeError(f"comm_hook={hook!r} must be hashable (a function or a frozen "
+                    "dataclass): it is static configuration of the compiled step.") from e
+  try:
+    sig = inspect.signature(hook)
+    sig.bind(None, None, None)
+  except TypeError as e:
+    raise TypeError(
+        f"comm_hook {hook!r} has signature {sig}; a hook is called as "
+        "hook(state, grad, spec) and returns (reduced, new_state). Example:\n"
+        "  def my_hook(state, grad, spec):\n"
+        "    return fsdp_jax.collectives.reduce_gradient(grad, spec), state") from e
+  except ValueError:  # builtins without signatures
+    pass
+  if getattr(hook, "stateful", False) and not callable(getattr(hook, "init", None)):
+    raise TypeError(f"comm_hook {hook!r} is stateful but has no init(shape, dtype) "
+                    "method returning its initial state.")
+
+
+def is_stateful(hook) -> bool:
+  return hook is not None and bool(getattr(hook, "stateful", False))
