@@ -26,14 +26,30 @@ from fsdp_jax.mesh import (
     make_mesh as make_mesh,
     simulate_cpu_devices as simulate_cpu_devices,
 )
+from fsdp_jax import hooks as hooks
+from fsdp_jax.full import (
+    apply as apply,
+    sharded_grads as sharded_grads,
+    summon_full_params as summon_full_params,
+    write_full_params as write_full_params,
+)
+from fsdp_jax.grads import (
+    batch_spec as batch_spec,
+    clip_grad_norm as clip_grad_norm,
+    merge_trainable as merge_trainable,
+    param_specs as param_specs,
+    split_trainable as split_trainable,
+    value_and_grad as value_and_grad,
+)
 from fsdp_jax.plan import Plan as Plan
 from fsdp_jax.state import (
     ShardedTrainState as ShardedTrainState,
     full_params as full_params,
     init_train_state as init_train_state,
     module_classes as module_classes,
+    opt_state_specs as opt_state_specs,
 )
-from fsdp_jax.step import shard_train_step as shard_train_step
+from fsdp_jax.step import TrainStep as TrainStep, shard_train_step as shard_train_step
 from fsdp_jax.wrap import (
     CustomPolicy as CustomPolicy,
     ModuleWrapPolicy as ModuleWrapPolicy,
@@ -47,8 +63,12 @@ __version__ = "0.1.0"
 __all__ = [
     "BackwardPrefetch", "CPUOffload", "CPU_XLA_FLAGS", "CustomPolicy",
     "FSDPConfig", "MixedPrecision", "ModuleWrapPolicy", "Node", "Plan",
-    "ShardedTrainState", "ShardingStrategy", "StateDictType", "full_params",
-    "gradient_divide_factors", "init_train_state", "lambda_auto_wrap_policy",
-    "make_mesh", "module_classes", "shard_train_step", "simulate_cpu_devices",
-    "size_based_auto_wrap_policy",
+    "ShardedTrainState", "ShardingStrategy", "StateDictType", "TrainStep",
+    "apply", "batch_spec", "clip_grad_norm", "full_params",
+    "gradient_divide_factors", "hooks", "init_train_state",
+    "lambda_auto_wrap_policy", "make_mesh", "merge_trainable",
+    "module_classes", "opt_state_specs", "param_specs", "shard_train_step",
+    "sharded_grads", "simulate_cpu_devices", "size_based_auto_wrap_policy",
+    "split_trainable", "summon_full_params", "value_and_grad",
+    "write_full_params",
 ]

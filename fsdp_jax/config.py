@@ -130,7 +130,9 @@ class FSDPConfig:
     mixed_precision: a :class:`MixedPrecision` or ``None`` (full precision).
     ignored_states: parameter paths (dotted names, glob patterns allowed) that
       are not managed by FSDP.
-    sync_module_states: broadcast process 0's parameters when sharding.
+    sync_module_states: with several processes, every process starts from
+      process 0's parameters, model state and init rng (broadcast at
+      ``init_train_state``).
     forward_prefetch: PyTorch's ``forward_prefetch`` (default ``False``).
     limit_all_gathers: PyTorch's rate limiter (default ``True``).
     use_orig_params: ``False`` (default) flattens each unit into one padded
@@ -188,8 +190,6 @@ class FSDPConfig:
       unsupported.append("cpu_offload=CPUOffload(offload_params=True)")
     if self.ignored_states:
       unsupported.append("ignored_states")
-    if self.sync_module_states:
-      unsupported.append("sync_module_states=True")
     if self.backward_prefetch not in (BackwardPrefetch.BACKWARD_PRE,):
       unsupported.append(f"backward_prefetch={self.backward_prefetch}")
     if self.forward_prefetch:

@@ -327,11 +327,11 @@ def initialize(*, coordinator_address: Optional[str] = None,
       info = distributed.initialize()    # first thing in the script
       print(f"process {info.rank} of {info.world_size}")
 
-  Without any environment set up (``python train.py``) it just returns::
+  Before (or without) it, a process is alone::
 
       >>> from fsdp_jax import distributed
-      >>> distributed.get_world_size()
-      1
+      >>> distributed.get_rank(), distributed.get_world_size()
+      (0, 1)
   """
   global _info
   if _info is not None:
@@ -384,27 +384,39 @@ def initialize(*, coordinator_address: Optional[str] = None,
   node_rank = _env_int("GROUP_RANK", _env_int("SLURM_NODEID", 0))
 
   # -- devices, before JAX starts
-  if _backends_started():
-    raise RuntimeError(
-        "fsdp_jax.distributed.initialize() must run before JAX starts its "
-        "backends, but something already ran a JAX computation or called "
-        "jax.devices(). Fix: call initialize() first thing in the script, "
-        "right after the imports.")
-  platform = (platform or detect_platform()).lower()
-  if platform not in ("cpu", "gpu"):
-    raise ValueError(f"platform={platform!r}: expected 'cpu' or 'gpu'.")
   if devices_per_process is None:
     devices_per_process = _env_int("FSDP_JAX_DEVICES_PER_PROC")
   if devices_per_process is not None and devices_per_process < 1:
     raise ValueError(f"devices_per_process={devices_per_process}: need at least 1.")
+  if _backends_started():
+    if world > 1 or source == "cluster" or devices_per_process is not None:
+      raise RuntimeError(
+          "fsdp_jax.distributed.initialize() must run before JAX starts its "
+          "backends, but something already ran a JAX computation or called "
+          "jax.devices() in this process. Fix: call initialize() first thing "
+          "in the script, right after the imports.")
+    # One process and nothing to configure (e.g. a notebook): keep what runs.
+    _info = DistributedInfo(rank=0, world_size=1, local_rank=local_rank,
+                            local_world_size=1, node_rank=node_rank,
+                            coordinator_address=None,
+                            platform="cpu" if jax.default_backend() == "cpu" else "gpu",
+                            devices_per_process=None, source=source)
+    return _info
+  forced = platform or os.environ.get("FSDP_JAX_PLATFORM", "").strip().lower() or None
+  platform = (platform or detect_platform()).lower()
+  if platform == "cuda":
+    platform = "gpu"
+  if platform not in ("cpu", "gpu"):
+    raise ValueError(f"platform={platform!r}: expected 'cpu' or 'gpu'.")
   local_device_ids = None
+  if world > 1 or source == "cluster":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
   if platform == "cpu":
-    jax.config.update("jax_platforms", "cpu")
+    if forced:  # asked for CPU: do not probe for accelerators
+      jax.config.update("jax_platforms", "cpu")
     if devices_per_process is not None:
       from fsdp_jax.mesh import simulate_cpu_devices
       simulate_cpu_devices(devices_per_process)
-    if world > 1 or source == "cluster":
-      jax.config.update("jax_cpu_collectives_implementation", "gloo")
   elif devices_per_process is not None:
     local_device_ids = list(range(local_rank * devices_per_process,
                                   (local_rank + 1) * devices_per_process))
@@ -583,7 +595,22 @@ class _Watchdog(threading.Thread):
     except Exception:  # someone else failed first, or the service is gone
       pass
 
-  def die(self, message: str) -> None:
+  def wait_for_abort(self, seconds: float) -> Optional[str]:
+    """The failure another process published, waiting up to ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+      try:
+        abort = self.client.key_value_dir_get(_ABORT)
+      except Exception:
+        abort = None
+      if abort:
+        return abort[0][1]
+      if time.monotonic() >= deadline:
+        return None
+      time.sleep(min(0.2, self.interval))
+
+  def die(self, message: str, consequence: Optional[str] = None,
+          stack: bool = True) -> None:
     rank = self.info.rank
     text = [
         "", "=" * 78,
@@ -593,9 +620,11 @@ class _Watchdog(threading.Thread):
         "that cannot complete. Look at the named process's log for the cause, "
         "then restart the job (from the last checkpoint).",
     ]
-    stack = _main_thread_stack()
-    if stack:
-      text += [f"Main thread of process {rank} was at:", stack.rstrip()]
+    if consequence:
+      text.append(f"(This process's own error, a consequence of that: {consequence})")
+    where = _main_thread_stack() if stack else ""
+    if where:
+      text += [f"Main thread of process {rank} was at:", where.rstrip()]
     text += ["=" * 78, ""]
     try:
       sys.stdout.flush()
@@ -676,15 +705,40 @@ def _start_watchdog(info: DistributedInfo, peer_timeout: float) -> None:
 
   def excepthook(exc_type, exc, tb):
     wd = _watchdog
-    if wd is not None and not issubclass(exc_type, KeyboardInterrupt):
-      first = (str(exc).strip().splitlines() or [""])[0][:300]
-      wd.publish_failure(
-          f"{describe_process(info.rank, info.world_size, wd.client)} failed: "
-          f"{exc_type.__name__}: {first}")
+    if wd is None or issubclass(exc_type, KeyboardInterrupt):
+      previous_hook(exc_type, exc, tb)
+      return
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    own = f"{exc_type.__name__}: {first}"
+    # A collective that fails because a peer died ("Gloo AllGather failed:
+    # ... Connection reset by peer") is a consequence, not the cause: give the
+    # watchdog time to name the lost process before blaming this one.
+    wait = wd.peer_timeout + 4 * wd.interval if _is_communication_error(exc) else 0.0
+    cause = wd.wait_for_abort(wait)
+    if cause is not None:
+      wd.die(cause, consequence=own, stack=False)
+    wd.publish_failure(
+        f"{describe_process(info.rank, info.world_size, wd.client)} failed: {own}")
     previous_hook(exc_type, exc, tb)
 
   sys.excepthook = excepthook
   atexit.register(_at_exit)
+
+
+_COMM_ERROR_WORDS = ("gloo", "nccl", "connection", "socket", "unavailable",
+                     "coordination", "deadline", "barrier", "peer")
+
+
+def _is_communication_error(exc: BaseException) -> bool:
+  """Whether ``exc`` looks like a collective or RPC failure (XLA runtime
+  errors that mention gloo/NCCL, connections, the coordination service)."""
+  name = type(exc).__name__
+  if name not in ("JaxRuntimeError", "XlaRuntimeError") and not isinstance(
+      exc, (ConnectionError, TimeoutError)):
+    return False
+  text = str(exc).lower()
+  return isinstance(exc, (ConnectionError, TimeoutError)) or any(
+      w in text for w in _COMM_ERROR_WORDS)
 
 
 def _at_exit() -> None:
@@ -695,7 +749,11 @@ def _at_exit() -> None:
   if wd.failed:
     # This process published its failure; the others are exiting. JAX's
     # shutdown would now wait up to its shutdown timeout for them at a
-    # barrier they will never reach, so leave at once.
+    # barrier they will never reach, so leave at once -- after giving the
+    # others a few heartbeats to read the failure if this process hosts the
+    # coordination service (process 0), which dies with it.
+    if wd.info.rank == 0:
+      time.sleep(3 * wd.interval)
     try:
       sys.stdout.flush()
       sys.stderr.flush()
@@ -776,12 +834,13 @@ def monitored_barrier(name: Optional[str] = None, *, timeout=None,
   title = f"monitored_barrier {label!r} (#{seq})" if label else f"monitored_barrier #{seq}"
   prefix = f"{_BARRIER}{seq}/"
   client.key_value_set(f"{prefix}{rank}", label, allow_overwrite=True)
-  beats_before = dict(client.key_value_dir_get(_HB))
+  beats_at_start = dict(client.key_value_dir_get(_HB))
   deadline = time.monotonic() + timeout_s
   wd = _watchdog
   peer_timeout = wd.peer_timeout if wd is not None else None
-  last_change: dict[str, float] = {}
+  last_beat: dict[str, tuple[Optional[str], float]] = {}
   poll = 0.02
+  dead_now: list[int] = []
   while True:
     arrived = dict(client.key_value_dir_get(prefix))
     ranks = {int(k.rsplit("/", 1)[-1]): v for k, v in arrived.items()}
@@ -796,15 +855,17 @@ def monitored_barrier(name: Optional[str] = None, *, timeout=None,
     if not missing:
       break
     now = time.monotonic()
-    dead_now = []
     if not wait_all_ranks and peer_timeout is not None:
+      # Fail fast: a missing process whose heartbeat has stood still for the
+      # watchdog's peer timeout is dead and will never arrive.
       beats = dict(client.key_value_dir_get(_HB))
+      dead_now = []
       for r in missing:
         key = f"{_HB}{r}"
-        if beats.get(key) != beats_before.get(key) or key not in last_change:
-          last_change[key] = now
-          beats_before[key] = beats.get(key)
-        elif now - last_change[key] > peer_timeout:
+        value = beats.get(key)
+        if key not in last_beat or last_beat[key][0] != value:
+          last_beat[key] = (value, now)
+        elif now - last_beat[key][1] > peer_timeout:
           dead_now.append(r)
     if now >= deadline or dead_now:
       break
@@ -818,13 +879,13 @@ def monitored_barrier(name: Optional[str] = None, *, timeout=None,
       except Exception:
         pass
     return
-  beats_after = dict(client.key_value_dir_get(_HB))
+  beats_at_end = dict(client.key_value_dir_get(_HB))
   parts = []
   for r in missing:
     key = f"{_HB}{r}"
     if wd is None:
       state = ""
-    elif beats_after.get(key) != beats_before.get(key) and r not in dead_now:
+    elif r not in dead_now and beats_at_end.get(key) != beats_at_start.get(key):
       state = (" [alive: still sending heartbeats, so hung, slow, or not calling "
                "this barrier]")
     else:

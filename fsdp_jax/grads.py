@@ -95,8 +95,17 @@ def trainable_shapes(plan: Plan):
 # The loss with gathers
 
 
-def _cast_floats(tree, dtype):
-  return jax.tree.map(lambda x: x.astype(dtype) if is_float_dtype(x.dtype) else x, tree)
+def _cast_floats(tree, dtype, only=None):
+  """Casts floating leaves to ``dtype``; with ``only`` (top-level keys), just
+  the leaves under those keys."""
+  def cast(path, x):
+    if only is not None:
+      top = path[0] if path else None
+      key = getattr(top, "key", getattr(top, "idx", getattr(top, "name", None)))
+      if key not in only:
+        return x
+    return x.astype(dtype) if is_float_dtype(x.dtype) else x
+  return jax.tree_util.tree_map_with_path(cast, tree)
 
 
 def _compute_dtype(plan: Plan, leaf):
@@ -145,8 +154,13 @@ def check_loss_output(out_shape, with_model_state: bool):
       + ". Fix: reduce it, e.g. `return jnp.mean(per_example_loss)`.")
 
 
-def make_local_loss(loss_fn: Callable, plan: Plan):
+def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
   """``local(params, batch, model_state, probes) -> LossOutput``.
+
+  With mixed precision and ``cast_root_forward_inputs``, floating batch
+  leaves are cast to ``param_dtype`` before the loss runs: all of them, or
+  only those under the top-level keys in ``forward_inputs`` (PyTorch casts the
+  model's forward arguments, not the loss targets).
 
   Evaluates ``loss_fn`` on this device's batch with every unit gathered right
   before its first use. ``probes`` (``{leaf_id: zeros}`` or None) are added to
@@ -163,7 +177,7 @@ def make_local_loss(loss_fn: Callable, plan: Plan):
 
   def local(params, batch, model_state=None, probes=None):
     if cast_inputs:
-      batch = _cast_floats(batch, mp_root.param_dtype)
+      batch = _cast_floats(batch, mp_root.param_dtype, forward_inputs)
     structs = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
     args = (full_structs, structs(batch)) + ((structs(model_state),) if with_model_state else ())
     closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
@@ -290,7 +304,20 @@ def hook_state_shapes(plan: Plan):
   return out
 
 
+def check_microbatches(local_batch_shapes, k: int) -> None:
+  """Every leaf's per-device batch dimension is divisible by ``k``."""
+  for x in jax.tree.leaves(local_batch_shapes):
+    if x.shape[0] % k:
+      raise ValueError(
+          f"The local batch has {x.shape[0]} rows on each device, which "
+          f"gradient_accumulation_steps={k} does not divide. Fix: use a "
+          f"per-device batch that is a multiple of {k} (global batch a multiple "
+          f"of {k} x the data-parallel size), or change the number of microbatches.")
+
+
 def _microbatches(batch, k: int):
+  check_microbatches(batch, k)
+
   def split(x):
     if x.shape[0] % k:
       raise ValueError(
@@ -303,7 +330,7 @@ def _microbatches(batch, k: int):
 
 
 def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps: int = 1,
-                   accumulation: str = "no_sync"):
+                   accumulation: str = "no_sync", forward_inputs=None):
   """Returns ``f(params, batch, model_state=None, hook_state=None)``, for use
   inside ``jax.shard_map`` on the local shards, computing
   ``(LossOutput, trainable_grads, new_hook_state)``.
@@ -324,13 +351,15 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
 
   Either way the result equals one step over the whole local batch: the
   gradient is the mean over microbatches of each microbatch's mean gradient.
+
+  ``forward_inputs``: see :func:`make_local_loss`.
   """
   if accumulation not in ("no_sync", "sharded"):
     raise ValueError(f"accumulation={accumulation!r}: use 'no_sync' or 'sharded'.")
   k = int(gradient_accumulation_steps)
   if k < 1:
     raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1.")
-  local = _maybe_remat(make_local_loss(loss_fn, plan), plan)
+  local = _maybe_remat(make_local_loss(loss_fn, plan, forward_inputs=forward_inputs), plan)
   stateful_hook = hooks.is_stateful(plan.config.comm_hook)
   use_probes = stateful_hook or (k > 1 and accumulation == "no_sync")
 
@@ -378,16 +407,17 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
       else:
         out, g = direct(params, mb, ms)
       acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype) / k, acc, g)
-      aux = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32) / k, out.aux)
-      aux_sum = aux if aux_sum is None else jax.tree.map(jnp.add, aux_sum, aux)
-      return (acc, out.model_state if out.model_state is not None else ms,
-              loss_sum + out.loss.astype(jnp.float32) / k, aux_sum), None
+      aux_sum = jax.tree.map(lambda t, a: t + jnp.asarray(a, jnp.float32) / k, aux_sum, out.aux)
+      if out.model_state is not None:
+        ms = jax.tree.map(lambda n, o: n.astype(o.dtype), out.model_state, ms)
+      return (acc, ms, loss_sum + out.loss.astype(jnp.float32) / k, aux_sum), None
 
-    # The first microbatch runs outside the loop to learn the aux structure.
+    # The aux structure (for the running mean) comes from an abstract trace.
     first = jax.tree.map(lambda x: x[0], micro)
-    rest = jax.tree.map(lambda x: x[1:], micro)
-    carry, _ = body((acc0, model_state, jnp.zeros((), jnp.float32), None), first)
-    carry, _ = lax.scan(body, carry, rest)
+    aux_shape = jax.eval_shape(lambda: local(params, first, model_state, None).aux)
+    aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
+    carry = (acc0, model_state, jnp.zeros((), jnp.float32), aux0)
+    carry, _ = lax.scan(body, carry, micro)
     acc, ms, loss, aux = carry
     out = LossOutput(loss, aux, ms)
     if use_probes:

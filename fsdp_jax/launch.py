@@ -97,14 +97,22 @@ def worker_env(*, rank: int, world_size: int, local_rank: int, local_world_size:
   return env
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-  """Child side of Popen: die when the launcher dies (Linux only)."""
+def _load_prctl():
   try:
     import ctypes
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-  except Exception:
-    pass
+    return ctypes.CDLL(None, use_errno=True).prctl
+  except Exception:  # pragma: no cover - not Linux / no libc
+    return None
+
+
+_PRCTL = _load_prctl() if sys.platform.startswith("linux") else None
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+  """Child side of Popen (between fork and exec): ask the kernel to SIGKILL
+  this worker when the launcher dies (Linux ``PR_SET_PDEATHSIG``)."""
+  if _PRCTL is not None:
+    _PRCTL(1, signal.SIGKILL, 0, 0, 0)
 
 
 def describe_status(code: Optional[int]) -> str:
@@ -135,6 +143,7 @@ class WorkerResult:
   pid: int
   returncode: Optional[int]
   stopped: bool = False  # stopped by the group after another worker failed
+  ended_at: Optional[float] = None  # time.time() when its exit was seen
 
   def describe(self) -> str:
     return (f"worker RANK={self.rank} (LOCAL_RANK={self.local_rank}, pid {self.pid}): "
@@ -154,30 +163,40 @@ class WorkerGroup:
     log_dir: write each worker's stdout and stderr to
       ``log_dir/rank<R>.log`` instead of inheriting the launcher's.
     stdout, stderr: passed to ``subprocess.Popen`` when ``log_dir`` is None.
+    cwd: the workers' working directory.
+    die_with_parent: have the kernel SIGKILL each worker when this process
+      dies (Linux ``PR_SET_PDEATHSIG``; set in the forked child before
+      ``exec``). Leave it off when calling from a multi-threaded process
+      such as one running JAX, where running Python code between fork and
+      exec is unsafe; then rely on :meth:`wait`'s timeout and :meth:`stop`.
 
   Example:
     >>> import sys
     >>> from fsdp_jax.launch import WorkerGroup, worker_env
     >>> envs = [worker_env(rank=r, world_size=2, local_rank=r, local_world_size=2,
     ...                    master_addr="127.0.0.1", master_port=1) for r in (0, 1)]
-    >>> group = WorkerGroup([sys.executable, "-c", "pass"], envs).start()
+    >>> group = WorkerGroup([sys.executable, "-c", "pass"], envs,
+    ...                     die_with_parent=False).start()
     >>> [r.returncode for r in group.wait(timeout=60)]
     [0, 0]
   """
 
   def __init__(self, cmd: Sequence[str], envs: Sequence[dict],
                ranks: Optional[Sequence[int]] = None, *, log_dir: Optional[str] = None,
-               stdout=None, stderr=None, cwd: Optional[str] = None):
+               stdout=None, stderr=None, cwd: Optional[str] = None,
+               die_with_parent: bool = True):
     self.cmd = list(cmd)
     self.envs = list(envs)
     self.ranks = list(ranks) if ranks is not None else [int(e.get("RANK", i)) for i, e in enumerate(envs)]
     self.log_dir = log_dir
     self.stdout, self.stderr, self.cwd = stdout, stderr, cwd
+    self.die_with_parent = die_with_parent and sys.platform.startswith("linux")
     self.procs: list[subprocess.Popen] = []
     self._files = []
     self.first_failure: Optional[WorkerResult] = None
     self._stopped: set[int] = set()
     self.interrupt_signal = signal.SIGTERM  # what wait() sends if interrupted
+    self._ended: dict[int, float] = {}
 
   def start(self) -> "WorkerGroup":
     for local, env in enumerate(self.envs):
@@ -190,12 +209,18 @@ class WorkerGroup:
       self.procs.append(subprocess.Popen(
           self.cmd, env=env, cwd=self.cwd, stdout=stdout, stderr=stderr,
           start_new_session=True,
-          preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None))
+          preexec_fn=_die_with_parent if self.die_with_parent else None))
     return self
 
   def results(self) -> list[WorkerResult]:
-    return [WorkerResult(self.ranks[i], i, p.pid, p.poll(), i in self._stopped)
-            for i, p in enumerate(self.procs)]
+    out = []
+    for i, p in enumerate(self.procs):
+      code = p.poll()
+      if code is not None and i not in self._ended:
+        self._ended[i] = time.time()
+      out.append(WorkerResult(self.ranks[i], i, p.pid, code, i in self._stopped,
+                              self._ended.get(i)))
+    return out
 
   def poll(self) -> Optional[WorkerResult]:
     """Returns the first worker seen failing (non-zero status), if any."""
@@ -207,7 +232,7 @@ class WorkerGroup:
     return self.first_failure
 
   def running(self) -> bool:
-    return any(p.poll() is None for p in self.procs)
+    return any(r.returncode is None for r in self.results())
 
   def signal_all(self, sig: int) -> None:
     for i, p in enumerate(self.procs):

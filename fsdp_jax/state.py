@@ -362,6 +362,20 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
     raise TypeError("optimizer must be an optax.GradientTransformation "
                     f"(e.g. optax.adam(1e-3)); got {type(optimizer).__name__}.")
   init_args = () if rng is None else (rng,)
+  if config.sync_module_states and jax.process_count() > 1:
+    # PyTorch's sync_module_states: every process starts from process 0's
+    # parameters (and model state, and init rng).
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    if params is not None:
+      params = multihost_utils.broadcast_one_to_all(params)
+    if model_state is not None:
+      model_state = multihost_utils.broadcast_one_to_all(model_state)
+    if rng is not None:
+      data = multihost_utils.broadcast_one_to_all(jax.random.key_data(rng)
+                                                  if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key)
+                                                  else rng)
+      rng = jax.random.wrap_key_data(data) if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key) else data
+      init_args = (rng,)
   captured = {}
   if init_fn is not None:
     abstract, captured = _eval_shape_capturing(init_fn, *init_args)

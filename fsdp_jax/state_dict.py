@@ -213,6 +213,9 @@ def place(x, sharding: NamedSharding, *, shape, dtype):
   ``sharding`` with ``dtype``. Host values are sliced per device
   (``make_array_from_callback``: no device ever holds more than its shard)."""
   if isinstance(x, jax.Array):
+    default = sharding.mesh.devices.flat[0].default_memory().kind
+    if getattr(x.sharding, "memory_kind", None) not in (None, default):
+      x = jax.device_put(x, x.sharding.with_memory_kind(default))  # off pinned host first
     y = x if _on_devices(x, sharding.mesh) else jax.device_put(x, sharding)
     if y.dtype != dtype:
       y = y.astype(dtype)
@@ -353,10 +356,9 @@ def opt_layout(plan: Plan, opt_state) -> OptLayout:
   def is_mirror(x):
     if _is_masked(x) or x is None:
       return False
-    try:
-      parts = sdef.flatten_up_to(x)
-    except (ValueError, TypeError):
+    if jax.tree.structure(x, is_leaf=_is_masked) != sdef:
       return False
+    parts = sdef.flatten_up_to(x)
     arrays = [p for p in parts if not _is_masked(p)]
     if not arrays:
       return False

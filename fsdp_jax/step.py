@@ -87,7 +87,8 @@ def shard_train_step(loss_fn: Callable[..., Any],
                      optimizer: optax.GradientTransformation, *, mesh: Mesh,
                      config: FSDPConfig, max_norm: Optional[float] = None,
                      norm_type: float = 2.0, gradient_accumulation_steps: int = 1,
-                     accumulation: str = "no_sync", donate: bool = True):
+                     accumulation: str = "no_sync", forward_inputs=None,
+                     donate: bool = True):
   """Builds a jitted FSDP train step ``step(state, batch) -> (state, metrics)``.
 
   ``loss_fn(params, batch)`` is any pure JAX function of the **full, original**
@@ -128,6 +129,10 @@ def shard_train_step(loss_fn: Callable[..., Any],
     accumulation: ``"no_sync"`` (accumulate full local gradients, reduce once:
       PyTorch's ``no_sync()``) or ``"sharded"`` (reduce-scatter every
       microbatch into a sharded accumulator; less memory).
+    forward_inputs: top-level batch keys that are the model's forward inputs.
+      Under ``MixedPrecision(cast_root_forward_inputs=True)`` only their
+      floating leaves are cast to ``param_dtype`` (PyTorch casts the model's
+      arguments, not the loss targets); default: every floating batch leaf.
     donate: donate the input state's buffers to the output (default True).
 
   Returns:
@@ -173,7 +178,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
     plan = state.plan
     check_batch(plan, batch)
     if gradient_accumulation_steps > 1:
-      grads_lib._microbatches(  # pylint: disable=protected-access
+      grads_lib.check_microbatches(
           jax.tree.map(lambda x: jax.ShapeDtypeStruct(
               (x.shape[0] // plan.axes.world_size,) + x.shape[1:], x.dtype), batch),
           gradient_accumulation_steps)
@@ -183,7 +188,8 @@ def shard_train_step(loss_fn: Callable[..., Any],
     h_specs = jax.tree.map(lambda _: grads_lib.hook_state_spec(plan), state.comm_hook_state)
     vg = grads_lib.value_and_grad(loss_fn, plan=plan,
                                   gradient_accumulation_steps=gradient_accumulation_steps,
-                                  accumulation=accumulation)
+                                  accumulation=accumulation,
+                                  forward_inputs=forward_inputs)
     data_axes = plan.axes.data_axes
 
     def body(params, opt_state, model_state, hook_state, batch_local):
