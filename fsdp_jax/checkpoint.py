@@ -556,7 +556,18 @@ def import_params(directory, *, sharding: Optional[jax.sharding.Sharding] = None
       or a replicated ``NamedSharding``) places every leaf with it.
 
   Returns the tree; pass it to ``fsdp_jax.init_train_state(params=...)`` or
-  to a model's ``apply``. See :func:`export_params` for an example.
+  to a model's ``apply``.
+
+  Example:
+    >>> import os, tempfile, jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> from fsdp_jax.checkpoint import export_params, import_params
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.arange(4.0)},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> path = export_params(state, os.path.join(tempfile.mkdtemp(), "export"))
+    >>> one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> import_params(path, sharding=one_device)["w"].tolist()
+    [0.0, 1.0, 2.0, 3.0]
   """
   path = os.path.abspath(os.fspath(directory))
   item = os.path.join(path, "params")
@@ -577,7 +588,7 @@ def import_params(directory, *, sharding: Optional[jax.sharding.Sharding] = None
       restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
       return ckptr.restore(item, args=ocp.args.PyTreeRestore(item=abstract,
                                                              restore_args=restore_args))
-  except (FileNotFoundError, TypeError) as e:
+  except (FileNotFoundError, TypeError):
     raise
   except Exception as e:
     raise CheckpointError(f"import_params: cannot read {item}: {type(e).__name__}: "

@@ -22,6 +22,8 @@ from jax import lax
 from jax._src import core as jax_core
 from jax.extend.core import Literal
 
+from fsdp_jax import collectives
+
 _INLINE = ("pjit", "jit", "closed_call", "core_call")
 
 
@@ -139,6 +141,12 @@ def _scan_pushdown(eqn, lazy, g: Gatherer, read, write) -> bool:
     outs = eval_with_gathers(body_jaxpr, body_consts, [*consts, *carry, *xs_full], {}, g)
     return outs[:num_carry], outs[num_carry:]
 
+  # The rebuilt body is rematerialised with the resharding policy: without it
+  # the backward loop would read every layer's gathered parameters saved by
+  # the forward loop (the whole stack, gathered). With it, the backward loop
+  # re-gathers one layer per iteration. SHARD_GRAD_OP is unchanged (the
+  # policy saves its gathers).
+  body = jax.checkpoint(body, policy=collectives.remat_policy, prevent_cse=False)
   carry_out, ys = lax.scan(body, init, (xs_plain, unit_locals), length=length,
                            reverse=p["reverse"], unroll=p["unroll"])
   for v, o in zip(eqn.outvars, [*carry_out, *ys]):

@@ -134,7 +134,7 @@ def _eval_shape_capturing(fn, *args, **kwargs):
   try:
     import flax.linen as nn
   except ImportError:  # pragma: no cover
-    return jax.eval_shape(fn, *args, **kwargs), captured
+    return jax.eval_shape(lambda *a, **k: fn(*a, **k), *args, **kwargs), captured
 
   def interceptor(next_fun, a, kw, context):
     mod = context.module
@@ -143,8 +143,10 @@ def _eval_shape_capturing(fn, *args, **kwargs):
       captured.setdefault((collection,) + path, type(mod))
     return next_fun(*a, **kw)
 
+  # A fresh function object each time: eval_shape caches traces per function,
+  # and a cached trace would skip the interceptor.
   with nn.intercept_methods(interceptor):
-    shapes = jax.eval_shape(fn, *args, **kwargs)
+    shapes = jax.eval_shape(lambda *a, **k: fn(*a, **k), *args, **kwargs)
   return shapes, captured
 
 
@@ -181,6 +183,16 @@ def _matches_class(cls, specs) -> bool:
   return False
 
 
+def _align_module_paths(module_types: dict, paths) -> dict:
+  """Module classes are captured under the ``"params"`` collection; when the
+  tree is the params collection itself, drop that prefix."""
+  if not module_types or any(p and p[0] == "params" for p in paths):
+    return module_types
+  if all(k and k[0] == "params" for k in module_types):
+    return {k[1:]: v for k, v in module_types.items()}
+  return module_types
+
+
 def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
                module_types: Optional[dict] = None, requires_grad=None,
                model_state=None) -> Plan:
@@ -197,7 +209,7 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
       raise TypeError(f"Parameter {'.'.join(p)!r} is a {type(x).__name__}, not an "
                       "array; the parameter tree must hold arrays only.")
   numels = [int(np.prod(x.shape, dtype=np.int64)) for x in flat]
-  module_types = module_types or {}
+  module_types = _align_module_paths(module_types or {}, paths)
   mp = config.mixed_precision
   full_precision_nodes = ()
   if mp is not None and config.auto_wrap_policy is not None:
@@ -410,7 +422,11 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
       model_state = jax.tree.map(
           lambda x: jnp.asarray(x).astype(mp.buffer_dtype) if is_float_dtype(jnp.result_type(x))
           else jnp.asarray(x), model_state)
-    model_state = jax.device_put(model_state, replicated)
+    # The state owns its buffers: the step donates them, and the caller's
+    # arrays must survive that. (device_put would alias the caller's buffer
+    # on the first device even with may_alias=False; a jitted copy does not.)
+    model_state = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
+                          out_shardings=replicated)(model_state)
   return ShardedTrainState(step=step, params=storage, opt_state=opt_state,
                            model_state=model_state,
                            comm_hook_state=_init_hook_state(plan), plan=plan)

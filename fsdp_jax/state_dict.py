@@ -250,8 +250,12 @@ def _unpack_fn(plan: Plan, unit_index: int, ids: tuple, replicated: bool):
 @functools.lru_cache(maxsize=None)
 def _pack_fn(plan: Plan, unit_index: int, ids: tuple, dtypes: tuple):
   unit = _sub_unit(plan, plan.units[unit_index], ids)
-  sh = NamedSharding(plan.mesh, plan.spec_for(unit))
-  out = {i: sh for i in ids} if plan.use_orig_params else {"flat": sh}
+  shardings = plan.storage_shardings()  # the state's own shardings (and memory kinds)
+  if plan.use_orig_params:
+    by_leaf = jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    out = {i: by_leaf[i] for i in ids}
+  else:
+    out = {"flat": shardings[unit.flat_key]}
 
   def pack(leaves):
     leaves = {i: leaves[i].astype(d) for i, d in zip(ids, dtypes)}
@@ -519,7 +523,10 @@ def state_dict(state: ShardedTrainState, *,
     out[LOCAL_METADATA_KEY] = _local_metadata(plan)
     return out
   full = kind is StateDictType.FULL_STATE_DICT
-  post = (_to_host if full else _to_pinned) if offload_to_cpu else None
+  dropped = full and rank0_only and jax.process_index() != 0
+  post = (_to_host if full else _to_pinned) if offload_to_cpu and not dropped else None
+  # Every process runs the gathers (they are collectives); only the kept
+  # values are copied to host.
   leaves = storage_to_leaves(plan, state.params, replicated=full, post=post)
   for i, name in enumerate(names):
     out[name] = leaves[i]
@@ -528,9 +535,7 @@ def state_dict(state: ShardedTrainState, *,
       raise ValueError(f"Buffer {name!r} has the same dotted name as a parameter; "
                        "rename one of them.")
     out[name] = post(x) if post is not None else x
-  if full and rank0_only and jax.process_index() != 0:
-    return {}
-  return out
+  return {} if dropped else out
 
 
 def _mismatch_error(title: str, missing, unexpected, sizes, fix: str) -> ValueError:
@@ -800,11 +805,10 @@ def optim_state_dict(state: ShardedTrainState, *,
   if kind is StateDictType.LOCAL_STATE_DICT:
     return _optim_local(state, offload=offload_to_cpu)
   full = kind is StateDictType.FULL_STATE_DICT
-  post = (_to_host if full else _to_pinned) if offload_to_cpu else None
+  dropped = full and rank0_only and jax.process_index() != 0
+  post = (_to_host if full else _to_pinned) if offload_to_cpu and not dropped else None
   out = _optim_named(state, replicated=full, post=post)
-  if full and rank0_only and jax.process_index() != 0:
-    return {}
-  return out
+  return {} if dropped else out
 
 
 def full_optim_state_dict(state: ShardedTrainState, *, rank0_only: bool = True) -> dict:
