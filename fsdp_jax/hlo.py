@@ -82,3 +82,34 @@ def summarize(hlo_text: str) -> dict[str, dict[str, int]]:
     d["operands"] += len(c.shapes)
     d["bytes"] += c.bytes
   return out
+
+
+_WHILE = re.compile(r"\bwhile\(.*?\bbody=%?([\w.\-]+)")
+_CALLS = re.compile(r"\b(?:to_apply|calls|body|condition|branch_computations)=\{?%?([\w.\-, %]+)\}?")
+
+
+def loop_bodies(hlo_text: str) -> set[str]:
+  """Names of the computations that run inside a ``while`` loop: the loop
+  bodies and everything they call."""
+  calls: dict[str, set[str]] = {}
+  comp = ""
+  bodies: set[str] = set()
+  for line in hlo_text.splitlines():
+    c = _COMP.match(line)
+    if c and line.rstrip().endswith("{") and " = " not in line:
+      comp = c.group(1)
+      continue
+    for m in _WHILE.finditer(line):
+      bodies.add(m.group(1))
+    for m in _CALLS.finditer(line):
+      for name in m.group(1).replace("%", "").split(","):
+        if name.strip():
+          calls.setdefault(comp, set()).add(name.strip())
+  out, todo = set(), list(bodies)
+  while todo:
+    name = todo.pop()
+    if name in out:
+      continue
+    out.add(name)
+    todo.extend(calls.get(name, ()))
+  return out
