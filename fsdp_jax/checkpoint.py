@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +64,11 @@ def _leaf_desc(x) -> dict:
 
 
 def _other_fields(state) -> list[str]:
-  return [f for f in sd.data_fields(state) if f not in (sd.PARAMS, sd.OPT_STATE)]
+  """Data fields other than params/opt_state that hold at least one leaf (an
+  empty field, e.g. ``model_state=None``, is neither saved nor compared, so
+  states that differ only in unused fields restore into each other)."""
+  return [f for f in sd.data_fields(state) if f not in (sd.PARAMS, sd.OPT_STATE)
+          and jax.tree_util.tree_leaves(getattr(state, f))]
 
 
 def _field_leaves(value):

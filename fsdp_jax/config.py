@@ -128,8 +128,10 @@ class FSDPConfig:
       :mod:`fsdp_jax.wrap`); ``None`` makes the whole tree one root unit.
     backward_prefetch: ``BackwardPrefetch.BACKWARD_PRE`` (default).
     mixed_precision: a :class:`MixedPrecision` or ``None`` (full precision).
-    ignored_states: parameter paths (dotted names, glob patterns allowed) that
-      are not managed by FSDP.
+    ignored_states: dotted names (glob patterns allowed) of parameters or
+      subtrees FSDP does not manage (PyTorch ``ignored_states``): they are not
+      sharded and never gathered; every device keeps its own full copy and
+      updates it with its own, unreduced gradient, as each PyTorch rank does.
     sync_module_states: with several processes, every process starts from
       process 0's parameters, model state and init rng (broadcast at
       ``init_train_state``).
@@ -188,8 +190,6 @@ class FSDPConfig:
     unsupported = []
     if self.cpu_offload is not None and self.cpu_offload.offload_params:
       unsupported.append("cpu_offload=CPUOffload(offload_params=True)")
-    if self.ignored_states:
-      unsupported.append("ignored_states")
     if self.backward_prefetch not in (BackwardPrefetch.BACKWARD_PRE,):
       unsupported.append(f"backward_prefetch={self.backward_prefetch}")
     if self.forward_prefetch:

@@ -49,6 +49,8 @@ Environment variables read by :func:`initialize` (the launcher sets them):
                           declared lost (default 30)
 ``FSDP_JAX_INIT_TIMEOUT`` seconds to wait for all processes to connect
                           (default 300)
+``FSDP_JAX_SHUTDOWN_TIMEOUT``  seconds a finished process waits at exit for
+                          the others before JAX ends the job (default 300)
 ``FSDP_JAX_LAUNCHED``     ``1`` when started by ``python -m fsdp_jax.launch``
 ========================  ====================================================
 
@@ -102,6 +104,7 @@ EXIT_PEER_LOST = 75
 
 DEFAULT_PEER_TIMEOUT = 30.0
 DEFAULT_INIT_TIMEOUT = 300
+DEFAULT_SHUTDOWN_TIMEOUT = 300  # JAX's default
 DEFAULT_BARRIER_TIMEOUT = 1800.0  # PyTorch's default process-group timeout
 HEARTBEAT_INTERVAL = 1.0
 
@@ -431,15 +434,20 @@ def initialize(*, coordinator_address: Optional[str] = None,
   # -- start jax.distributed
   if source == "cluster" or world > 1:
     kwargs = dict(initialization_timeout=int(initialization_timeout),
-                  heartbeat_timeout_seconds=int(peer_timeout) + 20)
+                  heartbeat_timeout_seconds=int(peer_timeout) + 20,
+                  shutdown_timeout_seconds=_env_int("FSDP_JAX_SHUTDOWN_TIMEOUT",
+                                                    DEFAULT_SHUTDOWN_TIMEOUT))
     if source == "cluster":
       what = f"JAX's cluster detection ({cluster_detection_method or _cluster_env()})"
       args = dict(cluster_detection_method=cluster_detection_method,
                   local_device_ids=local_device_ids)
     else:
       what = f"the coordinator at {address}"
+      # "deactivate": the launcher's ranks win over a surrounding SLURM/MPI
+      # job (whose variables would otherwise also pick the visible GPUs).
       args = dict(coordinator_address=address, num_processes=world, process_id=rank,
-                  local_device_ids=local_device_ids)
+                  local_device_ids=local_device_ids,
+                  cluster_detection_method="deactivate")
     try:
       jax.distributed.initialize(**args, **kwargs)
     except Exception as e:
@@ -573,6 +581,9 @@ class _Watchdog(threading.Thread):
     self._stop_event = threading.Event()
     self._finished = False
     self.failed = False
+    self.shutdown_timeout = _env_int("FSDP_JAX_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT)
+    self._done_since: dict[int, float] = {}
+    self._warned_done: set[int] = set()
 
   def stop(self):
     self._stop_event.set()
@@ -595,16 +606,30 @@ class _Watchdog(threading.Thread):
     except Exception:  # someone else failed first, or the service is gone
       pass
 
-  def wait_for_abort(self, seconds: float) -> Optional[str]:
-    """The failure another process published, waiting up to ``seconds``."""
+  def wait_for_cause(self, seconds: float, finished_peers: bool = False) -> Optional[str]:
+    """The failure another process published, waiting up to ``seconds``.
+
+    With ``finished_peers``, processes that already exited normally also
+    count as the cause (a collective with a process that is gone cannot
+    complete: it stopped early, e.g. ``sys.exit`` or fewer steps).
+    """
     deadline = time.monotonic() + seconds
     while True:
       try:
         abort = self.client.key_value_dir_get(_ABORT)
+        done = (sorted(int(k.rsplit("/", 1)[-1]) for k, _ in self.client.key_value_dir_get(_DONE))
+                if finished_peers else [])
       except Exception:
-        abort = None
+        abort, done = None, []
       if abort:
         return abort[0][1]
+      done = [r for r in done if r != self.info.rank]
+      if done:
+        who = "; ".join(describe_process(r, self.info.world_size, self.client) for r in done)
+        return (f"{who} exited (end of its script, or sys.exit) while process "
+                f"{self.info.rank} still needed it in a collective: the processes "
+                "ran different numbers of steps or collectives, or that process "
+                "stopped early on an error it handled itself.")
       if time.monotonic() >= deadline:
         return None
       time.sleep(min(0.2, self.interval))
@@ -637,6 +662,34 @@ class _Watchdog(threading.Thread):
       pass
     os._exit(EXIT_PEER_LOST)
 
+  def _check_finished_peers(self, done: set, now: float) -> None:
+    """Warns once when peers finished ``peer_timeout`` ago and this process
+    still runs: if it waits in a collective for them, it hangs until JAX's
+    shutdown timeout (the classic uneven-number-of-batches bug)."""
+    if self._finished:
+      return
+    for r in done:
+      self._done_since.setdefault(int(r), now)
+    late = sorted(r for r, t in self._done_since.items()
+                  if r != self.info.rank and now - t > self.peer_timeout
+                  and r not in self._warned_done)
+    if not late:
+      return
+    self._warned_done.update(late)
+    who = "; ".join(describe_process(r, self.info.world_size, self.client) for r in late)
+    try:
+      sys.stderr.write(
+          f"fsdp_jax.distributed: warning: {who} finished more than "
+          f"{self.peer_timeout:g} s ago while process {self.info.rank} still runs. "
+          "If this process is waiting in a collective (a train step), it waits "
+          "for a process that is gone: the processes ran different numbers of "
+          "steps (uneven data per process?) or that process stopped early. JAX "
+          f"ends the job after its shutdown timeout ({self.shutdown_timeout} s, "
+          "FSDP_JAX_SHUTDOWN_TIMEOUT).\n")
+      sys.stderr.flush()
+    except Exception:
+      pass
+
   def run(self):
     rank, world = self.info.rank, self.info.world_size
     counter = 0
@@ -655,9 +708,11 @@ class _Watchdog(threading.Thread):
             # few heartbeats to read the message before it goes away.
             time.sleep(3 * self.interval)
           self.die(abort[0][1])
+        if rank == 0 or counter % 5 == 0:
+          done = {k.rsplit("/", 1)[-1] for k, _ in self.client.key_value_dir_get(_DONE)}
+          self._check_finished_peers(done, now)
         if rank == 0:
           beats = dict(self.client.key_value_dir_get(_HB))
-          done = {k.rsplit("/", 1)[-1] for k, _ in self.client.key_value_dir_get(_DONE)}
           lost = []
           for peer in range(1, world):
             value = beats.get(f"{_HB}{peer}")
@@ -713,8 +768,9 @@ def _start_watchdog(info: DistributedInfo, peer_timeout: float) -> None:
     # A collective that fails because a peer died ("Gloo AllGather failed:
     # ... Connection reset by peer") is a consequence, not the cause: give the
     # watchdog time to name the lost process before blaming this one.
-    wait = wd.peer_timeout + 4 * wd.interval if _is_communication_error(exc) else 0.0
-    cause = wd.wait_for_abort(wait)
+    comm = _is_communication_error(exc)
+    wait = wd.peer_timeout + 4 * wd.interval if comm else 0.0
+    cause = wd.wait_for_cause(wait, finished_peers=comm)
     if cause is not None:
       wd.die(cause, consequence=own, stack=False)
     wd.publish_failure(

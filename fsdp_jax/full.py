@@ -23,7 +23,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fsdp_jax import grads as grads_lib
 from fsdp_jax import layout
-from fsdp_jax.state import ShardedTrainState, assemble_storage, unpack_all
+from fsdp_jax.state import (ShardedTrainState, assemble_storage, ignored_storage,
+                            pack_ignored, unpack_all)
 
 
 def _to_host(tree):
@@ -123,7 +124,7 @@ def write_full_params(state: ShardedTrainState, fn: Callable[[Any], Any], *,
     new_leaves = jax.tree_util.tree_leaves(new)
     packed = {u.index: layout.pack_unit(plan, u, {i: new_leaves[i] for i in u.leaf_ids})
               for u in plan.units}
-    return assemble_storage(plan, packed)
+    return assemble_storage(plan, packed, pack_ignored(plan, new_leaves))
 
   new_params = jax.jit(run, out_shardings=shardings)(state.params)
   return state.replace(params=new_params)
@@ -181,7 +182,17 @@ def apply(state: ShardedTrainState, fn: Callable[[str, Any], Any]) -> ShardedTra
       return layout.pack_unit(plan, unit, new)
 
     per_unit[unit.index] = jax.jit(run, out_shardings=out_sh)(arrays)
-  return state.replace(params=assemble_storage(plan, per_unit))
+  ignored = {}
+  if plan.ignored_leaves:
+    # Ignored leaves: fn sees the first device's copy; every device gets the result.
+    ign_sh = NamedSharding(plan.mesh, plan.ignored_spec())
+
+    def run_ignored(copies):
+      return {i: jax.numpy.broadcast_to(fn(plan.leaves[i].name, x[0])[None], x.shape)
+              for i, x in copies.items()}
+
+    ignored = jax.jit(run_ignored, out_shardings=ign_sh)(ignored_storage(plan, storage))
+  return state.replace(params=assemble_storage(plan, per_unit, ignored))
 
 
 def sharded_grads(loss_fn: Callable, state: ShardedTrainState, batch):

@@ -65,6 +65,7 @@ def split_trainable(plan: Plan, params):
   """
   if not plan.use_orig_params:
     frozen_keys = {u.flat_key for u in plan.units if u not in plan.trainable_units}
+    frozen_keys |= {plan.ignored_key(l) for l in plan.ignored_leaves if l.frozen}
     return ({k: v for k, v in params.items() if k not in frozen_keys},
             {k: v for k, v in params.items() if k in frozen_keys})
   leaves = jax.tree_util.tree_leaves(params)
@@ -77,8 +78,8 @@ def split_trainable(plan: Plan, params):
 def merge_trainable(plan: Plan, trainable, frozen):
   """Inverse of :func:`split_trainable`."""
   if not plan.use_orig_params:
-    return {u.flat_key: (trainable if u in plan.trainable_units else frozen)[u.flat_key]
-            for u in plan.units}
+    out = {**frozen, **trainable}
+    return {k: out[k] for k in sorted(out)}
   t = iter(jax.tree_util.tree_leaves(trainable))
   f = iter(jax.tree_util.tree_leaves(frozen))
   leaves = [next(f) if l.frozen else next(t) for l in plan.leaves]
@@ -99,6 +100,8 @@ def _cast_floats(tree, dtype, only=None):
   """Casts floating leaves to ``dtype``; with ``only`` (top-level keys), just
   the leaves under those keys."""
   def cast(path, x):
+    if not hasattr(x, "dtype"):
+      return x
     if only is not None:
       top = path[0] if path else None
       key = getattr(top, "key", getattr(top, "idx", getattr(top, "name", None)))
@@ -109,6 +112,8 @@ def _cast_floats(tree, dtype, only=None):
 
 
 def _compute_dtype(plan: Plan, leaf):
+  if leaf.ignored:  # not managed by FSDP: no mixed precision either
+    return jnp.dtype(leaf.dtype)
   mp = plan.mixed_precision(plan.units[leaf.unit])
   if mp is not None and mp.param_dtype is not None and is_float_dtype(leaf.dtype):
     return jnp.dtype(mp.param_dtype)
@@ -154,6 +159,33 @@ def check_loss_output(out_shape, with_model_state: bool):
       + ". Fix: reduce it, e.g. `return jnp.mean(per_example_loss)`.")
 
 
+def _cast_unit_inputs(plan: Plan):
+  """PyTorch's ``cast_forward_inputs`` for non-root units: while ``loss_fn``
+  is traced, a Flax linen module that is a unit whose MixedPrecision has
+  ``cast_forward_inputs=True`` gets its floating arguments cast to that unit's
+  ``param_dtype``. (Other frameworks need no cast: JAX promotes mixed dtypes
+  where PyTorch would raise.)"""
+  import contextlib  # pylint: disable=import-outside-toplevel
+  casting = {}
+  for unit in plan.units:
+    mp = plan.mixed_precision(unit)
+    if not unit.is_root and mp is not None and mp.cast_forward_inputs and mp.param_dtype is not None:
+      casting[unit.name] = mp.param_dtype
+  if not casting:
+    return contextlib.nullcontext()
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+
+  def interceptor(next_fun, args, kwargs, context):
+    if context.method_name == "__call__":
+      path = ".".join(str(p) for p in context.module.path)
+      dtype = casting.get(path, casting.get(f"params.{path}"))
+      if dtype is not None:
+        args, kwargs = _cast_floats((args, kwargs), dtype)
+    return next_fun(*args, **kwargs)
+
+  return nn.intercept_methods(interceptor)
+
+
 def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
   """``local(params, batch, model_state, probes) -> LossOutput``.
 
@@ -180,7 +212,8 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
       batch = _cast_floats(batch, mp_root.param_dtype, forward_inputs)
     structs = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
     args = (full_structs, structs(batch)) + ((structs(model_state),) if with_model_state else ())
-    closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
+    with _cast_unit_inputs(plan):
+      closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
     has_aux = check_loss_output(out_shape, with_model_state)
     storage = jax.tree_util.tree_leaves(params) if plan.use_orig_params else params
 
@@ -206,10 +239,16 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
           out[i] = v + probe_of[i] if i in probe_of else v
       return out
 
+    # Ignored leaves are read straight from this device's own copy.
+    direct = {}
+    for l in plan.ignored_leaves:
+      x = (storage[l.index] if plan.use_orig_params else storage[plan.ignored_key(l)])[0]
+      direct[l.index] = x + probes[l.index] if probes is not None and l.index in probes else x
     g = schedule.Gatherer(
         gather_unit=lambda u: gather_arrays(u, unit_locals(u)),
         gather_layer=gather_arrays,
-        leaf_unit={l.index: l.unit for l in plan.leaves},
+        leaf_unit={l.index: l.unit for l in plan.leaves if not l.ignored},
+        direct=direct,
         stacked_units={u.index for u in plan.units if u.stacked},
         unit_layers={u.index: u.num_layers for u in plan.units},
         unit_storage=unit_locals)
@@ -249,6 +288,8 @@ def _probe_shapes(plan: Plan) -> dict:
 def _acc_dtype(plan: Plan, leaf):
   """Unreduced gradients accumulate in the unit's ``reduce_dtype``, at least
   float32 (a 16-bit accumulator would lose the small microbatch terms)."""
+  if leaf.ignored:
+    return jnp.promote_types(leaf.dtype, jnp.float32)
   spec = layout.gather_specs(plan, plan.units[leaf.unit])[0][1]
   return jnp.promote_types(spec.reduce_dtype, jnp.float32)
 
@@ -278,10 +319,18 @@ def reduce_full_grads(plan: Plan, full_grads: dict, hook_state=None):
       reduced = collectives.finish_gradient(reduced, spec, spec.stored_dtype)
       for k, v in layout.split_local_buffer(plan, group, reduced).items():
         local[(unit.index, k)] = v
+  # Ignored leaves: this device's own gradient, not reduced.
+  for l in plan.ignored_leaves:
+    if not l.frozen:
+      local[("ignored", l.index)] = full_grads[l.index][None].astype(l.dtype)
   if plan.use_orig_params:
-    leaves = [None if l.frozen else local[(l.unit, l.index)] for l in plan.leaves]
+    leaves = [None if l.frozen else local[("ignored", l.index) if l.ignored else (l.unit, l.index)]
+              for l in plan.leaves]
     return jax.tree_util.tree_unflatten(plan.treedef, leaves), new_hook_state
-  return {u.flat_key: local[(u.index, "flat")] for u in plan.trainable_units}, new_hook_state
+  out = {u.flat_key: local[(u.index, "flat")] for u in plan.trainable_units}
+  out.update({plan.ignored_key(l): local[("ignored", l.index)]
+              for l in plan.ignored_leaves if not l.frozen})
+  return {k: out[k] for k in sorted(out)}, new_hook_state
 
 
 def hook_key(unit, group_index: int) -> str:
@@ -432,6 +481,15 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
 # Clipping
 
 
+def _ignored_flags(plan: Plan):
+  """A tree shaped like the stored params: True at ignored leaves."""
+  if plan.use_orig_params:
+    return jax.tree_util.tree_unflatten(plan.treedef, [l.ignored for l in plan.leaves])
+  out = {u.flat_key: False for u in plan.units}
+  out.update({plan.ignored_key(l): True for l in plan.ignored_leaves})
+  return out
+
+
 def _grad_dtypes(plan: Plan):
   """The dtype PyTorch's gradients would have per trainable leaf: the reduce
   dtype with ``keep_low_precision_grads``, else the stored dtype."""
@@ -440,6 +498,7 @@ def _grad_dtypes(plan: Plan):
     for group, spec in layout.gather_specs(plan, unit):
       d = spec.reduce_dtype if spec.keep_low_precision_grads else spec.stored_dtype
       out.extend(jnp.dtype(d) for i in group if not plan.leaves[i].frozen)
+  out.extend(jnp.dtype(l.dtype) for l in plan.ignored_leaves if not l.frozen)
   return out
 
 
@@ -463,14 +522,23 @@ def clip_grad_norm(grads, *, plan: Plan, max_norm: float, norm_type: float = 2.0
                      "(PyTorch clips to a norm > 0).")
   if not (norm_type > 0):
     raise ValueError(f"clip_grad_norm: norm_type={norm_type} must be > 0 or inf.")
-  leaves = [x for x in jax.tree.leaves(grads)]
+  leaves = jax.tree.leaves(grads)
+  is_ignored = jax.tree.leaves(split_trainable(plan, _ignored_flags(plan))[0])
+  sharded = [x for x, ign in zip(leaves, is_ignored) if not ign]
+  own = [x for x, ign in zip(leaves, is_ignored) if ign]
   axes = plan.axes.shard_axes
+  zero = jnp.zeros((), jnp.float32)
+  # Sharded gradients are summed over the shard axes; ignored parameters'
+  # gradients are this device's own and count once (PyTorch adds the local
+  # non-sharded norm after the all-reduce).
   if math.isinf(norm_type):
-    local = jnp.max(jnp.stack([jnp.max(jnp.abs(x.astype(jnp.float32))) for x in leaves]))
-    total = lax.pmax(local, axes) if axes else local
+    amax = lambda xs: jnp.max(jnp.stack([zero] + [jnp.max(jnp.abs(x.astype(jnp.float32))) for x in xs]))
+    local = amax(sharded)
+    total = jnp.maximum(lax.pmax(local, axes) if axes else local, amax(own))
   else:
-    local = sum(jnp.sum(jnp.abs(x.astype(jnp.float32)) ** norm_type) for x in leaves)
-    total = (lax.psum(local, axes) if axes else local) ** (1.0 / norm_type)
+    psum_ = lambda xs: sum((jnp.sum(jnp.abs(x.astype(jnp.float32)) ** norm_type) for x in xs), zero)
+    local = psum_(sharded)
+    total = ((lax.psum(local, axes) if axes else local) + psum_(own)) ** (1.0 / norm_type)
   coef = jnp.minimum(max_norm / (total + 1e-6), 1.0)
   clipped = jax.tree.map(lambda x: (x * coef.astype(x.dtype)).astype(x.dtype), grads)
   dtypes = _grad_dtypes(plan) or [jnp.dtype(jnp.float32)]

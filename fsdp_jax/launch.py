@@ -437,6 +437,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"{n_gpu} GPUs cannot be split evenly over --nproc {args.nproc}; "
                      "pass --devices-per-proc M with nproc * M <= GPUs.")
       devices = n_gpu // args.nproc
+    if not n_gpu and devices is None and args.nproc > 1:
+      parser.error(f"--platform gpu but nvidia-smi lists no GPU, so the {args.nproc} "
+                   "workers cannot be given separate GPUs; pass --devices-per-proc M "
+                   "(worker i gets GPUs i*M..i*M+M-1) or use --platform cpu.")
     if n_gpu and devices is not None and args.nproc * devices > n_gpu:
       parser.error(f"--nproc {args.nproc} x --devices-per-proc {devices} needs "
                    f"{args.nproc * devices} GPUs but nvidia-smi lists {n_gpu}.")

@@ -34,6 +34,7 @@ class LeafSpec:
   unit: int
   layer_shape: tuple[int, ...]
   frozen: bool = False
+  ignored: bool = False
 
   @property
   def numel(self) -> int:
@@ -149,7 +150,21 @@ class Plan:
   def prefix(self, unit: UnitSpec) -> tuple[int, ...]:
     return (unit.num_layers,) if unit.stacked else ()
 
+  @property
+  def ignored_leaves(self) -> tuple[LeafSpec, ...]:
+    return tuple(l for l in self.leaves if l.ignored)
+
+  def ignored_key(self, leaf: LeafSpec) -> str:
+    """Key of an ignored leaf in the flat layout's params dict."""
+    return leaf.name
+
+  def ignored_spec(self) -> P:
+    axes = self.axes.data_axes
+    return P(axes[0] if len(axes) == 1 else axes)
+
   def storage_shape_of_leaf(self, leaf: LeafSpec) -> tuple[int, ...]:
+    if leaf.ignored:
+      return (self.axes.world_size,) + leaf.shape
     unit = self.units[leaf.unit]
     return self.prefix(unit) + (self.n * self.chunk0(leaf),) + leaf.rest
 
@@ -186,11 +201,14 @@ class Plan:
   # ---- storage tree ------------------------------------------------------
   def storage_shardings(self):
     """The sharding of each stored parameter array (the state's params)."""
+    ign = NamedSharding(self.mesh, self.ignored_spec())
     if self.use_orig_params:
-      specs = [NamedSharding(self.mesh, self.spec_for(self.units[l.unit]))
+      specs = [ign if l.ignored else NamedSharding(self.mesh, self.spec_for(self.units[l.unit]))
                for l in self.leaves]
       return jax.tree_util.tree_unflatten(self.treedef, specs)
-    return {u.flat_key: NamedSharding(self.mesh, self.spec_for(u)) for u in self.units}
+    out = {u.flat_key: NamedSharding(self.mesh, self.spec_for(u)) for u in self.units}
+    out.update({self.ignored_key(l): ign for l in self.ignored_leaves})
+    return out
 
   def storage_shapes(self):
     """``jax.ShapeDtypeStruct`` of each stored parameter array."""
@@ -203,6 +221,8 @@ class Plan:
       structs = {u.flat_key: jax.ShapeDtypeStruct(self.storage_shape_of_unit(u),
                                                   self.unit_dtype(u))
                  for u in self.units}
+      structs.update({self.ignored_key(l): jax.ShapeDtypeStruct(
+          self.storage_shape_of_leaf(l), l.dtype) for l in self.ignored_leaves})
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         structs, shard)
 
@@ -249,6 +269,10 @@ class Plan:
     if mp is not None:
       lines.append(f"  mixed precision: param {mp.param_dtype}, reduce "
                    f"{mp.effective_reduce_dtype}, buffers {mp.buffer_dtype}")
+    ignored = [l.name for l in self.ignored_leaves]
+    if ignored:
+      lines.append(f"  ignored (a full copy per device, never gathered, gradients not "
+                   f"reduced): {', '.join(ignored)}")
     frozen = sum(l.frozen for l in self.leaves)
     if frozen:
       lines.append(f"  frozen parameters: {frozen} of {len(self.leaves)} (no gradient, no optimizer state)")

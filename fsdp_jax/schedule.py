@@ -15,7 +15,7 @@ reads one of its parameters.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 from jax import lax
@@ -37,7 +37,7 @@ class Gatherer:
 
   def __init__(self, gather_unit: Callable, gather_layer: Callable,
                leaf_unit: dict, stacked_units: set, unit_layers: dict,
-               unit_storage: Callable):
+               unit_storage: Callable, direct: Optional[dict] = None):
     self._gather_unit = gather_unit
     self._gather_layer = gather_layer
     self.leaf_unit = leaf_unit
@@ -45,8 +45,11 @@ class Gatherer:
     self.unit_layers = unit_layers
     self.unit_storage = unit_storage
     self.cache: dict[int, dict] = {}
+    self.direct = direct or {}  # leaves not managed by any unit
 
   def leaf(self, leaf_id: int):
+    if leaf_id in self.direct:
+      return self.direct[leaf_id]
     u = self.leaf_unit[leaf_id]
     if u not in self.cache:
       self.cache[u] = self._gather_unit(u)
@@ -120,8 +123,8 @@ def _scan_pushdown(eqn, lazy, g: Gatherer, read, write) -> bool:
     if isinstance(v, Literal) or v not in lazy:
       continue
     leaf_id = lazy[v]
-    u = g.leaf_unit[leaf_id]
-    if u in g.stacked_units and u not in g.cache and g.unit_layers[u] == length:
+    u = g.leaf_unit.get(leaf_id)
+    if u is not None and u in g.stacked_units and u not in g.cache and g.unit_layers[u] == length:
       pushed[k] = (u, leaf_id)
   if not pushed:
     return False

@@ -193,6 +193,24 @@ def _align_module_paths(module_types: dict, paths) -> dict:
   return module_types
 
 
+def _ignored_leaves(paths, patterns) -> set:
+  """Leaves named by ``ignored_states`` (a leaf, or any subtree above it)."""
+  import fnmatch  # pylint: disable=import-outside-toplevel
+  out = set()
+  for pattern in patterns:
+    hits = {i for i, p in enumerate(paths)
+            if any(fnmatch.fnmatchcase(".".join(p[:k]), pattern) for k in range(1, len(p) + 1))}
+    if not hits:
+      examples = ", ".join(repr(".".join(p)) for p in paths[:6])
+      raise ValueError(
+          f"ignored_states entry {pattern!r} matches no parameter or subtree; "
+          f"parameters are named by dotted paths such as {examples}. Fix the name.")
+    out |= hits
+  if len(out) == len(paths):
+    raise ValueError("ignored_states covers every parameter: there is nothing for FSDP to shard.")
+  return out
+
+
 def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
                module_types: Optional[dict] = None, requires_grad=None,
                model_state=None) -> Plan:
@@ -210,6 +228,7 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
                       "array; the parameter tree must hold arrays only.")
   numels = [int(np.prod(x.shape, dtype=np.int64)) for x in flat]
   module_types = _align_module_paths(module_types or {}, paths)
+  ignored = _ignored_leaves(paths, config.ignored_states or ())
   mp = config.mixed_precision
   full_precision_nodes = ()
   if mp is not None and config.auto_wrap_policy is not None:
@@ -222,7 +241,8 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
       paths, numels, policy=config.auto_wrap_policy, module_types=module_types,
       sequence_prefixes=_sequence_prefixes(abstract_params),
       stacked_patterns=config.stacked_layers,
-      full_precision_nodes=full_precision_nodes)
+      full_precision_nodes=full_precision_nodes,
+      ignored=sorted(ignored))
   frozen = _frozen_mask(abstract_params, requires_grad)
   leaf_unit = {}
   units = []
@@ -243,6 +263,10 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
                           overrides=c.overrides))
   leaves = []
   for i, (p, x) in enumerate(zip(paths, flat)):
+    if i in ignored:
+      leaves.append(LeafSpec(i, ".".join(p), tuple(x.shape), jnp.dtype(x.dtype), -1,
+                             tuple(x.shape), frozen[i], ignored=True))
+      continue
     u = units[leaf_unit[i]]
     layer_shape = tuple(x.shape[1:]) if u.stacked else tuple(x.shape)
     leaves.append(LeafSpec(i, ".".join(p), tuple(x.shape), jnp.dtype(x.dtype),
@@ -284,18 +308,20 @@ def opt_state_specs(plan: Plan, optimizer: optax.GradientTransformation):
   l = jax.eval_shape(optimizer.init, local_shapes)
   axis = plan.axes.shard_axes
   axis = axis[0] if len(axis) == 1 else axis
+  data_axis = plan.ignored_spec()[0]
 
   def spec(gs, ls):
     if gs.shape == ls.shape:
       return P()
     diff = [d for d, (a, b) in enumerate(zip(gs.shape, ls.shape)) if a != b]
-    if len(diff) != 1 or gs.shape[diff[0]] != ls.shape[diff[0]] * plan.n:
+    ratio = gs.shape[diff[0]] // ls.shape[diff[0]] if len(diff) == 1 else 0
+    if ratio not in (plan.n, plan.axes.world_size) or gs.shape[diff[0]] % ls.shape[diff[0]]:
       raise ValueError(
           f"Optimizer state leaf of global shape {gs.shape} has local shape "
           f"{ls.shape}; fsdp_jax can only shard optimizer state that mirrors "
           "the parameters elementwise.")
     out = [None] * len(gs.shape)
-    out[diff[0]] = axis
+    out[diff[0]] = axis if ratio == plan.n else data_axis
     return P(*out)
 
   return jax.tree.map(spec, g, l), g
@@ -310,7 +336,8 @@ def _local_shape(plan: Plan, shape, spec):
   out = list(shape)
   for d, a in enumerate(spec):
     if a is not None:
-      out[d] //= plan.n
+      names = a if isinstance(a, tuple) else (a,)
+      out[d] //= int(np.prod([plan.mesh.shape[n] for n in names]))
   return tuple(out)
 
 
@@ -409,7 +436,17 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
       packed = jax.jit(lambda xs, unit=unit: layout.pack_unit(plan, unit, xs),
                        out_shardings=out_sharding)({i: flat[i] for i in unit.leaf_ids})
     storage_leaves[unit.index] = packed
-  storage = assemble_storage(plan, storage_leaves)
+  ignored = {}
+  if plan.ignored_leaves:
+    ign_sh = NamedSharding(mesh, plan.ignored_spec())
+    if init_fn is not None:
+      make = lambda *a: pack_ignored(plan, jax.tree_util.tree_leaves(init_fn(*a)))
+      ignored = jax.jit(make, out_shardings=ign_sh)(*init_args)
+    else:
+      flat = jax.tree_util.tree_leaves(params)
+      ignored = jax.jit(lambda xs: pack_ignored(plan, xs), out_shardings=ign_sh)(
+          {l.index: flat[l.index] for l in plan.ignored_leaves})
+  storage = assemble_storage(plan, storage_leaves, ignored)
   opt_state = _init_opt_state(plan, optimizer, storage)
   replicated = NamedSharding(mesh, P())
   step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
@@ -471,15 +508,36 @@ def _unit_out_shardings(plan: Plan, unit: UnitSpec, shardings):
   return {"flat": sh}
 
 
-def assemble_storage(plan: Plan, per_unit: dict):
-  """``{unit index: pack_unit output}`` -> the state's params tree."""
+def assemble_storage(plan: Plan, per_unit: dict, ignored: Optional[dict] = None):
+  """``{unit index: pack_unit output}`` (and ``{leaf id: per-device copies}``
+  of ignored leaves) -> the state's params tree."""
+  ignored = ignored or {}
   if plan.use_orig_params:
     leaves = [None] * len(plan.leaves)
     for u in plan.units:
       for i in u.leaf_ids:
         leaves[i] = per_unit[u.index][i]
+    for l in plan.ignored_leaves:
+      leaves[l.index] = ignored[l.index]
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
-  return {u.flat_key: per_unit[u.index]["flat"] for u in plan.units}
+  out = {u.flat_key: per_unit[u.index]["flat"] for u in plan.units}
+  out.update({plan.ignored_key(l): ignored[l.index] for l in plan.ignored_leaves})
+  return out
+
+
+def pack_ignored(plan: Plan, full_leaves) -> dict:
+  """Ignored leaves -> one copy per device (global ``(world, *shape)``)."""
+  world = plan.axes.world_size
+  return {l.index: jnp.broadcast_to(full_leaves[l.index][None], (world,) + l.shape)
+          for l in plan.ignored_leaves}
+
+
+def ignored_storage(plan: Plan, storage) -> dict:
+  """``{leaf id: stored per-device copies}`` of the ignored leaves."""
+  if plan.use_orig_params:
+    leaves = jax.tree_util.tree_leaves(storage)
+    return {l.index: leaves[l.index] for l in plan.ignored_leaves}
+  return {l.index: storage[plan.ignored_key(l)] for l in plan.ignored_leaves}
 
 
 def _init_opt_state(plan: Plan, optimizer, storage):
@@ -525,4 +583,6 @@ def unpack_all(plan: Plan, storage):
     arrays = layout.unit_storage(plan, u, storage)
     for i, x in layout.unpack_storage_full(plan, u, arrays).items():
       leaves[i] = x
+  for i, x in ignored_storage(plan, storage).items():
+    leaves[i] = x[0]  # the first device's copy (PyTorch: rank 0's)
   return jax.tree_util.tree_unflatten(plan.treedef, leaves)

@@ -290,8 +290,9 @@ def storage_to_leaves(plan: Plan, tree, *, replicated: bool = False,
   """Stored arrays -> ``{leaf index: full-shape array}`` (canonically sharded,
   or replicated). ``post`` runs on each unit's results as they are made."""
   out = {}
+  split = split_storage(plan, tree)
   for unit in plan.units:
-    arrays = split_storage(plan, tree)[unit.index]
+    arrays = split[unit.index]
     ids = _present(plan, unit, arrays)
     if not ids:
       continue
@@ -382,8 +383,8 @@ def opt_layout(plan: Plan, opt_state) -> OptLayout:
           "is not part of a subtree that mirrors the parameters, so fsdp_jax "
           "cannot name it by parameter. State dicts support optax states whose "
           "per-parameter parts mirror the parameter tree (sgd, momentum, adam(w), "
-          "lion, masked, inject_hyperparams, chains of them). Fix: use such an "
-          "optimizer, or save this state with the LOCAL_STATE_DICT type.")
+          "lion, masked, multi_transform, inject_hyperparams, chains of them). Fix: "
+          "use such an optimizer, or keep this leaf replicated.")
     if name in names or name == "params":
       raise ValueError(f"Optimizer state path {name!r} is ambiguous as a dotted name; "
                        "rename the optimizer state's keys.")
@@ -617,8 +618,9 @@ def _load_buffers(tree, sd, plan):
     if _shape(v) != _shape(x):
       raise ValueError(f"Buffer {name!r}: the state dict holds shape {_shape(v)}, the "
                        f"state {_shape(x)}. Fix: load a state dict of the same model.")
-    if isinstance(x, jax.Array):
-      sh = x.sharding if _on_devices(x, plan.mesh) else _replicated(plan)
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+      sh = (x.sharding if isinstance(x, jax.Array) and _on_devices(x, plan.mesh)
+            else _replicated(plan))
       out.append(place(v, sh, shape=_shape(x), dtype=x.dtype))
     else:
       out.append(np.asarray(jax.device_get(v)).astype(np.asarray(x).dtype))

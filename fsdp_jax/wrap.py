@@ -190,13 +190,14 @@ def choose_units(leaf_paths: Sequence[tuple[str, ...]],
                  module_types: dict,
                  sequence_prefixes: set,
                  stacked_patterns: Sequence[str],
-                 full_precision_nodes: Sequence[tuple] = ()) -> list[UnitChoice]:
+                 full_precision_nodes: Sequence[tuple] = (),
+                 ignored: Sequence[int] = ()) -> list[UnitChoice]:
   """Runs ``policy`` over the tree the way PyTorch's ``_recursive_wrap`` does.
 
   Returns the units in post-order (children before parents), root last.
   """
   trie = build_trie(leaf_paths, sequence_prefixes)
-  claimed: set[int] = set()
+  claimed: set[int] = set(ignored)  # ignored leaves belong to no unit
   units: list[UnitChoice] = []
   dotted = lambda p: ".".join(p)
 

@@ -109,8 +109,8 @@ def test_state_from_another_config():
 
 
 def test_unimplemented_options_are_refused():
-  with pytest.raises(NotImplementedError, match="sync_module_states=True"):
-    fsdp_jax.FSDPConfig(sync_module_states=True)
+  with pytest.raises(NotImplementedError, match="forward_prefetch=True"):
+    fsdp_jax.FSDPConfig(forward_prefetch=True)
 
 
 def test_config_is_keyword_only():

@@ -387,3 +387,92 @@ def test_hook_with_the_wrong_signature():
 
   with pytest.raises(TypeError, match=r"hook\(state, grad, spec\)"):
     fsdp_jax.FSDPConfig(comm_hook=bad_hook)
+
+
+# --------------------------------------------------------------------------
+# Ignored states
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+@pytest.mark.parametrize("strategy,n,r", [(S.FULL_SHARD, 4, None), (S.HYBRID_SHARD, 2, 2)])
+def test_ignored_states_are_per_device_never_gathered_never_reduced(strategy, n, r,
+                                                                    use_orig_params):
+  params, batch = mlp_params(), mlp_batch()
+  world = n * (r or 1)
+  mesh = mesh_for(strategy, n, r)
+  config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, auto_wrap_policy=WRAP_BLOCKS,
+                               use_orig_params=use_orig_params, ignored_states=["out"])
+  opt = optax.sgd(0.5)
+  state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=config)
+  assert [l.name for l in state.plan.ignored_leaves] == ["out.w"]
+  assert "ignored" in str(state.plan)
+  step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config)
+  text = step.lower(state, batch).compile().as_text()
+  state, _ = step(state, batch)
+  # Never gathered or reduced: only the 4 units' collectives (root = inp.w).
+  colls = hlo.collectives(text)
+  gathered = sorted(int(np.prod(s)) for c in colls if c.kind == "all-gather" for s in c.shapes)
+  reduced = [s for c in colls if c.kind in ("reduce-scatter",) for s in c.shapes]
+  assert len(reduced) == len(state.plan.units) == 4
+  assert all(g != 21 for g in gathered)  # out.w has 7 x 3 = 21 elements
+  # Each device's copy moved by its own (unreduced) gradient.
+  stored = state.params["out"]["w"] if use_orig_params else state.params["out.w"]
+  assert stored.shape == (world, 7, 3)
+  chunks = jax.tree.map(lambda a: a.reshape((world, -1) + a.shape[1:]), batch)
+  per_device = jax.vmap(lambda c: jax.grad(mlp_loss)(params, c))(chunks)["out"]["w"]
+  copies = np.asarray(stored)
+  for d in range(world):
+    np.testing.assert_allclose(copies[d], params["out"]["w"] - 0.5 * per_device[d],
+                               rtol=1e-5, atol=1e-6)
+  assert np.max(np.abs(copies[0] - copies[1])) > 1e-4  # the copies differ, as in PyTorch
+  # Managed parameters trained with gradients averaged over the world.
+  full = fsdp_jax.full_params(state)
+  g = jax.grad(mlp_loss)(params, batch)
+  np.testing.assert_allclose(full["blocks"][0]["w"], params["blocks"][0]["w"] - 0.5 * g["blocks"][0]["w"],
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(full["out"]["w"], copies[0])  # full params: the first copy
+
+
+def test_ignored_states_pattern_that_matches_nothing():
+  with pytest.raises(ValueError, match="ignored_states entry 'head' matches no parameter"):
+    fsdp_jax.init_train_state(params=mlp_params(), optimizer=optax.sgd(0.1),
+                              mesh=mesh_for(S.FULL_SHARD, 2),
+                              config=fsdp_jax.FSDPConfig(ignored_states=["head"]))
+
+
+def test_cast_forward_inputs_for_an_inner_linen_unit():
+  seen = {}
+
+  class Probe(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      seen[self.name] = x.dtype
+      return nn.Dense(4)(x)
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = Probe(name="a")(x)
+      x = jnp.tanh(x).astype(jnp.float32)  # the model hands float32 to the next block
+      return Probe(name="b")(x)
+
+  model = Net()
+  x = jnp.ones((8, 3))
+  params = model.init(jax.random.key(0), x)["params"]
+  fp16_cast = fsdp_jax.MixedPrecision(param_dtype=jnp.float16, cast_forward_inputs=True)
+  policy = fsdp_jax.CustomPolicy(lambda node: {"mixed_precision": fp16_cast} if node.name == "b"
+                                 else node.name == "a")
+  mesh = mesh_for(S.FULL_SHARD, 2)
+  config = fsdp_jax.FSDPConfig(mixed_precision=BF16, auto_wrap_policy=policy)
+  opt = optax.sgd(0.1)
+  state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=config)
+
+  def loss_fn(p, batch):
+    return jnp.mean(model.apply({"params": p}, batch["x"]).astype(jnp.float32) ** 2)
+
+  step = fsdp_jax.shard_train_step(loss_fn, opt, mesh=mesh, config=config)
+  state, metrics = step(state, {"x": x})
+  # "a" (bf16, no cast_forward_inputs) sees the root-cast bf16 input; "b"
+  # casts its float32 input to its own float16.
+  assert seen == {"a": jnp.bfloat16, "b": jnp.float16}
+  assert np.isfinite(float(metrics["loss"]))
