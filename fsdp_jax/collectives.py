@@ -145,12 +145,13 @@ def _gather_transpose(cts, buf, *, spec: GatherSpec):
   prefix = tuple(buf.aval.shape[:-1])
   cts = [jnp.zeros(prefix + tuple(ls), spec.compute_dtype) if type(c) is ad.Zero else c
          for c, (ls, _, _, _) in zip(cts, spec.leaves)]
-  g = pack_full(cts, spec, prefix)
-  if spec.hook is not None:
-    r, _ = spec.hook(None, g, spec)
-  else:
-    r = reduce_gradient(g, spec)
-  return [finish_gradient(r, spec, buf.aval.dtype)]
+  with jax.named_scope(f"fsdp_reduce_scatter[{spec.label}]"):
+    g = pack_full(cts, spec, prefix)
+    if spec.hook is not None:
+      r, _ = spec.hook(None, g, spec)
+    else:
+      r = reduce_gradient(g, spec)
+    return [finish_gradient(r, spec, buf.aval.dtype)]
 
 
 def finish_gradient(r, spec: GatherSpec, stored_dtype):

@@ -309,6 +309,8 @@ def reduce_full_grads(plan: Plan, full_grads: dict, hook_state=None):
     for gi, (group, spec) in enumerate(layout.gather_specs(plan, unit)):
       if all(plan.leaves[i].frozen for i in group):
         continue
+      scope = jax.named_scope(f"fsdp_reduce_scatter[{unit.display_name}]")
+      scope.__enter__()
       full = collectives.pack_full([full_grads[i] for i in group], spec, prefix)
       if stateful:
         key = hook_key(unit, gi)
@@ -317,6 +319,7 @@ def reduce_full_grads(plan: Plan, full_grads: dict, hook_state=None):
       else:
         reduced = collectives.reduce_gradient(full, spec)
       reduced = collectives.finish_gradient(reduced, spec, spec.stored_dtype)
+      scope.__exit__(None, None, None)
       for k, v in layout.split_local_buffer(plan, group, reduced).items():
         local[(unit.index, k)] = v
   # Ignored leaves: this device's own gradient, not reduced.
