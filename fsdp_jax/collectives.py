@@ -17,7 +17,7 @@ of keeping the gathered parameters alive from forward to backward.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp

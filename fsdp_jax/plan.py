@@ -7,7 +7,6 @@ what ``print(state.plan)`` shows, like printing an FSDP-wrapped PyTorch model.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Optional
 
 import jax

@@ -15,7 +15,7 @@ reads one of its parameters.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import jax
 from jax import lax

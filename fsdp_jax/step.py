@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any, Callable, Optional
 
@@ -17,10 +16,6 @@ from fsdp_jax.config import FSDPConfig, is_float_dtype
 from fsdp_jax.mesh import cpu_flags_active
 from fsdp_jax.plan import Plan
 from fsdp_jax.state import ShardedTrainState, opt_state_specs
-
-
-def _data_spec(plan: Plan):
-  return grads_lib.batch_spec(plan)
 
 
 def check_batch(plan: Plan, batch) -> None:
@@ -237,7 +232,7 @@ def place_batch(plan: Plan, batch):
   passes its own part of the global batch, in process order, and the global
   array is assembled from the parts (``jax.make_array_from_process_local_data``).
   """
-  sharding = NamedSharding(plan.mesh, _data_spec(plan))
+  sharding = NamedSharding(plan.mesh, grads_lib.batch_spec(plan))
   multi = jax.process_count() > 1
 
   def place(x):

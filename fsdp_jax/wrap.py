@@ -16,7 +16,6 @@ import dataclasses
 import fnmatch
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
-import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)

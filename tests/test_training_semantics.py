@@ -14,7 +14,7 @@ from fsdp_jax import hlo
 from fsdp_jax.config import ShardingStrategy as S
 
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
-                     reference_run, sharded_run)
+                     reference_run)
 
 WRAP_BLOCKS = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
 
