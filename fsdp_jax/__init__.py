@@ -27,6 +27,12 @@ from fsdp_jax.mesh import (
     simulate_cpu_devices as simulate_cpu_devices,
 )
 from fsdp_jax import hooks as hooks
+from fsdp_jax.checkpoint import (
+    CheckpointError as CheckpointError,
+    CheckpointManager as CheckpointManager,
+    export_params as export_params,
+    import_params as import_params,
+)
 from fsdp_jax.full import (
     apply as apply,
     sharded_grads as sharded_grads,
@@ -49,6 +55,17 @@ from fsdp_jax.state import (
     module_classes as module_classes,
     opt_state_specs as opt_state_specs,
 )
+from fsdp_jax.state_dict import (
+    OptimStateKeyType as OptimStateKeyType,
+    full_optim_state_dict as full_optim_state_dict,
+    load_state_dict as load_state_dict,
+    optim_state_dict as optim_state_dict,
+    optim_state_dict_to_load as optim_state_dict_to_load,
+    rekey_optim_state_dict as rekey_optim_state_dict,
+    scatter_full_optim_state_dict as scatter_full_optim_state_dict,
+    shard_full_optim_state_dict as shard_full_optim_state_dict,
+    state_dict as state_dict,
+)
 from fsdp_jax.step import TrainStep as TrainStep, shard_train_step as shard_train_step
 from fsdp_jax.wrap import (
     CustomPolicy as CustomPolicy,
@@ -61,7 +78,12 @@ from fsdp_jax.wrap import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackwardPrefetch", "CPUOffload", "CPU_XLA_FLAGS", "CustomPolicy",
+    "BackwardPrefetch", "CPUOffload", "CPU_XLA_FLAGS", "CheckpointError",
+    "CheckpointManager", "CustomPolicy", "OptimStateKeyType",
+    "export_params", "full_optim_state_dict", "import_params",
+    "load_state_dict", "optim_state_dict", "optim_state_dict_to_load",
+    "rekey_optim_state_dict", "scatter_full_optim_state_dict",
+    "shard_full_optim_state_dict", "state_dict",
     "FSDPConfig", "MixedPrecision", "ModuleWrapPolicy", "Node", "Plan",
     "ShardedTrainState", "ShardingStrategy", "StateDictType", "TrainStep",
     "apply", "batch_spec", "clip_grad_norm", "full_params",

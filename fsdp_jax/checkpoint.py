@@ -23,6 +23,7 @@ unpickled: arrays are read by tensorstore, descriptions are JSON.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from typing import Optional
 
@@ -32,9 +33,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fsdp_jax import state_dict as sd
 from fsdp_jax.plan import Plan
 from fsdp_jax.state import ShardedTrainState
+
+# The module itself, even when fsdp_jax/__init__.py binds the name
+# ``fsdp_jax.state_dict`` to the function of that name.
+sd = importlib.import_module("fsdp_jax.state_dict")
 
 __all__ = ["CheckpointError", "CheckpointManager", "export_params", "import_params"]
 

@@ -167,7 +167,7 @@ def _replicated(plan: Plan) -> NamedSharding:
 
 
 def _layer_axis(plan: Plan, leaf: LeafSpec) -> int:
-  return 1 if plan.units[leaf.unit].stacked else 0
+  return 1 if not leaf.ignored and plan.units[leaf.unit].stacked else 0
 
 
 def canonical_sharding(plan: Plan, leaf: LeafSpec) -> NamedSharding:
@@ -264,6 +264,35 @@ def _pack_fn(plan: Plan, unit_index: int, ids: tuple, dtypes: tuple):
   return jax.jit(pack, out_shardings=out)
 
 
+def _ignored_entries(plan: Plan, tree) -> dict[int, Any]:
+  """Stored per-device copies of the ignored leaves (None where masked)."""
+  out = {}
+  if plan.use_orig_params:
+    parts = plan.treedef.flatten_up_to(tree)
+    for l in plan.ignored_leaves:
+      out[l.index] = None if _is_masked(parts[l.index]) else parts[l.index]
+  else:
+    for l in plan.ignored_leaves:
+      x = tree[plan.ignored_key(l)]
+      out[l.index] = None if _is_masked(x) else x
+  return out
+
+
+@functools.lru_cache(maxsize=None)
+def _ignored_unpack_fn(plan: Plan, index: int, replicated: bool):
+  leaf = plan.leaves[index]
+  out = _replicated(plan) if replicated else canonical_sharding(plan, leaf)
+  return jax.jit(lambda x: x[0], out_shardings=out)  # the first device's copy
+
+
+@functools.lru_cache(maxsize=None)
+def _ignored_pack_fn(plan: Plan, index: int, dtype):
+  leaf = plan.leaves[index]
+  world = plan.axes.world_size
+  return jax.jit(lambda x: jnp.broadcast_to(x.astype(dtype)[None], (world,) + leaf.shape),
+                 out_shardings=NamedSharding(plan.mesh, plan.ignored_spec()))
+
+
 def split_storage(plan: Plan, tree) -> dict[int, list]:
   """A tree with the stored-params structure -> ``{unit: [array or None]}``
   aligned with the unit's stored arrays (None where optax masked it out)."""
@@ -300,6 +329,10 @@ def storage_to_leaves(plan: Plan, tree, *, replicated: bool = False,
     if post is not None:
       res = {i: post(x) for i, x in res.items()}
     out.update(res)
+  for i, x in _ignored_entries(plan, tree).items():
+    if x is not None:
+      y = _ignored_unpack_fn(plan, i, replicated)(x)
+      out[i] = post(y) if post is not None else y
   return out
 
 
@@ -325,11 +358,25 @@ def leaves_to_storage(plan: Plan, leaves: dict, template):
         per_leaf[i] = packed[i]
     else:
       flat[unit.flat_key] = packed["flat"]
+  for i, tmpl in _ignored_entries(plan, template).items():
+    if tmpl is not None and i in leaves:
+      packed = _ignored_pack_fn(plan, i, jnp.dtype(tmpl.dtype))(leaves[i])
+      if plan.use_orig_params:
+        per_leaf[i] = packed
+      else:
+        flat[plan.ignored_key(plan.leaves[i])] = packed
   if plan.use_orig_params:
     orig = plan.treedef.flatten_up_to(template)
     return plan.treedef.unflatten([x if x is not None else orig[i]
                                    for i, x in enumerate(per_leaf)])
-  return {u.flat_key: flat.get(u.flat_key, template[u.flat_key]) for u in plan.units}
+  return {k: flat.get(k, template[k]) for k in _flat_keys(plan)}
+
+
+def _flat_keys(plan: Plan) -> list[str]:
+  """Keys of the flat layout's params dict (units and ignored leaves), sorted
+  as ``tree_leaves`` orders them."""
+  return sorted([u.flat_key for u in plan.units] +
+                [plan.ignored_key(l) for l in plan.ignored_leaves])
 
 
 # ---------------------------------------------------------------------------
@@ -339,10 +386,22 @@ def leaves_to_storage(plan: Plan, leaves: dict, template):
 @dataclasses.dataclass
 class OptLayout:
   """The optax state split into slots (subtrees mirroring the stored params)
-  and other leaves, each named by its dotted path."""
+  and other leaves, each named by its dotted path.
+
+  With frozen parameters the optimizer's slots mirror only the trainable
+  params; ``entries`` hold them expanded to the full stored structure with
+  ``optax.MaskedNode`` at frozen leaves, and :meth:`unflatten` undoes that.
+  """
 
   treedef: Any
   entries: list  # [(kind, name, value)] with kind "slot" or "leaf", in treedef order
+  plan: Any = None
+
+  def unflatten(self, entries):
+    if self.plan is not None and self.plan.has_frozen:
+      entries = [_contract_slot(self.plan, v) if k == "slot" else v
+                 for (k, _, _), v in zip(self.entries, entries)]
+    return self.treedef.unflatten(entries)
 
   @property
   def slots(self):
@@ -353,7 +412,48 @@ class OptLayout:
     return [(n, v) for k, n, v in self.entries if k == "leaf"]
 
 
+def _expand_slot(plan: Plan, slot):
+  """A slot shaped like the trainable params -> the full stored structure,
+  ``optax.MaskedNode`` at frozen leaves."""
+  masked = optax.MaskedNode()
+  if plan.use_orig_params:
+    it = iter(jax.tree.leaves(slot, is_leaf=_is_masked))
+    return plan.treedef.unflatten([masked if l.frozen else next(it) for l in plan.leaves])
+  frozen_keys = {u.flat_key for u in plan.units if u not in plan.trainable_units}
+  frozen_keys |= {plan.ignored_key(l) for l in plan.ignored_leaves if l.frozen}
+  return {k: (masked if k in frozen_keys else slot[k]) for k in _flat_keys(plan)}
+
+
+def _contract_slot(plan: Plan, full):
+  """Inverse of :func:`_expand_slot`."""
+  if plan.use_orig_params:
+    parts = plan.treedef.flatten_up_to(full)
+    return plan.treedef.unflatten([None if l.frozen else parts[i]
+                                   for i, l in enumerate(plan.leaves)])
+  from fsdp_jax.grads import split_trainable  # pylint: disable=import-outside-toplevel
+  return split_trainable(plan, full)[0]
+
+
 def opt_layout(plan: Plan, opt_state) -> OptLayout:
+  if plan.has_frozen:
+    from fsdp_jax.grads import split_trainable  # pylint: disable=import-outside-toplevel
+    tdef = jax.tree.structure(split_trainable(plan, plan.storage_shapes())[0])
+
+    def is_trainable_slot(x):
+      return (not _is_masked(x) and x is not None
+              and jax.tree.structure(x, is_leaf=_is_masked) == tdef)
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_trainable_slot)
+    expanded = [_expand_slot(plan, x) if is_trainable_slot(x) else x for _, x in flat]
+    opt_state = treedef.unflatten(expanded)
+    lay = _opt_layout(plan, opt_state)
+    lay.treedef = treedef
+    lay.plan = plan
+    return lay
+  return _opt_layout(plan, opt_state)
+
+
+def _opt_layout(plan: Plan, opt_state) -> OptLayout:
   storage = plan.storage_shapes()
   sdef = jax.tree.structure(storage)
   sshapes = [s.shape for s in sdef.flatten_up_to(storage)]
@@ -397,20 +497,20 @@ def _storage_keys(plan: Plan) -> list[str]:
   """Names of the stored arrays, in ``tree_leaves`` order of the params."""
   if plan.use_orig_params:
     return param_names(plan)
-  return [u.flat_key for u in sorted(plan.units, key=lambda u: u.flat_key)]
+  return _flat_keys(plan)
 
 
 def _storage_items(plan: Plan, tree) -> dict:
   """A stored-layout tree -> ``{storage key: array or MaskedNode}``."""
   if plan.use_orig_params:
     return dict(zip(param_names(plan), plan.treedef.flatten_up_to(tree)))
-  return {u.flat_key: tree[u.flat_key] for u in plan.units}
+  return {k: tree[k] for k in _flat_keys(plan)}
 
 
 def _storage_from_items(plan: Plan, items: dict):
   if plan.use_orig_params:
     return plan.treedef.unflatten([items[n] for n in param_names(plan)])
-  return {u.flat_key: items[u.flat_key] for u in plan.units}
+  return {k: items[k] for k in _flat_keys(plan)}
 
 
 def _storage_sharding_by_key(plan: Plan) -> dict:
@@ -860,6 +960,9 @@ def _named_needs(plan: Plan, lay: OptLayout) -> list[_Need]:
         else:
           dtype = tmpl[0].dtype
         needs.append(_Need(slot, names[i], plan.leaves[i].shape, jnp.dtype(dtype), i))
+    for i, x in _ignored_entries(plan, tree).items():
+      if x is not None:
+        needs.append(_Need(slot, names[i], plan.leaves[i].shape, jnp.dtype(x.dtype), i))
   for name, x in lay.scalars:
     needs.append(_Need(None, name, _shape(x), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype))
   return needs
@@ -952,7 +1055,7 @@ def _load_named_opt(state, osd, *, what: str, fetch: Optional[Callable] = None,
       entries.append(leaves_to_storage(plan, per_slot.get(name, {}), tmpl))
     else:
       entries.append(_place_scalar(plan, scalars[name], tmpl))
-  return lay.treedef.unflatten(entries)
+  return lay.unflatten(entries)
 
 
 def _place_scalar(plan: Plan, v, tmpl):
@@ -995,7 +1098,7 @@ def _load_local_opt(state, osd):
       entries.append(_storage_from_items(plan, items))
     else:
       entries.append(_place_scalar(plan, osd["param_groups"][0][name], tmpl))
-  return lay.treedef.unflatten(entries)
+  return lay.unflatten(entries)
 
 
 def optim_state_dict_to_load(state: ShardedTrainState, optim_state_dict: dict, *,
