@@ -26,7 +26,13 @@ from fsdp_jax.mesh import (
     make_mesh as make_mesh,
     simulate_cpu_devices as simulate_cpu_devices,
 )
+from fsdp_jax import distributed as distributed
 from fsdp_jax import hooks as hooks
+from fsdp_jax.distributed import (
+    DistributedInfo as DistributedInfo,
+    MonitoredBarrierError as MonitoredBarrierError,
+    monitored_barrier as monitored_barrier,
+)
 from fsdp_jax.checkpoint import (
     CheckpointError as CheckpointError,
     CheckpointManager as CheckpointManager,
@@ -79,7 +85,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackwardPrefetch", "CPUOffload", "CPU_XLA_FLAGS", "CheckpointError",
-    "CheckpointManager", "CustomPolicy", "OptimStateKeyType",
+    "CheckpointManager", "CustomPolicy", "DistributedInfo",
+    "MonitoredBarrierError", "OptimStateKeyType", "distributed",
+    "monitored_barrier",
     "export_params", "full_optim_state_dict", "import_params",
     "load_state_dict", "optim_state_dict", "optim_state_dict_to_load",
     "rekey_optim_state_dict", "scatter_full_optim_state_dict",

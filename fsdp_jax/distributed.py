@@ -133,7 +133,9 @@ class DistributedInfo:
       chose (all visible GPUs, or its default CPU device count).
     source: where the set-up came from: ``"explicit"`` (arguments),
       ``"env"`` (``RANK``/``WORLD_SIZE``: the launcher or torchrun),
-      ``"cluster"`` (JAX's SLURM / Open MPI detection) or ``"single"``.
+      ``"cluster"`` (JAX's SLURM / Open MPI detection), ``"jax"``
+      (``jax.distributed.initialize`` had been called directly) or
+      ``"single"``.
   """
 
   rank: int
@@ -289,15 +291,19 @@ def initialize(*, coordinator_address: Optional[str] = None,
   Devices are chosen before JAX starts: on CPU, ``devices_per_process`` (or
   ``FSDP_JAX_DEVICES_PER_PROC``) simulated devices with fsdp_jax's CPU XLA
   flags (:func:`fsdp_jax.simulate_cpu_devices`) and gloo CPU collectives; on
-  GPU, process ``LOCAL_RANK`` gets GPUs ``LOCAL_RANK*M .. LOCAL_RANK*M+M-1``
-  (all visible GPUs when M is unset and the process is alone on its machine).
+  GPU, process ``LOCAL_RANK`` gets GPUs ``LOCAL_RANK*M .. LOCAL_RANK*M+M-1``;
+  with M unset, GPU ``LOCAL_RANK`` when several processes share the machine
+  (torchrun's convention), all visible GPUs when the process is alone (under
+  SLURM / Open MPI, JAX's own choice: GPU ``SLURM_LOCALID``).
 
   With more than one process a watchdog thread is started (``watchdog=True``):
   when a process raises an uncaught exception or stops heartbeating for
   ``peer_timeout`` seconds, every other process prints an error naming it and
   exits with status :data:`EXIT_PEER_LOST` instead of hanging in a collective.
 
-  Calling it again returns the first call's result.
+  Calling it again returns the first call's result. If
+  ``jax.distributed.initialize`` was already called directly, its set-up is
+  taken as is and only the watchdog is added.
 
   Args:
     coordinator_address: ``host:port`` where process 0 runs the coordinator.
@@ -339,6 +345,8 @@ def initialize(*, coordinator_address: Optional[str] = None,
   global _info
   if _info is not None:
     return _info
+  if _jax_client() is not None:
+    return _adopt_jax_distributed(peer_timeout, watchdog)
 
   # -- who am I
   source = "single"
@@ -362,6 +370,12 @@ def initialize(*, coordinator_address: Optional[str] = None,
     source = "env"
     address = os.environ.get("JAX_COORDINATOR_ADDRESS")
     if not address and "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+      if world > 1 and "TORCHELASTIC_RUN_ID" in os.environ:
+        raise ValueError(
+            "Started by torchrun, whose own store already listens on MASTER_PORT="
+            f"{os.environ['MASTER_PORT']}, so JAX's coordinator cannot use it. Fix: "
+            "set JAX_COORDINATOR_ADDRESS=<MASTER_ADDR>:<another free port> for "
+            "every process, or start the script with python -m fsdp_jax.launch.")
       address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     if world > 1 and not address:
       raise ValueError(
@@ -383,7 +397,7 @@ def initialize(*, coordinator_address: Optional[str] = None,
   if source == "cluster" and local_rank is None:
     local_rank, local_world = _cluster_local_rank()
   local_rank = 0 if local_rank is None else int(local_rank)
-  local_world = local_world or (world if source != "cluster" else 1)
+  local_world = local_world or 1  # unknown: as if alone on the machine
   node_rank = _env_int("GROUP_RANK", _env_int("SLURM_NODEID", 0))
 
   # -- devices, before JAX starts
@@ -423,6 +437,8 @@ def initialize(*, coordinator_address: Optional[str] = None,
   elif devices_per_process is not None:
     local_device_ids = list(range(local_rank * devices_per_process,
                                   (local_rank + 1) * devices_per_process))
+  elif local_world > 1 and source in ("explicit", "env"):
+    local_device_ids = [local_rank]  # torchrun's convention: GPU LOCAL_RANK
 
   if peer_timeout is None:
     peer_timeout = _env_float("FSDP_JAX_PEER_TIMEOUT", DEFAULT_PEER_TIMEOUT)
@@ -469,6 +485,27 @@ def initialize(*, coordinator_address: Optional[str] = None,
   if world > 1:
     _publish_info(_info)
     if watchdog:
+      _start_watchdog(_info, float(peer_timeout))
+  return _info
+
+
+def _adopt_jax_distributed(peer_timeout, watchdog) -> DistributedInfo:
+  """``jax.distributed.initialize`` was called directly: take its set-up."""
+  global _info
+  from jax._src import distributed as jax_distributed
+  state = jax_distributed.global_state
+  local_rank = _env_int("LOCAL_RANK", 0)
+  _info = DistributedInfo(
+      rank=state.process_id, world_size=state.num_processes, local_rank=local_rank,
+      local_world_size=_env_int("LOCAL_WORLD_SIZE", 1), node_rank=_env_int("GROUP_RANK", 0),
+      coordinator_address=state.coordinator_address,
+      platform="cpu" if jax.default_backend() == "cpu" else "gpu",
+      devices_per_process=None, source="jax")
+  if _info.world_size > 1:
+    _publish_info(_info)
+    if watchdog:
+      if peer_timeout is None:
+        peer_timeout = _env_float("FSDP_JAX_PEER_TIMEOUT", DEFAULT_PEER_TIMEOUT)
       _start_watchdog(_info, float(peer_timeout))
   return _info
 

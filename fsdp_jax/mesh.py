@@ -79,7 +79,11 @@ def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
     >>> dict(mesh.shape)
     {'replicate': 2, 'shard': 2}
   """
-  devices = list(jax.devices() if devices is None else devices)
+  if devices is None:
+    devices = jax.devices()
+    if jax.process_count() > 1:  # shard within a process, replicate across
+      devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+  devices = list(devices)
   n = len(devices)
   rep = 1 if replicate is None else int(replicate)
   if shard is None:

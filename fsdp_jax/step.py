@@ -224,6 +224,36 @@ def shard_train_step(loss_fn: Callable[..., Any],
   return TrainStep(jax.jit(step, donate_argnums=(0,) if donate else ()), mesh, config)
 
 
+def check_local_batch(plan: Plan, batch) -> None:
+  """Multi-process: this process's part of the batch splits evenly over its
+  data-parallel devices, and every process passes a part of the same size."""
+  world = plan.axes.world_size
+  sharding = NamedSharding(plan.mesh, grads_lib.batch_spec(plan))
+  idx = sharding.addressable_devices_indices_map((world,))
+  mine = len({s[0].indices(world) for s in idx.values()})
+  rows = []
+  for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    shape, name = np.shape(x), jax.tree_util.keystr(path) or "batch"
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      rows.append(-1)
+      continue
+    if len(shape) == 0 or shape[0] % mine:
+      raise ValueError(
+          f"Process {jax.process_index()}: local batch leaf {name} has shape {tuple(shape)}; "
+          f"with {jax.process_count()} processes each process passes its own part of the "
+          f"global batch, split over its {mine} data-parallel devices (of {world}), so its "
+          f"leading dimension must be a multiple of {mine}, e.g. "
+          f"{max(1, -(-(shape[0] if shape else 1) // mine)) * mine}.")
+    rows.append(shape[0])
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  g = multihost_utils.process_allgather(np.asarray(rows, np.int64))
+  if (g != g[0]).any():
+    raise ValueError(
+        "step(state, batch): the processes passed local batches of different sizes "
+        f"(rows per leaf, per process: { {p: g[p].tolist() for p in range(g.shape[0])} }). "
+        "Each process must pass an equal part of the global batch.")
+
+
 def place_batch(plan: Plan, batch):
   """Puts a batch on the mesh, split along dim 0 over the data axes.
 
@@ -259,6 +289,7 @@ class TrainStep:
     self.jitted = jitted
     self.mesh = mesh
     self.config = config
+    self._checked_shapes = None
 
   def _place(self, state, batch):
     if not isinstance(state, ShardedTrainState):
@@ -266,6 +297,11 @@ class TrainStep:
                       f"fsdp_jax.init_train_state; got {type(state).__name__}.")
     if jax.process_count() == 1:
       check_batch(state.plan, batch)
+    else:
+      shapes = jax.tree.map(np.shape, batch)
+      if self._checked_shapes != shapes:  # once per batch shape: it is a collective
+        check_local_batch(state.plan, batch)
+        self._checked_shapes = shapes
     return place_batch(state.plan, batch)
 
   def __call__(self, state, batch):

@@ -1,0 +1,302 @@
+"""Worker script for tests/test_multiprocess.py.
+
+Run under the launcher (``python -m fsdp_jax.launch --nproc 2
+--devices-per-proc 4 tests/mp_worker.py train --out r.json``) or started
+directly with the launcher's environment. Modes:
+
+* ``train``: FULL_SHARD on an 8-device ``("shard",)`` mesh and HYBRID_SHARD on
+  a ``replicate=2 x shard=4`` mesh; each process feeds its part of the global
+  batch; process 0 writes per-step losses, final parameters and the mesh
+  layout (process of every mesh device) to ``--out``. :func:`train` is also
+  what the test runs in one process on 8 devices for the reference numbers.
+* ``fail``: trains until ``--victim`` does ``--how`` (kill: SIGKILL itself,
+  raise: an uncaught ValueError, exit: ``sys.exit(3)``) at step ``--at``; the others must then be
+  stopped by the watchdog (they print FINISHED if they are not).
+* ``barrier``: monitored_barrier passing, mismatching names, and timing out
+  on a process that never arrives; process 0 writes what it saw to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+STEPS = 5
+GLOBAL_BATCH = 24
+
+
+def np_params(seed=0, d_in=5, d=7, d_out=3, blocks=3):
+  """helpers.mlp_params' uneven shapes, drawn with NumPy: no JAX random
+  programs to compile, and bit-identical in every process."""
+  rng = np.random.RandomState(seed)
+  f32 = lambda *shape: (rng.standard_normal(shape) * 0.5).astype(np.float32)
+  return {"inp": {"w": f32(d_in, d)},
+          "blocks": [{"w": f32(d, d), "b": np.full((d,), 0.1, np.float32)}
+                     for _ in range(blocks)],
+          "out": {"w": f32(d, d_out)}}
+
+
+def np_batch(seed, n=GLOBAL_BATCH, d_in=5, d_out=3):
+  rng = np.random.RandomState(seed)
+  return {"x": rng.standard_normal((n, d_in)).astype(np.float32),
+          "y": rng.standard_normal((n, d_out)).astype(np.float32)}
+
+
+def flat(tree):
+  """``{"['blocks'][0]['w']": ndarray, ...}``: a tree as comparable leaves."""
+  import jax
+  return {jax.tree_util.keystr(k): np.asarray(v)
+          for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def dotted(tree):
+  """``{"blocks.0.w": ndarray, ...}``: PyTorch-style names of the leaves."""
+  import jax
+  def name(path):
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+  return {name(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def setup(strategy: str = "FULL_SHARD", lr: float = 1e-2):
+  """The state and step of the helpers' uneven MLP with Adam: FULL_SHARD on
+  a ``("shard",)`` mesh of all devices, HYBRID on ``replicate=2 x shard=N/2``.
+  Returns ``(state, step, mesh)``."""
+  import jax
+  import optax
+
+  import fsdp_jax
+  from helpers import mlp_loss
+
+  S = fsdp_jax.ShardingStrategy
+  strategy = S[strategy]
+  config = fsdp_jax.FSDPConfig(sharding_strategy=strategy)
+  if strategy in (S.HYBRID_SHARD, S._HYBRID_SHARD_ZERO2):
+    mesh = fsdp_jax.make_mesh(replicate=2, shard=jax.device_count() // 2)
+  else:
+    mesh = fsdp_jax.make_mesh(shard=jax.device_count())
+  opt = optax.adam(lr)
+  state = fsdp_jax.init_train_state(params=np_params(), optimizer=opt, mesh=mesh,
+                                    config=config)
+  step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config)
+  return state, step, mesh
+
+
+def run_steps(state, step, first: int, last: int):
+  """Steps ``first .. last-1`` on batches ``np_batch(100 + i)``; process p
+  feeds rows ``p*B/P .. (p+1)*B/P`` of each global batch. Returns
+  ``(state, losses)``."""
+  import jax
+  nproc, me = jax.process_count(), jax.process_index()
+  per = GLOBAL_BATCH // nproc
+  losses = []
+  for i in range(first, last):
+    batch = np_batch(seed=100 + i)
+    local = jax.tree.map(lambda x: x[me * per:(me + 1) * per], batch)
+    state, metrics = step(state, local)
+    losses.append(float(metrics["loss"]))
+  return state, losses
+
+
+def train(strategy: str, steps: int = STEPS):
+  """Trains the helpers' uneven MLP; returns (losses, params, layout).
+
+  Works unchanged for one process with 8 devices and for 2 processes with 4
+  each. ``layout`` is the process index of every device of the mesh, in mesh
+  order.
+  """
+  import fsdp_jax
+  state, step, mesh = setup(strategy)
+  layout = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices).tolist()
+  state, losses = run_steps(state, step, 0, steps)
+  return losses, flat(fsdp_jax.full_params(state)), layout
+
+
+def checkpoint_round(directory: str, steps: int = 3):
+  """Trains ``steps`` steps, saves a checkpoint to ``directory``, takes one
+  more step. Returns ``(loss of that step, params after it)``."""
+  import fsdp_jax
+  from fsdp_jax.checkpoint import CheckpointManager
+  state, step, _ = setup()
+  state, _ = run_steps(state, step, 0, steps)
+  with CheckpointManager(directory) as mngr:
+    assert mngr.save(state)
+    mngr.wait_until_finished()
+  state, losses = run_steps(state, step, steps, steps + 1)
+  return losses[0], flat(fsdp_jax.full_params(state))
+
+
+def resume_round(directory: str):
+  """Restores the latest checkpoint of ``directory`` into a fresh state on
+  this run's devices and takes the next step. Returns ``(loss, params)``."""
+  import jax
+  import fsdp_jax
+  from fsdp_jax.checkpoint import CheckpointManager
+  target, step, _ = setup()
+  with CheckpointManager(directory, read_only=True) as mngr:
+    state = mngr.restore(target)
+  saved_step = int(jax.device_get(state.step))
+  state, losses = run_steps(state, step, saved_step, saved_step + 1)
+  return losses[0], flat(fsdp_jax.full_params(state))
+
+
+def main_train(args, info):
+  import jax
+  out = {"world_size": info.world_size, "devices": jax.device_count(),
+         "local_devices": jax.local_device_count()}
+  for strategy in args.strategies.split(","):
+    t = time.perf_counter()
+    losses, params, layout = train(strategy, args.steps)
+    out[strategy] = {"losses": losses, "params": {k: v.tolist() for k, v in params.items()}, "layout": layout,
+                     "seconds": time.perf_counter() - t}
+  if info.rank == 0:
+    with open(args.out, "w") as f:
+      json.dump(out, f)
+  print(f"rank {info.rank}: done", flush=True)
+
+
+def main_fail(args, info):
+  import jax
+  import optax
+
+  import fsdp_jax
+  from helpers import mlp_loss
+
+  mesh = fsdp_jax.make_mesh(shard=jax.device_count())
+  config = fsdp_jax.FSDPConfig()
+  opt = optax.sgd(1e-3)
+  state = fsdp_jax.init_train_state(params=np_params(), optimizer=opt, mesh=mesh,
+                                    config=config)
+  step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config)
+  per = GLOBAL_BATCH // info.world_size
+  batch = jax.tree.map(lambda x: x[info.rank * per:(info.rank + 1) * per], np_batch(0))
+  for i in range(args.steps):
+    if i == args.at and info.rank == args.victim:
+      print(f"VICTIM {info.rank} {args.how} at {time.time():.3f}", flush=True)
+      if args.how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+      if args.how == "exit":
+        sys.exit(3)
+      raise ValueError(f"injected failure in process {info.rank} at step {i}")
+    state, metrics = step(state, batch)
+    print(f"rank {info.rank} step {i} loss {float(metrics['loss']):.6f}", flush=True)
+    time.sleep(0.05)
+  print(f"rank {info.rank} FINISHED", flush=True)
+
+
+def main_checkpoint(args, info):
+  """Saves ``--save-dir`` from this run and resumes ``--restore-dir``;
+  also takes a FULL state dict (rank0_only) across the processes."""
+  import fsdp_jax
+  from fsdp_jax.state_dict import state_dict
+
+  out = {}
+  loss, params = checkpoint_round(args.save_dir)
+  out["saved"] = {"loss": loss, "params": {k: v.tolist() for k, v in params.items()}}
+  loss, params = resume_round(args.restore_dir)
+  out["resumed"] = {"loss": loss, "params": {k: v.tolist() for k, v in params.items()}}
+  state, _, _ = setup()
+  full = state_dict(state, rank0_only=True, offload_to_cpu=True)
+  ref = dotted(np_params())
+  out["state_dict_keys"] = sorted(full)
+  out["state_dict_matches"] = (info.rank != 0 and full == {}) or (
+      sorted(full) == sorted(ref)
+      and all(np.array_equal(np.asarray(full[k]), ref[k]) for k in ref))
+  if info.rank == 0:
+    with open(args.out, "w") as f:
+      json.dump(out, f)
+  print(f"rank {info.rank}: checkpoint done", flush=True)
+
+
+def main_sync(args, info):
+  """sync_module_states: every process passes different parameters (and
+  model state); with the option they all start from process 0's."""
+  import jax
+  import optax
+  import fsdp_jax
+  out = {}
+  for sync in (True, False):
+    params = np_params(seed=info.rank)  # differs between processes
+    config = fsdp_jax.FSDPConfig(sync_module_states=sync)
+    mesh = fsdp_jax.make_mesh(shard=jax.device_count())
+    state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+                                      config=config,
+                                      model_state={"stat": np.full((3,), float(info.rank), np.float32)})
+    full = fsdp_jax.summon_full_params(state, offload_to_cpu=True)
+    out[str(sync)] = {"params": {k: v.tolist() for k, v in flat(full).items()},
+                      "stat": np.asarray(jax.device_get(
+                          state.model_state["stat"].addressable_shards[0].data)).tolist()}
+  with open(f"{args.out}.{info.rank}", "w") as f:
+    json.dump(out, f)
+  print(f"rank {info.rank}: sync done", flush=True)
+
+
+def main_barrier(args, info):
+  from fsdp_jax import distributed
+
+  seen = {}
+  distributed.monitored_barrier("start", timeout=30)
+  seen["pass"] = "ok"
+  try:  # names differ: every process must notice
+    distributed.monitored_barrier(f"name-{info.rank}", timeout=10)
+    seen["mismatch"] = None
+  except distributed.MonitoredBarrierError as e:
+    seen["mismatch"] = str(e)
+  if info.rank == args.victim:
+    time.sleep(args.timeout + 2)  # alive, heartbeating, never arrives
+  else:
+    t = time.monotonic()
+    try:
+      distributed.monitored_barrier("late", timeout=args.timeout)
+      seen["timeout"] = None
+    except distributed.MonitoredBarrierError as e:
+      seen["timeout"] = str(e)
+      seen["missing"] = list(e.missing)
+    seen["waited"] = time.monotonic() - t
+  if info.rank == 0:
+    with open(args.out, "w") as f:
+      json.dump(seen, f)
+  print(f"rank {info.rank}: barrier done {seen}", flush=True)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser()
+  p.add_argument("mode", choices=("train", "fail", "barrier", "checkpoint", "sync"))
+  p.add_argument("--save-dir")
+  p.add_argument("--restore-dir")
+  p.add_argument("--out")
+  p.add_argument("--strategies", default="FULL_SHARD,HYBRID_SHARD")
+  p.add_argument("--steps", type=int, default=STEPS)
+  p.add_argument("--victim", type=int, default=1)
+  p.add_argument("--at", type=int, default=3)
+  p.add_argument("--how", choices=("kill", "raise", "exit"), default="kill")
+  p.add_argument("--timeout", type=float, default=3.0)
+  p.add_argument("--max-seconds", type=float, default=300.0,
+                 help="hard limit: exit 99 after this long, whatever happens")
+  args = p.parse_args(argv)
+
+  def time_limit():
+    print(f"mp_worker: TIME LIMIT of {args.max_seconds:g} s reached", file=sys.stderr,
+          flush=True)
+    os._exit(99)
+
+  timer = threading.Timer(args.max_seconds, time_limit)
+  timer.daemon = True
+  timer.start()
+
+  from fsdp_jax import distributed
+  info = distributed.initialize()  # first thing: before JAX starts
+  print(f"rank {info.rank}/{info.world_size} local {info.local_rank} "
+        f"source {info.source}", flush=True)
+  {"train": main_train, "fail": main_fail, "barrier": main_barrier,
+   "checkpoint": main_checkpoint, "sync": main_sync}[args.mode](args, info)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,494 @@
+"""Several processes on one machine through jax.distributed (gloo, loopback).
+
+* 2 processes x 4 simulated CPU devices train to the same numbers as
+  1 process x 8 devices (this pytest process) for FULL_SHARD (one 8-device
+  shard axis spanning both processes) and HYBRID_SHARD (replicate=2 across
+  the processes x shard=4 within each), each process feeding its own half of
+  the global batch.
+* A process that is killed, or raises, mid-training is named by the survivor,
+  which exits with fsdp_jax.distributed.EXIT_PEER_LOST in well under 60 s.
+* monitored_barrier names the process that did not arrive.
+* The launcher: --help, argument errors, environment, exit codes, stopping
+  the other workers when one fails.
+
+Every subprocess runs under a hard timeout and is killed (with its process
+group) on the way out; workers also die with their parent (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsdp_jax import distributed, launch
+from fsdp_jax.launch import WorkerGroup, free_port, worker_env
+
+import mp_worker
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="multi-process tests use Linux process groups")
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = str(REPO / "tests" / "mp_worker.py")
+PEER_TIMEOUT = 5  # seconds; the workers' heartbeat timeout in failure tests
+STRATEGIES = ("FULL_SHARD", "HYBRID_SHARD")
+
+
+def _env() -> dict:
+  env = dict(os.environ)
+  for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT", "JAX_COORDINATOR_ADDRESS", "FSDP_JAX_PEER_TIMEOUT"):
+    env.pop(k, None)
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  return env
+
+
+def _launcher(*args) -> list[str]:
+  return [sys.executable, "-m", "fsdp_jax.launch", *args]
+
+
+class _Background:
+  """A launcher run in the background (so the in-process reference can
+  compute meanwhile), with a hard timeout; killed if never waited for."""
+
+  def __init__(self, cmd, log: Path, timeout: float):
+    self.log_path = log
+    self._log = open(log, "wb")
+    self.proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=self._log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    self.deadline = time.monotonic() + timeout
+    self.seconds = None
+    self._start = time.monotonic()
+
+  def wait(self) -> int:
+    try:
+      code = self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      self.kill()
+      pytest.fail(f"launcher timed out; output:\n{self.output()[-4000:]}")
+    self.seconds = time.monotonic() - self._start
+    self._log.close()
+    return code
+
+  def kill(self):
+    if self.proc.poll() is None:
+      os.killpg(self.proc.pid, 9)  # the launcher's workers die with it
+      self.proc.wait(timeout=30)
+    self._log.close()
+
+  def output(self) -> str:
+    self._log.flush()
+    return self.log_path.read_text(errors="replace")
+
+
+# --------------------------------------------------------------------------
+# Same numbers as one process
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("mp_train")
+  out = tmp / "result.json"
+  run = _Background(_launcher("--nproc", "2", "--devices-per-proc", "4", "--platform", "cpu",
+                              WORKER, "train", "--out", str(out),
+                              "--strategies", ",".join(STRATEGIES)),
+                    tmp / "launcher.log", timeout=240)
+  cache = {}
+
+  def result():
+    if "r" not in cache:
+      code = run.wait()
+      assert code == 0, f"2-process training failed ({code}):\n{run.output()[-6000:]}"
+      cache["r"] = json.loads(out.read_text())
+      cache["r"]["launcher_seconds"] = run.seconds
+    return cache["r"]
+
+  yield result
+  run.kill()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_processes_train_like_one(two_process_run, strategy):
+  import jax
+  assert jax.device_count() == 8 and jax.process_count() == 1
+  ref_losses, ref_params, ref_layout = mp_worker.train(strategy)  # 1 process x 8
+  got = two_process_run()
+  assert got["world_size"] == 2 and got["devices"] == 8 and got["local_devices"] == 4
+  run = got[strategy]
+  # make_mesh on jax.devices() (ordered by process): FULL_SHARD's shard axis
+  # spans both processes; HYBRID's replicate axis runs across the processes
+  # and each shard group is one process's 4 devices.
+  if strategy == "HYBRID_SHARD":
+    assert run["layout"] == [[0, 0, 0, 0], [1, 1, 1, 1]]
+  else:
+    assert run["layout"] == [0, 0, 0, 0, 1, 1, 1, 1]
+  np.testing.assert_allclose(run["losses"], ref_losses, rtol=0, atol=1e-5)
+  assert set(run["params"]) == set(ref_params)
+  for name, ref in ref_params.items():
+    np.testing.assert_allclose(np.asarray(run["params"][name], np.float32), ref,
+                               rtol=2e-4, atol=1e-6, err_msg=name)
+  print(f"\n{strategy}: 2x4 launcher run {got['launcher_seconds']:.1f} s, "
+        f"losses {np.round(run['losses'], 6).tolist()}")
+
+
+# --------------------------------------------------------------------------
+# Checkpoints and full state dicts across process counts
+
+
+def test_checkpoint_crosses_process_counts(tmp_path):
+  """A checkpoint saved by 2 processes restores in 1 process and vice versa:
+  the step after the restore matches the step after the save (same loss,
+  same parameters), so parameters and Adam's moments came back. Also a FULL
+  state dict with rank0_only taken by 2 processes."""
+  pytest.importorskip("fsdp_jax.checkpoint")
+  one_dir, two_dir, out = tmp_path / "saved_by_1", tmp_path / "saved_by_2", tmp_path / "r.json"
+  loss_1, params_1 = mp_worker.checkpoint_round(str(one_dir))  # 1 process x 8 devices
+  proc = subprocess.run(
+      _launcher("--nproc", "2", "--devices-per-proc", "4", "--platform", "cpu", WORKER,
+                "checkpoint", "--save-dir", str(two_dir), "--restore-dir", str(one_dir),
+                "--out", str(out)),
+      cwd=REPO, env=_env(), capture_output=True, text=True, timeout=200)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  got = json.loads(out.read_text())
+  # saved by 1 process, resumed by 2
+  resumed = got["resumed"]
+  np.testing.assert_allclose(resumed["loss"], loss_1, rtol=0, atol=1e-5)
+  for name, ref in params_1.items():
+    np.testing.assert_allclose(np.asarray(resumed["params"][name], np.float32), ref,
+                               rtol=2e-4, atol=1e-6, err_msg=name)
+  # saved by 2 processes, resumed by 1
+  loss_2, params_2 = mp_worker.resume_round(str(two_dir))
+  np.testing.assert_allclose(loss_2, got["saved"]["loss"], rtol=0, atol=1e-5)
+  for name, ref in params_2.items():
+    np.testing.assert_allclose(np.asarray(got["saved"]["params"][name], np.float32), ref,
+                               rtol=2e-4, atol=1e-6, err_msg=name)
+  assert got["state_dict_matches"], got["state_dict_keys"]
+
+
+# --------------------------------------------------------------------------
+# A lost process is named, promptly
+
+
+def _start_fail_run(tmp_path, victim, how, **extra_env):
+  port = free_port()
+  base = dict(_env(), **extra_env)
+  envs = [worker_env(rank=r, world_size=2, local_rank=r, local_world_size=2,
+                     master_addr="127.0.0.1", master_port=port, devices_per_proc=4,
+                     platform="cpu", peer_timeout=PEER_TIMEOUT, base=base)
+          for r in range(2)]
+  cmd = [sys.executable, WORKER, "fail", "--victim", str(victim), "--how", how,
+         "--at", "3", "--steps", "100000", "--max-seconds", "170"]
+  # die_with_parent=False: no Python between fork and exec in this (JAX,
+  # multi-threaded) process; the workers stop themselves after --max-seconds.
+  group = WorkerGroup(cmd, envs, log_dir=str(tmp_path), cwd=str(REPO),
+                      die_with_parent=False).start()
+  # Workers are started directly (not by the launcher, which would stop the
+  # survivor itself): the survivor must find out on its own.
+  results = group.wait(timeout=150, stop_on_failure=False)
+  logs = [(tmp_path / f"rank{r}.log").read_text(errors="replace") for r in range(2)]
+  died = re.search(rf"VICTIM {victim} {how} at ([0-9.]+)", logs[victim])
+  assert died, f"the victim never reached its failure point:\n{logs[victim][-3000:]}"
+  return results, logs, float(died.group(1))
+
+
+def test_killed_process_is_named_by_survivor(tmp_path):
+  results, logs, died_at = _start_fail_run(tmp_path, victim=1, how="kill")
+  victim, survivor = results[1], results[0]
+  assert victim.returncode == -9, victim.describe()
+  assert not survivor.stopped, f"survivor hung until the test's timeout:\n{logs[0][-3000:]}"
+  assert survivor.returncode == distributed.EXIT_PEER_LOST, (survivor.describe(), logs[0][-3000:])
+  elapsed = survivor.ended_at - died_at
+  assert elapsed < 60, f"survivor took {elapsed:.1f} s to exit"
+  assert "FINISHED" not in logs[0]
+  message = logs[0]
+  assert re.search(r"lost process 1 of 2 \(host \S+, pid \d+, LOCAL_RANK 1\) stopped "
+                   r"sending heartbeats", message), message[-3000:]
+  assert "died or was killed" in message
+  print(f"\nsurvivor exited {elapsed:.1f} s after the peer was killed "
+        f"(peer_timeout {PEER_TIMEOUT} s)")
+
+
+def test_failed_process_is_named_by_survivor(tmp_path):
+  results, logs, died_at = _start_fail_run(tmp_path, victim=1, how="raise")
+  victim, survivor = results[1], results[0]
+  assert victim.returncode == 1, victim.describe()
+  assert "ValueError: injected failure" in logs[1]
+  assert survivor.returncode == distributed.EXIT_PEER_LOST, (survivor.describe(), logs[0][-3000:])
+  elapsed = survivor.ended_at - died_at
+  assert elapsed < 60, f"survivor took {elapsed:.1f} s to exit"
+  assert re.search(r"process 1 of 2 \(host \S+, pid \d+, LOCAL_RANK 1\) failed: "
+                   r"ValueError: injected failure in process 1 at step 3", logs[0]), logs[0][-3000:]
+  print(f"\nsurvivor exited {elapsed:.1f} s after the peer raised")
+
+
+def test_early_exit_is_reported_and_bounded(tmp_path):
+  """Process 1 calls sys.exit(3) mid-training (the uneven-batches bug): it
+  stays alive at JAX's shutdown barrier, so process 0's collective neither
+  completes nor fails. The watchdog warns, naming process 1, and JAX ends
+  both after FSDP_JAX_SHUTDOWN_TIMEOUT."""
+  results, logs, died_at = _start_fail_run(tmp_path, victim=1, how="exit",
+                                           FSDP_JAX_SHUTDOWN_TIMEOUT="10")
+  survivor = results[0]
+  assert not survivor.stopped, f"survivor hung until the test's timeout:\n{logs[0][-3000:]}"
+  assert survivor.returncode != 0
+  elapsed = survivor.ended_at - died_at
+  assert elapsed < 60, f"survivor took {elapsed:.1f} s to exit"
+  assert re.search(r"warning: process 1 of 2 \(host \S+, pid \d+, LOCAL_RANK 1\) finished "
+                   r"more than 5 s ago while process 0 still runs", logs[0]), logs[0][-3000:]
+  assert "Shutdown barrier" in logs[0]  # JAX's own termination, after the timeout
+  print(f"\nsurvivor exited {elapsed:.1f} s after the peer's sys.exit")
+
+
+def test_lost_coordinator_stops_the_others(tmp_path):
+  results, logs, died_at = _start_fail_run(tmp_path, victim=0, how="kill")
+  survivor = results[1]
+  assert results[0].returncode == -9
+  assert not survivor.stopped, f"survivor hung until the test's timeout:\n{logs[1][-3000:]}"
+  assert survivor.returncode != 0
+  elapsed = survivor.ended_at - died_at
+  assert elapsed < 60, f"survivor took {elapsed:.1f} s to exit"
+  # Process 0 hosts JAX's coordination service: JAX itself terminates the
+  # others at once, naming the leader; fsdp_jax's watchdog may get there first.
+  assert ("leader task" in logs[1] or "lost the coordinator" in logs[1]), logs[1][-3000:]
+  print(f"\nsurvivor exited {elapsed:.1f} s after process 0 was killed")
+
+
+# --------------------------------------------------------------------------
+# monitored_barrier
+
+
+def test_monitored_barrier_names_missing_process(tmp_path):
+  out = tmp_path / "barrier.json"
+  proc = subprocess.run(
+      _launcher("--nproc", "2", "--devices-per-proc", "1", "--platform", "cpu",
+                "--peer-timeout", "10", WORKER, "barrier", "--out", str(out),
+                "--timeout", "2"),
+      cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  seen = json.loads(out.read_text())
+  assert seen["pass"] == "ok"
+  assert "process 0 is at barrier 'name-0' but process 1 at 'name-1'" in seen["mismatch"]
+  assert seen["missing"] == [1]
+  assert re.search(r"monitored_barrier 'late' \(#3\): 1 of 2 processes did not arrive "
+                   r"within 2\.\d s: process 1 of 2 \(host \S+, pid \d+, LOCAL_RANK 1\) "
+                   r"\[alive: still sending heartbeats", seen["timeout"]), seen["timeout"]
+  assert 2.0 <= seen["waited"] < 10
+
+
+def test_monitored_barrier_single_process_returns():
+  distributed.monitored_barrier("solo", timeout=1)  # one process: nothing to wait for
+
+
+# --------------------------------------------------------------------------
+# initialize() argument errors (raised before JAX is touched)
+
+
+@pytest.fixture
+def clean_dist_env(monkeypatch):
+  for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "JAX_COORDINATOR_ADDRESS", "MASTER_ADDR",
+            "MASTER_PORT", "FSDP_JAX_DEVICES_PER_PROC", "FSDP_JAX_PEER_TIMEOUT"):
+    monkeypatch.delenv(k, raising=False)
+  monkeypatch.setattr(distributed, "_info", None)
+  return monkeypatch
+
+
+def test_initialize_errors(clean_dist_env):
+  import jax
+  jax.devices()  # JAX has started in this process (as it has after conftest's set-up)
+  mp = clean_dist_env
+  mp.setenv("RANK", "0")
+  mp.setenv("WORLD_SIZE", "2")
+  with pytest.raises(ValueError, match="no coordinator address.*JAX_COORDINATOR_ADDRESS"):
+    distributed.initialize()
+  mp.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
+  mp.setenv("RANK", "5")
+  with pytest.raises(ValueError, match=r"rank=5, world_size=2"):
+    distributed.initialize()
+  mp.setenv("RANK", "x")
+  with pytest.raises(ValueError, match="RANK='x' is not an integer"):
+    distributed.initialize()
+  mp.delenv("RANK")
+  with pytest.raises(ValueError, match="set both"):
+    distributed.initialize()
+  with pytest.raises(ValueError, match="pass all of coordinator_address"):
+    distributed.initialize(num_processes=2)
+  # Multi-process needs JAX not started yet (this pytest process has started it).
+  with pytest.raises(RuntimeError, match="before JAX starts its backends"):
+    distributed.initialize(coordinator_address="127.0.0.1:1", num_processes=2, process_id=0)
+
+
+def test_initialize_single_process_after_jax_started(clean_dist_env):
+  info = distributed.initialize()
+  assert (info.rank, info.world_size, info.source) == (0, 1, "single")
+  assert info.is_main_process and distributed.get_world_size() == 1
+
+
+# --------------------------------------------------------------------------
+# The launcher
+
+
+def test_launcher_help(capsys):
+  with pytest.raises(SystemExit) as e:
+    launch.main(["--help"])
+  assert e.value.code == 0
+  text = capsys.readouterr().out
+  for word in ("--nproc", "--devices-per-proc", "--master-port", "--peer-timeout",
+               "RANK", "LOCAL_RANK", "JAX_COORDINATOR_ADDRESS", "exit status"):
+    assert word in text, word
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["x.py"], "--nproc N is required"),
+    (["--nproc", "0", "x.py"], "--nproc must be at least 1"),
+    (["--nproc", "two", "x.py"], "--nproc must be a whole number"),
+    (["--nproc", "2"], "give the training script"),
+    (["--nproc", "2", "no_such_script.py"], "'no_such_script.py' does not exist"),
+    (["--nproc", "2", "--devices-per-proc", "0", WORKER], "--devices-per-proc must be at least 1"),
+    (["--nproc", "2", "--nnodes", "2", "--node-rank", "2", WORKER], "--node-rank 2 is out of range"),
+    (["--nproc", "2", "--nnodes", "2", WORKER], "needs --master-port"),
+    (["--nproc", "2", "--master-port", "70000", WORKER], "not a TCP port"),
+    (["--nproc", "2", "--peer-timeout", "-1", WORKER], "--peer-timeout must be positive"),
+    (["--nproc", "2", "--platform", "tpu", WORKER], "invalid choice: 'tpu'"),
+])
+def test_launcher_rejects_bad_arguments(capsys, argv, message):
+  with pytest.raises(SystemExit) as e:
+    launch.main(argv)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def _script(tmp_path, body: str) -> str:
+  path = tmp_path / "script.py"
+  path.write_text(textwrap.dedent(body))
+  return str(path)
+
+
+def test_launcher_sets_environment_and_forwards_arguments(tmp_path):
+  script = _script(tmp_path, """
+      import json, os, sys
+      keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+              "MASTER_ADDR", "MASTER_PORT", "JAX_COORDINATOR_ADDRESS",
+              "FSDP_JAX_DEVICES_PER_PROC", "FSDP_JAX_PLATFORM", "FSDP_JAX_PEER_TIMEOUT",
+              "FSDP_JAX_LAUNCHED"]
+      out = {k: os.environ.get(k) for k in keys}
+      out["argv"] = sys.argv[1:]
+      with open(os.path.join(os.path.dirname(__file__), f"env{os.environ['RANK']}.json"), "w") as f:
+          json.dump(out, f)
+  """)
+  proc = subprocess.run(_launcher("--nproc", "3", "--devices-per-proc", "2", "--platform", "cpu",
+                                  "--peer-timeout", "7", script, "--lr", "0.1", "pos"),
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr
+  envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(3)]
+  port = envs[0]["MASTER_PORT"]
+  for r, e in enumerate(envs):
+    assert e == {"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r),
+                 "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": port, "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                 "FSDP_JAX_DEVICES_PER_PROC": "2", "FSDP_JAX_PLATFORM": "cpu",
+                 "FSDP_JAX_PEER_TIMEOUT": "7", "FSDP_JAX_LAUNCHED": "1",
+                 "argv": ["--lr", "0.1", "pos"]}
+
+
+@pytest.mark.parametrize("how, expected_status, described", [
+    ("sys.exit(3)", 3, "exit code 3"),
+    ("os.kill(os.getpid(), signal.SIGKILL)", 128 + 9, "killed by signal SIGKILL (9)"),
+])
+def test_launcher_stops_others_and_forwards_failure(tmp_path, how, expected_status, described):
+  script = _script(tmp_path, f"""
+      import os, signal, sys, time
+      if os.environ["RANK"] == "1":
+          time.sleep(0.5)
+          {how}
+      time.sleep(120)  # the others would run on; the launcher must stop them
+  """)
+  start = time.monotonic()
+  proc = subprocess.run(_launcher("--nproc", "3", "--kill-grace", "2", script),
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+  took = time.monotonic() - start
+  assert proc.returncode == expected_status, proc.stderr
+  assert took < 30, f"launcher took {took:.1f} s to stop the other workers"
+  assert re.search(rf"worker RANK=1 \(LOCAL_RANK=1, pid \d+\): {re.escape(described)} "
+                   "failed first", proc.stderr), proc.stderr
+  assert re.search(r"stopped the other workers: RANK=0 \(killed by signal SIGTERM \(15\)\), "
+                   r"RANK=2 \(killed by signal SIGTERM \(15\)\)", proc.stderr), proc.stderr
+
+
+def test_launcher_success_module_mode_and_log_dir(tmp_path):
+  pkg = tmp_path / "pkg_mp_demo"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "main.py").write_text("import os\nprint('hello from', os.environ['RANK'])\n")
+  env = _env()
+  env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+  logs = tmp_path / "logs"
+  proc = subprocess.run(_launcher("--nproc", "2", "--log-dir", str(logs), "-m",
+                                  "pkg_mp_demo.main"),
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr
+  for r in (0, 1):
+    assert (logs / f"rank{r}.log").read_text().strip() == f"hello from {r}"
+
+
+def test_slurm_job_is_detected(tmp_path):
+  """Without the launcher, under srun: initialize() hands over to JAX's SLURM
+  detection (coordinator = first node of the step, JAX_COORDINATOR_PORT)."""
+  script = _script(tmp_path, """
+      from fsdp_jax import distributed
+      info = distributed.initialize()
+      import jax
+      distributed.monitored_barrier("up", timeout=60)
+      print(f"slurm rank {info.rank} of {info.world_size} source {info.source} "
+            f"local {info.local_rank} devices {jax.device_count()}", flush=True)
+  """)
+  port = free_port()
+  envs = []
+  for r in range(2):
+    env = _env()
+    env.update(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+               SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS_PER_NODE="2",
+               JAX_COORDINATOR_PORT=str(port), FSDP_JAX_DEVICES_PER_PROC="2",
+               FSDP_JAX_PLATFORM="cpu", FSDP_JAX_PEER_TIMEOUT="10")
+    envs.append(env)
+  group = WorkerGroup([sys.executable, script], envs, ranks=[0, 1], log_dir=str(tmp_path),
+                      die_with_parent=False).start()
+  results = group.wait(timeout=90)
+  logs = [(tmp_path / f"rank{r}.log").read_text(errors="replace") for r in range(2)]
+  assert [r.returncode for r in results] == [0, 0], logs
+  for r in range(2):
+    assert f"slurm rank {r} of 2 source cluster local {r} devices 4" in logs[r], logs[r]
+
+
+# --------------------------------------------------------------------------
+# sync_module_states
+
+
+def test_sync_module_states_starts_every_process_from_process_0(tmp_path):
+  out = tmp_path / "sync.json"
+  run = _Background(_launcher("--nproc", "2", "--devices-per-proc", "4", "--platform", "cpu",
+                              WORKER, "sync", "--out", str(out)),
+                    tmp_path / "launcher.log", timeout=240)
+  code = run.wait()
+  assert code == 0, run.output()[-4000:]
+  seen = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+  import numpy as np
+  sys.path.insert(0, str(REPO / "tests"))
+  from mp_worker import flat, np_params
+  p0 = flat(np_params(seed=0))
+  for r in (0, 1):
+    synced = seen[r]["True"]
+    for k, v in p0.items():
+      np.testing.assert_array_equal(np.asarray(synced["params"][k]), v)
+    assert synced["stat"] == [0.0, 0.0, 0.0]  # process 0's model state everywhere
+  # Without the option, the processes' different host values are not
+  # reconciled: process 1's own model state stays on its devices.
+  assert seen[1]["False"]["stat"] == [1.0, 1.0, 1.0]
