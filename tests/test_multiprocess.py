@@ -149,7 +149,6 @@ def test_checkpoint_crosses_process_counts(tmp_path):
   the step after the restore matches the step after the save (same loss,
   same parameters), so parameters and Adam's moments came back. Also a FULL
   state dict with rank0_only taken by 2 processes."""
-  pytest.importorskip("fsdp_jax.checkpoint")
   one_dir, two_dir, out = tmp_path / "saved_by_1", tmp_path / "saved_by_2", tmp_path / "r.json"
   loss_1, params_1 = mp_worker.checkpoint_round(str(one_dir))  # 1 process x 8 devices
   proc = subprocess.run(
