@@ -38,9 +38,10 @@ unset http_proxy https_proxy HTTP_PROXY HTTPS_PROXY
 
 # --kill-on-bad-exit: SLURM stops the other tasks when one fails (what the
 # fsdp_jax launcher does on one machine).
-# train.py: your training script, which calls fsdp_jax.distributed.initialize()
-# first thing (see docs/multihost.md).
-srun --kill-on-bad-exit=1 python train.py --steps 1000
+# examples/train_gpt.py calls fsdp_jax.distributed.initialize() when it sees several
+# SLURM tasks; any training script of yours does the same first thing
+# (see docs/multihost.md).
+srun --kill-on-bad-exit=1 python examples/train_gpt.py --steps 1000
 
 # Alternative: one launcher per node, 4 processes each (static rendezvous like
 # torch.distributed.launch); useful for CPU nodes with simulated devices:

@@ -9,19 +9,39 @@ standard library (so it ships with every Python), or any text file given with
 Without a GPU the script simulates 8 CPU devices (``--cpu-devices``), so
 every sharding strategy can be tried on a laptop:
 
-    PYTHONPATH=. python examples/train_gpt.py
-    PYTHONPATH=. python examples/train_gpt.py --strategy SHARD_GRAD_OP --use-orig-params
-    PYTHONPATH=. python examples/train_gpt.py --strategy HYBRID_SHARD --replicate 2
-    PYTHONPATH=. python examples/train_gpt.py --wrap size --print-plan
+    python examples/train_gpt.py
+    python examples/train_gpt.py --strategy SHARD_GRAD_OP --use-orig-params
+    python examples/train_gpt.py --strategy HYBRID_SHARD --replicate 2
+    python examples/train_gpt.py --wrap size --print-plan
+    python examples/train_gpt.py --precision bf16 --max-norm 1.0 --accumulate 2
+
+Checkpoints (orbax, through ``fsdp_jax.CheckpointManager``) and resuming a
+run that was interrupted (keep ``--steps``: the learning-rate schedule
+depends on it; the batches depend only on the step, so the resumed run
+continues exactly like an uninterrupted one):
+
+    python examples/train_gpt.py --steps 200 --checkpoint-dir /tmp/gpt --save-every 50
+    python examples/train_gpt.py --steps 200 --checkpoint-dir /tmp/gpt --resume
+
+Several processes (like ``torchrun``), here 2 processes x 4 simulated CPU
+devices; each process feeds its own half of every global batch and only
+process 0 prints:
+
+    python -m fsdp_jax.launch --nproc 2 --devices-per-proc 4 --platform cpu \\
+        examples/train_gpt.py --steps 50
 
 The steps, in the order PyTorch users know them:
 
-1. pick the devices (``fsdp_jax.simulate_cpu_devices`` before JAX starts);
+1. pick the devices (``fsdp_jax.simulate_cpu_devices`` before JAX starts, or
+   ``fsdp_jax.distributed.initialize()`` under the launcher);
 2. build a mesh (``fsdp_jax.make_mesh``) and an ``fsdp_jax.FSDPConfig``
-   (sharding strategy, auto-wrap policy, ``use_orig_params``);
+   (sharding strategy, auto-wrap policy, mixed precision, ``use_orig_params``);
 3. ``fsdp_jax.init_train_state(init_fn=...)`` materialises the model straight
-   into its shards (PyTorch: wrapping the module in ``FullyShardedDataParallel``);
-4. ``fsdp_jax.shard_train_step(loss_fn, ...)`` builds the jitted train step;
+   into its shards (PyTorch: wrapping the module in ``FullyShardedDataParallel``),
+   or ``CheckpointManager.restore`` loads a saved one;
+4. ``fsdp_jax.shard_train_step(loss_fn, ...)`` builds the jitted train step
+   (with ``max_norm=``: PyTorch's ``clip_grad_norm_``; with
+   ``gradient_accumulation_steps=``: ``no_sync()`` accumulation);
    ``loss_fn`` is ordinary single-device code over the full parameter tree;
 5. ``fsdp_jax.full_params(state)`` gathers the parameters back, here to
    generate a sample (PyTorch: ``summon_full_params``).
@@ -41,15 +61,16 @@ import sys
 import time
 
 # Importing jax, flax, optax or fsdp_jax does not start a JAX backend; only the
-# first computation or jax.devices() call does. configure_devices() runs first
-# thing in main(), before any of that, so it can still choose the platform and
-# the number of simulated CPU devices.
+# first computation or jax.devices() call does. configure_devices() (or
+# fsdp_jax.distributed.initialize() under the launcher) runs first thing in
+# main(), before any of that, so it can still choose the platform and the
+# number of simulated CPU devices.
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 import fsdp_jax
 
@@ -62,6 +83,15 @@ except ImportError:  # pragma: no cover - depends on the environment
 DEFAULT_TEXT_MODULES = ("textwrap", "string", "functools", "argparse")
 
 STRATEGIES = tuple(s.name for s in fsdp_jax.ShardingStrategy)
+
+# Assumed dense peak TFLOP/s of one device, (bf16, fp32), for the MFU estimate.
+# fp32 on these GPUs means TF32 tensor cores (XLA's default for fp32 matmuls).
+# SXM parts; PCIe cards are slower. Anything else: pass --peak-tflops.
+GPU_PEAK_TFLOPS = {"H200": (989.0, 495.0), "H100": (989.0, 495.0),
+                   "A100": (312.0, 156.0)}
+# The CPU "peak" is a nominal 1 TFLOP/s per process (all its simulated
+# devices share the host's cores): enough to compare runs, not a measurement.
+CPU_PEAK_TFLOPS = 1.0
 
 
 # ---------------------------------------------------------------------------
@@ -78,6 +108,21 @@ def gpu_available() -> bool:
   except (OSError, subprocess.SubprocessError):
     return False
   return out.returncode == 0 and "GPU" in out.stdout
+
+
+def launched() -> bool:
+  """Whether ``python -m fsdp_jax.launch``, srun or mpirun started this process
+  as one of several.
+
+  Then ``fsdp_jax.distributed.initialize()`` sets up the devices and joins the
+  other processes, instead of this script simulating CPU devices itself."""
+  if "FSDP_JAX_DEVICES_PER_PROC" in os.environ:  # python -m fsdp_jax.launch
+    return True
+  # srun / mpirun with several tasks: jax.distributed detects the cluster.
+  for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    if int(os.environ.get(var, "1") or 1) > 1:
+      return True
+  return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def configure_devices(platform: str, cpu_devices: int) -> str:
@@ -137,7 +182,7 @@ class CharData:
     self.chars = sorted(set(text))
     self.index = {c: i for i, c in enumerate(self.chars)}
     self.tokens = self.encode(text)
-    self.rng = np.random.default_rng(seed)
+    self.seed = seed
 
   @property
   def vocab_size(self) -> int:
@@ -150,9 +195,20 @@ class CharData:
   def decode(self, ids) -> str:
     return "".join(self.chars[int(i)] for i in ids)
 
-  def batch(self, batch_size: int, seq_len: int) -> dict:
-    """``batch_size`` random windows: inputs and next-character targets."""
-    starts = self.rng.integers(0, len(self.tokens) - seq_len - 1, size=batch_size)
+  def batch(self, batch_size: int, seq_len: int, *, step: int, process: int = 0,
+            num_processes: int = 1) -> dict:
+    """Process ``process``'s rows of global batch number ``step``: inputs and
+    next-character targets of random windows.
+
+    The global batch (``batch_size`` windows) depends only on ``(seed,
+    step)``; each of ``num_processes`` processes takes its own equal, disjoint
+    slice of it, in process order. So every process feeds different rows,
+    the global batch is the same for any number of processes, and a run
+    resumed from a checkpoint sees the batches of the uninterrupted run."""
+    rng = np.random.default_rng((self.seed, step))
+    starts = rng.integers(0, len(self.tokens) - seq_len - 1, size=batch_size)
+    per = batch_size // num_processes
+    starts = starts[process * per:(process + 1) * per]
     windows = np.stack([self.tokens[s:s + seq_len + 1] for s in starts])
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
@@ -175,7 +231,8 @@ class CausalSelfAttention(nn.Module):
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
     causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
     scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-    weights = jax.nn.softmax(scores, axis=-1)
+    # The softmax runs in float32 also under bf16 mixed precision.
+    weights = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, seq, d_model)
     return nn.Dense(d_model, name="proj")(out)
 
@@ -237,21 +294,39 @@ def make_wrap_policy(kind: str, min_num_params: int):
   return None  # the whole model is one (root) unit
 
 
-def make_mesh(strategy: fsdp_jax.ShardingStrategy, replicate: int | None):
-  """A 2-D ``("replicate", "shard")`` mesh for the hybrid strategies, else 1-D."""
+def make_mixed_precision(precision: str):
+  """``bf16``: PyTorch's usual ``MixedPrecision(param_dtype=torch.bfloat16,
+  reduce_dtype=torch.float32)``: units are cast to bf16 before their
+  all-gather (half the bytes), compute runs in bf16, gradients are reduced in
+  fp32, and the sharded master weights and Adam state stay fp32."""
+  if precision == "bf16":
+    return fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+  return None
+
+
+def make_mesh(strategy: fsdp_jax.ShardingStrategy, replicate: int | None, say=print):
+  """A 2-D ``("replicate", "shard")`` mesh for the hybrid strategies, else 1-D.
+
+  With several processes, ``make_mesh`` orders the devices process by process,
+  so the hybrid default (one replica group per process) shards within a
+  process and replicates across processes."""
   if strategy.name in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
-    return fsdp_jax.make_mesh(replicate=replicate or 2)
+    default = jax.process_count() if jax.process_count() > 1 else 2
+    return fsdp_jax.make_mesh(replicate=replicate or default)
   if replicate is not None:
-    print(f"note: --replicate is only used by the hybrid strategies; "
-          f"{strategy.name} shards over all devices.")
+    say(f"note: --replicate is only used by the hybrid strategies; "
+        f"{strategy.name} shards over all devices.")
   return fsdp_jax.make_mesh()
 
 
-def shard_batch(batch: dict, mesh) -> dict:
-  """Places each batch leaf split along dim 0 over all mesh axes, as the step
-  expects (passing host arrays also works; this just avoids a reshard)."""
-  sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-  return jax.device_put(batch, sharding)
+def place_batch(local_batch: dict, sharding: NamedSharding) -> dict:
+  """Places this process's rows of the global batch on the mesh, split along
+  dim 0 over the data-parallel axes as the step expects. With one process
+  the local batch is the global batch; with several, the global array is
+  assembled from every process's rows, in process order. (Passing host arrays
+  to the step also works; this just avoids a reshard.)"""
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x),
+                      local_batch)
 
 
 def state_bytes_per_device(state) -> tuple[int, int]:
@@ -259,6 +334,74 @@ def state_bytes_per_device(state) -> tuple[int, int]:
   leaves = jax.tree.leaves((state.params, state.opt_state))
   per_device = sum(x.addressable_shards[0].data.nbytes for x in leaves)
   return per_device, sum(x.nbytes for x in leaves)
+
+
+# ---------------------------------------------------------------------------
+# Throughput and MFU (an estimate)
+
+
+def flops_per_token(plan, num_layers: int, d_model: int, seq_len: int) -> int:
+  """Model FLOPs per trained token: ``6 N + 12 L d T``.
+
+  ``N`` counts the parameters used in matmuls (the embedding tables are
+  lookups, so they are left out; the LM head is counted): forward and
+  backward cost about 6 FLOPs per parameter per token. The attention scores
+  and the weighted sum of values add ``12 L d T`` (PaLM's appendix B; this
+  model computes the full ``T x T`` scores, masked or not). Recomputation is
+  not counted (it is *model* FLOPs)."""
+  n = sum(int(np.prod(leaf.shape)) for leaf in plan.leaves if "_embed." not in leaf.name)
+  return 6 * n + 12 * num_layers * d_model * seq_len
+
+
+def default_peak_tflops(platform: str, device_kind: str, precision: str):
+  """The assumed peak TFLOP/s of one device (GPU) or one process (CPU), or
+  None when unknown."""
+  if platform == "cpu":
+    return CPU_PEAK_TFLOPS
+  for name, (bf16, fp32) in GPU_PEAK_TFLOPS.items():
+    if name in device_kind.upper():
+      return bf16 if precision == "bf16" else fp32
+  return None
+
+
+class Throughput:
+  """Tokens/s and MFU over the steps since the last report; the first step
+  of a run (compilation) is only used when nothing else is available."""
+
+  def __init__(self, tokens_per_step: int, flops_per_token: int, peak_flops):
+    self.tokens_per_step = tokens_per_step
+    self.flops_per_token = flops_per_token
+    self.peak_flops = peak_flops
+    self.window = []   # step times since the last report
+    self.first = None  # the first step's time (includes compilation)
+    self.steady = []   # every step time after the first
+
+  def add(self, seconds: float) -> None:
+    if self.first is None:
+      self.first = seconds
+      return
+    self.window.append(seconds)
+    self.steady.append(seconds)
+
+  def _rates(self, times):
+    tok_s = self.tokens_per_step * len(times) / sum(times)
+    mfu = (tok_s * self.flops_per_token / self.peak_flops if self.peak_flops else None)
+    return tok_s, mfu
+
+  def report(self):
+    """``(tokens/s, mfu or None, compiling)`` over the window, which is then
+    reset; ``compiling``: only the first step (with compilation) was timed."""
+    compiling = not self.window
+    times = self.window or [self.first]
+    self.window = []
+    return (*self._rates(times), compiling)
+
+  def overall(self):
+    return self._rates(self.steady) if self.steady else None
+
+
+def fmt_mfu(mfu) -> str:
+  return "n/a" if mfu is None else f"{100 * mfu:.2f}%"
 
 
 # ---------------------------------------------------------------------------
@@ -295,6 +438,11 @@ def generate(model: GPT, params, data: CharData, prompt: str, num_chars: int) ->
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0],
+      epilog="Multi-process: run under `python -m fsdp_jax.launch --nproc N "
+             "[--devices-per-proc M] examples/train_gpt.py ...`; the script then calls "
+             "fsdp_jax.distributed.initialize() (the launcher's devices replace "
+             "--platform/--cpu-devices), each process feeds --batch-size / N rows of "
+             "every global batch, and only process 0 prints.",
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   g = p.add_argument_group("FSDP")
   g.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD",
@@ -309,7 +457,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="min_num_params of the size-based policy (--wrap size)")
   g.add_argument("--replicate", type=int, default=None,
                  help="size of the 'replicate' mesh axis for the hybrid strategies "
-                      "(None: 2)")
+                      "(None: the number of processes, or 2 with one process)")
+  g.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                 help="bf16: MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32): "
+                      "bf16 gathers and compute, fp32 gradient reduction and master weights")
   g.add_argument("--print-plan", action="store_true",
                  help="print the FSDP plan: units, leaves, bytes per device")
   d = p.add_argument_group("devices")
@@ -325,36 +476,83 @@ def parse_args(argv=None) -> argparse.Namespace:
   t = p.add_argument_group("training")
   t.add_argument("--text", default=None, metavar="PATH",
                  help="UTF-8 text file to train on (default: Python stdlib sources)")
-  t.add_argument("--steps", type=int, default=200, help="optimizer steps")
+  t.add_argument("--steps", type=int, default=200,
+                 help="optimizer steps in total (with --resume: including the "
+                      "checkpoint's steps)")
   t.add_argument("--batch-size", type=int, default=16,
                  help="global batch size (a multiple of the number of devices)")
   t.add_argument("--seq-len", type=int, default=64, help="context length in characters")
   t.add_argument("--lr", type=float, default=1e-2, help="peak AdamW learning rate")
+  t.add_argument("--max-norm", type=float, default=None,
+                 help="clip gradients to this total norm (PyTorch's clip_grad_norm_, "
+                      "over all shards); the log shows the pre-clip norm")
+  t.add_argument("--accumulate", type=int, default=1, metavar="K",
+                 help="gradient accumulation: split each device's part of every global "
+                      "batch into K microbatches (PyTorch's no_sync()); the global batch "
+                      "per optimizer step stays --batch-size")
   t.add_argument("--seed", type=int, default=0, help="seed for init and batches")
   t.add_argument("--log-every", type=int, default=20,
-                 help="print a progress line every N steps (without tqdm)")
+                 help="print a progress line every N steps (when stderr is not a "
+                      "terminal or tqdm is not installed; else a progress bar)")
+  t.add_argument("--peak-tflops", type=float, default=None,
+                 help="assumed peak TFLOP/s for the MFU estimate: of one GPU, or of one "
+                      f"process's host on CPU (default: {CPU_PEAK_TFLOPS:g} on CPU; "
+                      "989 bf16 / 495 fp32 (TF32) on H100/H200; 312/156 on A100; "
+                      "else MFU is not shown)")
   t.add_argument("--sample-chars", type=int, default=40,
                  help="characters to generate after training (0: none)")
   t.add_argument("--prompt", default=None,
                  help="prompt for the generated sample (default: 'def ', or the "
                       "first 16 characters of --text)")
+  c = p.add_argument_group("checkpoints")
+  c.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                 help="save the train state here with fsdp_jax.CheckpointManager "
+                      "(every --save-every steps and at the end)")
+  c.add_argument("--save-every", type=int, default=100, metavar="N",
+                 help="checkpoint every N steps (and at the last step)")
+  c.add_argument("--keep", type=int, default=3,
+                 help="number of checkpoints to keep (max_to_keep)")
+  c.add_argument("--resume", action="store_true",
+                 help="restore the latest checkpoint in --checkpoint-dir and continue "
+                      "from its step up to --steps (starts from scratch if there is none)")
   args = p.parse_args(argv)
   if args.d_model % args.heads:
     p.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
   if args.steps < 1:
     p.error("--steps must be at least 1")
+  if args.accumulate < 1:
+    p.error("--accumulate must be at least 1")
+  if args.max_norm is not None and not args.max_norm > 0:
+    p.error("--max-norm must be positive")
+  if args.save_every < 1:
+    p.error("--save-every must be at least 1")
+  if args.log_every < 1:
+    p.error("--log-every must be at least 1")
+  if args.resume and args.checkpoint_dir is None:
+    p.error("--resume needs --checkpoint-dir")
   return args
 
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
   # 1. Devices: before anything makes JAX start a backend.
-  platform = configure_devices(args.platform, args.cpu_devices)
+  if launched():
+    # Started by python -m fsdp_jax.launch: initialize() sets up this
+    # process's devices (the launcher's --devices-per-proc) and joins the
+    # others through jax.distributed.
+    info = fsdp_jax.distributed.initialize()
+    platform = info.platform
+  else:
+    platform = configure_devices(args.platform, args.cpu_devices)
   devices = jax.devices()
   if platform == "gpu" and devices[0].platform == "cpu":
     sys.exit("--platform gpu: JAX found no GPU (is jax[cuda] installed?); "
              "use --platform cpu to simulate devices instead.")
-  print(f"devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform})")
+  rank, nproc = jax.process_index(), jax.process_count()
+  is_main = rank == 0
+  say = print if is_main else (lambda *a, **k: None)  # only process 0 prints
+  where = f" in {nproc} processes ({jax.local_device_count()} each)" if nproc > 1 else ""
+  say(f"devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}){where}")
 
   # Data.
   text, source = load_text(args.text)
@@ -362,22 +560,29 @@ def main(argv=None) -> dict:
   if len(data.tokens) <= args.seq_len + 1:
     sys.exit(f"The text has {len(data.tokens)} characters; it needs more than "
              f"--seq-len + 1 = {args.seq_len + 1}.")
-  print(f"text: {source}: {len(data.tokens):,} characters, vocabulary {data.vocab_size}")
+  say(f"text: {source}: {len(data.tokens):,} characters, vocabulary {data.vocab_size}")
 
   # 2. Mesh and FSDP options.
   strategy = fsdp_jax.ShardingStrategy[args.strategy]
-  mesh = make_mesh(strategy, args.replicate)
+  mesh = make_mesh(strategy, args.replicate, say)
   if args.batch_size % mesh.size:
     sys.exit(f"--batch-size {args.batch_size} must be a multiple of the "
              f"{mesh.size} devices (each device gets an equal slice).")
+  per_device = args.batch_size // mesh.size
+  if per_device % args.accumulate:
+    sys.exit(f"--accumulate {args.accumulate}: each device's {per_device} rows of the "
+             f"global batch must split into {args.accumulate} equal microbatches; use a "
+             f"--batch-size that is a multiple of {mesh.size * args.accumulate}.")
   config = fsdp_jax.FSDPConfig(
       sharding_strategy=strategy,
       auto_wrap_policy=make_wrap_policy(args.wrap, args.min_num_params),
+      mixed_precision=make_mixed_precision(args.precision),
       use_orig_params=args.use_orig_params)
 
   # Model and optimizer. Only elementwise optimizers give the same result as
   # unsharded training (each device updates its own shard); global-norm
-  # clipping, for instance, would only see the local shard.
+  # clipping is done by the step (--max-norm), not by optax, which would only
+  # see the local shard.
   model = GPT(vocab_size=data.vocab_size, max_len=args.seq_len, d_model=args.d_model,
               num_layers=args.layers, num_heads=args.heads)
   warmup = max(1, args.steps // 10)
@@ -389,77 +594,161 @@ def main(argv=None) -> dict:
   # 3. The sharded train state. With init_fn the full model never exists on
   # one device: each unit is initialised by its own program into its shards.
   dummy_tokens = np.zeros((1, args.seq_len), np.int32)
+
+  def build_state():
+    return fsdp_jax.init_train_state(
+        init_fn=lambda rng: model.init(rng, dummy_tokens),
+        rng=jax.random.key(args.seed), optimizer=optimizer, mesh=mesh, config=config)
+
+  manager = None
+  if args.checkpoint_dir is not None:
+    # Every process opens the same directory; orbax coordinates the writes.
+    manager = fsdp_jax.CheckpointManager(args.checkpoint_dir, max_to_keep=args.keep)
+  state = None
   t0 = time.perf_counter()
-  state = fsdp_jax.init_train_state(
-      init_fn=lambda rng: model.init(rng, dummy_tokens),
-      rng=jax.random.key(args.seed), optimizer=optimizer, mesh=mesh, config=config)
+  if args.resume:
+    latest = manager.latest_step()
+    if latest is None:
+      say(f"resume: no finished checkpoint in {manager.directory}; starting from scratch")
+    else:
+      # The target only gives the plan and tree structure: build it abstractly
+      # (jax.eval_shape allocates and initialises nothing), then restore.
+      # The checkpoint may come from another mesh, strategy or layout.
+      state = manager.restore(jax.eval_shape(build_state))
+      saved = manager.metadata(latest)["saved_with"]
+      say(f"resumed from step {latest} in {manager.directory} (saved with "
+          f"{saved['sharding_strategy']}, mesh {saved['mesh']}, "
+          f"{saved['process_count']} process(es))")
+  if state is None:
+    state = build_state()
   jax.block_until_ready(state)
-  print(f"init: {time.perf_counter() - t0:.1f}s, mesh {dict(mesh.shape)}, "
-        f"{args.strategy}, {len(state.plan.units)} FSDP units "
-        f"({'original' if args.use_orig_params else 'flat'} parameters)")
+  start_step = int(state.step)  # the optimizer's step count (0 when fresh)
+  say(f"{'restore' if start_step else 'init'}: {time.perf_counter() - t0:.1f}s, mesh "
+      f"{dict(mesh.shape)}, {args.strategy}, {len(state.plan.units)} FSDP units "
+      f"({'original' if args.use_orig_params else 'flat'} parameters, {args.precision})")
   if args.print_plan:
-    print(state.plan)
+    say(state.plan)
 
   # 4. The train step. loss_fn is plain single-device code: it gets the full,
-  # original parameter tree (units are gathered inside the step) and this
-  # device's slice of the batch.
+  # original parameter tree (units are gathered inside the step, in bf16 with
+  # --precision bf16) and this device's slice of the batch.
   def loss_fn(params, batch):
-    logits = model.apply(params, batch["inputs"])
+    logits = model.apply(params, batch["inputs"]).astype(jnp.float32)
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     return jnp.mean(losses)
 
-  train_step = fsdp_jax.shard_train_step(loss_fn, optimizer, mesh=mesh, config=config)
+  train_step = fsdp_jax.shard_train_step(
+      loss_fn, optimizer, mesh=mesh, config=config,
+      max_norm=args.max_norm, gradient_accumulation_steps=args.accumulate,
+      # Under mixed precision only the model's inputs are cast, not the
+      # targets (PyTorch casts the forward's arguments only).
+      forward_inputs=("inputs",))
+  batch_sharding = NamedSharding(mesh, fsdp_jax.batch_spec(state.plan))
 
+  # Throughput, MFU (an estimate) and the stored state's size.
+  bytes_dev, bytes_total = state_bytes_per_device(state)
+  n_params = sum(int(np.prod(leaf.shape)) for leaf in state.plan.leaves)
   tokens_per_step = args.batch_size * args.seq_len
-  losses = []
-  steps = range(1, args.steps + 1)
-  bar = tqdm(steps, desc=f"train {args.strategy}", unit="step") if tqdm else None
+  fpt = flops_per_token(state.plan, args.layers, args.d_model, args.seq_len)
+  peak = args.peak_tflops
+  if peak is None:
+    peak = default_peak_tflops(platform, devices[0].device_kind, args.precision)
+  peak_units = nproc if platform == "cpu" else len(devices)
+  peak_flops = peak * 1e12 * peak_units if peak else None
+  if peak:
+    per = "per CPU process" if platform == "cpu" else "per device"
+    times = f" x {peak_units}" if peak_units > 1 else ""
+    peak_desc = f"an assumed peak of {peak:g} TFLOP/s {per}{times} (--peak-tflops)"
+  else:
+    peak_desc = "an unknown peak (pass --peak-tflops to see MFU)"
+  say(f"MFU is an estimate: {fpt:,} model FLOPs/token (6 x params + attention) "
+      f"over {peak_desc}")
+  meter = Throughput(tokens_per_step, fpt, peak_flops)
+
+  losses, norms, saved_steps = [], [], []
+  steps = range(start_step + 1, args.steps + 1)
+  if not steps:
+    say(f"nothing to train: the state is at step {start_step} and --steps is {args.steps}")
+  use_bar = tqdm is not None and is_main and sys.stderr.isatty() and len(steps) > 0
+  bar = (tqdm(steps, desc=f"train {args.strategy} {args.precision}", unit="step")
+         if use_bar else None)
   t_start = time.perf_counter()
-  t_first = None
   for step in (bar if bar is not None else steps):
-    batch = shard_batch(data.batch(args.batch_size, args.seq_len), mesh)
+    local = data.batch(args.batch_size, args.seq_len, step=step, process=rank,
+                       num_processes=nproc)  # this process's rows
+    batch = place_batch(local, batch_sharding)
     t_step = time.perf_counter()
     state, metrics = train_step(state, batch)  # the old state is donated
     loss = float(metrics["loss"])  # waits for the step
-    now = time.perf_counter()
+    meter.add(time.perf_counter() - t_step)
     losses.append(loss)
-    if t_first is None:
-      t_first = now  # the first step includes compilation
-    tok_s = tokens_per_step / (now - t_step)
+    norm = float(metrics["grad_norm"]) if args.max_norm is not None else None
+    norms.append(norm)
     if bar is not None:
-      bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+      tok_s, mfu, _ = meter.report()
+      post = {"loss": f"{loss:.3f}"}
+      if norm is not None:
+        post["grad_norm"] = f"{norm:.3f}"
+      post.update(tok_s=f"{tok_s:,.0f}", MFU=f"~{fmt_mfu(mfu)}",
+                  state=f"{bytes_dev / 1024:,.0f}KiB/dev")
+      bar.set_postfix(post)
     elif step % args.log_every == 0 or step == args.steps:
-      print(f"step {step:4d}  loss {loss:.4f}  {tok_s:10,.0f} tokens/s")
+      tok_s, mfu, compiling = meter.report()
+      line = f"step {step:4d}  loss {loss:.4f}"
+      if norm is not None:
+        line += f"  grad_norm {norm:.4f}"
+      line += (f"  {tok_s:10,.0f} tokens/s  MFU~{fmt_mfu(mfu)}  "
+               f"state {bytes_dev:,} bytes/device")
+      if compiling:
+        line += "  (first step: includes compilation)"
+      say(line)
+    if manager is not None and (step % args.save_every == 0 or step == args.steps):
+      # Async: returns once the arrays are copied off the devices.
+      if manager.save(state):
+        saved_steps.append(step)
   if bar is not None:
     bar.close()
   t_end = time.perf_counter()
 
   # Results.
-  per_device, total = state_bytes_per_device(state)
-  n_params = sum(int(np.prod(leaf.shape)) for leaf in state.plan.leaves)
-  steady = (t_end - t_first) / max(1, args.steps - 1)  # excludes compilation
-  print(f"first loss {losses[0]:.4f} -> final loss {losses[-1]:.4f} "
+  if losses:
+    say(f"first loss {losses[0]:.4f} -> final loss {losses[-1]:.4f} "
         f"(uniform guess: {math.log(data.vocab_size):.4f})")
-  timing = (f"train time {t_end - t_start:.1f}s "
-            f"({t_first - t_start:.1f}s first step with compilation")
-  if args.steps > 1:
-    timing += (f", then {steady * 1e3:.0f} ms/step, "
-               f"{tokens_per_step / steady:,.0f} tokens/s")
-  print(timing + ")")
-  print(f"model: {n_params:,} parameters; stored params + optimizer state: "
-        f"{per_device:,} bytes per device (global arrays: {total:,} bytes)")
+    timing = (f"train time {t_end - t_start:.1f}s "
+              f"({meter.first:.1f}s first step with compilation")
+    overall = meter.overall()
+    if overall is not None:
+      steady = sum(meter.steady) / len(meter.steady)
+      timing += (f", then {steady * 1e3:.0f} ms/step, {overall[0]:,.0f} tokens/s, "
+                 f"MFU~{fmt_mfu(overall[1])} (estimate)")
+    say(timing + ")")
+  say(f"model: {n_params:,} parameters; stored params + optimizer state: "
+      f"{bytes_dev:,} bytes per device (global arrays: {bytes_total:,} bytes)")
+  if manager is not None:
+    manager.wait_until_finished()
+    if saved_steps:
+      say(f"checkpoint: saved steps {saved_steps} in {manager.directory} "
+          f"(kept: {manager.all_steps()})")
+    manager.close()
 
   # 5. Gather the full parameters (replicated) and sample from the model.
   sample = ""
   if args.sample_chars > 0:
-    params = fsdp_jax.full_params(state)
-    prompt = args.prompt
-    if prompt is None:  # Python source starts many lines with "def "
-      prompt = "def " if args.text is None else text[:16]
-    sample = generate(model, params, data, prompt, args.sample_chars)
-    print(f"sample (greedy): {sample!r}")
-  return {"first_loss": losses[0], "final_loss": losses[-1], "losses": losses,
-          "bytes_per_device": per_device, "sample": sample}
+    params = fsdp_jax.full_params(state)  # every process calls it (a collective)
+    if nproc > 1:
+      # Replicated, so each process can read it; process 0 samples alone on
+      # its own first device, from a host copy.
+      params = jax.device_get(params)
+    if is_main:
+      prompt = args.prompt
+      if prompt is None:  # Python source starts many lines with "def "
+        prompt = "def " if args.text is None else text[:16]
+      sample = generate(model, params, data, prompt, args.sample_chars)
+      say(f"sample (greedy): {sample!r}")
+  return {"first_loss": losses[0] if losses else None,
+          "final_loss": losses[-1] if losses else None, "losses": losses,
+          "grad_norms": norms, "start_step": start_step, "final_step": int(state.step),
+          "saved_steps": saved_steps, "bytes_per_device": bytes_dev, "sample": sample}
 
 
 if __name__ == "__main__":

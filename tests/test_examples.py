@@ -1,0 +1,296 @@
+"""Runs the examples in ``examples/`` the way their users do: as scripts in
+fresh processes (and under ``python -m fsdp_jax.launch``), with small
+settings and hard timeouts.
+
+* ``train_gpt.py`` with bf16 mixed precision, gradient clipping, gradient
+  accumulation and checkpoints: it trains (the loss goes down) and logs loss,
+  grad norm, tokens/s, the MFU estimate and bytes per device;
+* the same run on 2 processes x 4 simulated CPU devices: each process feeds
+  its half of every global batch, only process 0 prints, and the losses are
+  those of the 1-process run;
+* a checkpoint round trip: a run resumed with ``--resume`` from the step-3
+  checkpoint continues exactly like the uninterrupted run;
+* ``train_nnx.py`` (Flax NNX through nnx.split / nnx.merge, nnx.update at the
+  end) and ``custom_step.py`` (value_and_grad, clip_grad_norm, EMA inside
+  ``shard_map``, checked against ``shard_train_step``);
+* ``--help`` and argument errors of every example, in this process.
+
+The subprocesses start together (module fixture) so that they overlap; every
+one is killed with its process group on the way out. All runs use
+``--platform cpu`` so the numbers compared do not depend on the machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="uses Linux process groups")
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+GPT = str(EXAMPLES / "train_gpt.py")
+
+# A small GPT, 6 steps, every feature on; checkpoints at steps 3 and 6.
+GPT_ARGS = ["--platform", "cpu", "--steps", "6", "--log-every", "1", "--layers", "1",
+            "--d-model", "32", "--seq-len", "32", "--batch-size", "16",
+            "--sample-chars", "8", "--precision", "bf16", "--max-norm", "1.0",
+            "--accumulate", "2", "--save-every", "3"]
+TIMEOUT_S = 300  # per subprocess; they normally take 15-60 s on 2 cores
+
+STEP_LINE = re.compile(r"^step\s+(\d+)\s+loss (\S+)(?:\s+grad_norm (\S+))?", re.M)
+FIRST_FINAL = re.compile(r"first (?:data )?loss (\S+) -> final (?:data )?loss (\S+)")
+
+
+def _env() -> dict:
+  """This environment without multi-process variables (a pytest run under a
+  launcher must not make the examples join it)."""
+  env = dict(os.environ)
+  for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+            "MASTER_ADDR", "MASTER_PORT", "JAX_COORDINATOR_ADDRESS",
+            "FSDP_JAX_DEVICES_PER_PROC", "FSDP_JAX_PLATFORM", "FSDP_JAX_LAUNCHED",
+            "FSDP_JAX_PEER_TIMEOUT"):
+    env.pop(k, None)
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  env["FSDP_JAX_SHUTDOWN_TIMEOUT"] = "60"  # bound a stuck multi-process exit
+  return env
+
+
+class Job:
+  """A subprocess in the background, output to a log file, with a hard
+  timeout; killed (with its process group) if still running at teardown."""
+
+  def __init__(self, name: str, cmd: list[str], log_dir: Path, timeout: float = TIMEOUT_S):
+    self.name, self.cmd = name, cmd
+    self.log_path = log_dir / f"{name}.log"
+    self._log = open(self.log_path, "wb")
+    self._start = time.monotonic()
+    self.deadline = self._start + timeout
+    self.proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=self._log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    self.returncode = None
+    self.seconds = None
+
+  def wait(self) -> "Job":
+    if self.returncode is None:
+      try:
+        self.returncode = self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        self.kill()
+        pytest.fail(f"{self.name} timed out; output:\n{self.output[-4000:]}")
+      self.seconds = time.monotonic() - self._start
+      self._log.close()
+    return self
+
+  def kill(self) -> None:
+    if self.proc.poll() is None:
+      os.killpg(self.proc.pid, 9)  # launcher workers die with it (PDEATHSIG) or here
+      self.proc.wait(timeout=30)
+    self._log.close()
+
+  @property
+  def output(self) -> str:
+    if not self._log.closed:
+      self._log.flush()
+    return self.log_path.read_text(errors="replace")
+
+  def ok(self) -> str:
+    """Waits; asserts exit status 0; returns the output."""
+    self.wait()
+    assert self.returncode == 0, (
+        f"{self.name} exited with {self.returncode} after {self.seconds:.0f}s\n"
+        f"command: {' '.join(self.cmd)}\noutput:\n{self.output[-6000:]}")
+    return self.output
+
+
+def step_lines(output: str) -> dict[int, tuple[str, str | None]]:
+  """``{step: (loss, grad_norm)}`` as printed (strings, for exact checks)."""
+  out = {}
+  for m in STEP_LINE.finditer(output):
+    assert int(m.group(1)) not in out, f"step {m.group(1)} printed twice:\n{output}"
+    out[int(m.group(1))] = (m.group(2), m.group(3))
+  return out
+
+
+def first_final(output: str) -> tuple[float, float]:
+  m = FIRST_FINAL.search(output)
+  assert m, f"no 'first loss -> final loss' line in:\n{output}"
+  return float(m.group(1)), float(m.group(2))
+
+
+class Jobs:
+  """The example runs of this module, started together."""
+
+  def __init__(self, tmp: Path):
+    self.tmp = tmp
+    py = sys.executable
+    self.gpt = Job("gpt", [py, GPT, *GPT_ARGS, "--checkpoint-dir", str(tmp / "ckpt")], tmp)
+    self.gpt_mp = Job("gpt_2proc", [
+        py, "-m", "fsdp_jax.launch", "--nproc", "2", "--devices-per-proc", "4",
+        "--platform", "cpu", GPT, *GPT_ARGS,
+        "--checkpoint-dir", str(tmp / "ckpt_2proc")], tmp)
+    self.nnx = Job("nnx", [py, str(EXAMPLES / "train_nnx.py"), "--platform", "cpu",
+                           "--steps", "40", "--log-every", "10"], tmp)
+    self.custom = Job("custom", [py, str(EXAMPLES / "custom_step.py"), "--platform", "cpu",
+                                 "--steps", "40", "--log-every", "10", "--verify"], tmp)
+    self._resume = None
+
+  def resume(self) -> Job:
+    """Resumes from a copy of the gpt run's checkpoints without step 6 (so
+    from step 3) up to step 6; started once the gpt run is done."""
+    if self._resume is None:
+      self.gpt.ok()
+      src, dst = self.tmp / "ckpt", self.tmp / "ckpt_resume"
+      shutil.copytree(src, dst)
+      shutil.rmtree(dst / "6")  # CheckpointManager: one sub-directory per step
+      self._resume = Job("gpt_resume", [sys.executable, GPT, *GPT_ARGS,
+                                        "--checkpoint-dir", str(dst), "--resume"], self.tmp)
+    return self._resume
+
+  def kill_all(self) -> None:
+    for job in (self.gpt, self.gpt_mp, self.nnx, self.custom, self._resume):
+      if job is not None:
+        job.kill()
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+  j = Jobs(tmp_path_factory.mktemp("examples"))
+  yield j
+  j.kill_all()
+
+
+# --------------------------------------------------------------------------
+# train_gpt.py
+
+
+def test_train_gpt_features(jobs):
+  out = jobs.gpt.ok()
+  jobs.resume()  # start the round trip now, while the other runs finish
+  assert "devices: 8 x cpu (cpu)\n" in out
+  assert "(flat parameters, bf16)" in out
+  steps = step_lines(out)
+  assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+  assert all(norm is not None and float(norm) > 0 for _, norm in steps.values())
+  first, final = first_final(out)
+  assert final < first - 0.3, out
+  # The log line: loss, grad norm, tokens/s, the MFU estimate, bytes/device.
+  line = next(l for l in out.splitlines() if l.startswith("step    6"))
+  assert re.search(r"tokens/s  MFU~\d+\.\d+%  state [\d,]+ bytes/device$", line), line
+  assert "MFU is an estimate" in out and "(--peak-tflops)" in out
+  assert "first step: includes compilation" in out  # step 1's rate
+  assert re.search(r"MFU~\d+\.\d+% \(estimate\)", out)
+  assert f"checkpoint: saved steps [3, 6] in {jobs.tmp / 'ckpt'} (kept: [3, 6])" in out
+  assert (jobs.tmp / "ckpt" / "3").is_dir() and (jobs.tmp / "ckpt" / "6").is_dir()
+  assert "sample (greedy): 'def " in out
+
+
+def test_train_gpt_two_processes(jobs):
+  out = jobs.gpt_mp.ok()
+  one = step_lines(jobs.gpt.ok())
+  # Only process 0 prints, and it reports the 2-process set-up.
+  assert out.count("devices: 8 x cpu (cpu) in 2 processes (4 each)") == 1, out
+  assert out.count("first loss") == 1 and out.count("sample (greedy)") == 1
+  two = step_lines(out)  # asserts no step is printed twice
+  assert sorted(two) == sorted(one)
+  # Each process fed its half of the same global batches: the numbers are
+  # those of one process with 8 devices (bf16: reduction order aside).
+  for s in one:
+    assert abs(float(two[s][0]) - float(one[s][0])) < 2e-3, (s, one, two)
+    assert abs(float(two[s][1]) - float(one[s][1])) < 2e-2 * float(one[s][1]), (s, one, two)
+  # A checkpoint written by both processes together.
+  assert f"checkpoint: saved steps [3, 6] in {jobs.tmp / 'ckpt_2proc'}" in out
+
+
+def test_train_gpt_resume_round_trip(jobs):
+  full = step_lines(jobs.gpt.ok())
+  out = jobs.resume().ok()
+  assert f"resumed from step 3 in {jobs.tmp / 'ckpt_resume'}" in out
+  resumed = step_lines(out)
+  assert sorted(resumed) == [4, 5, 6]
+  # Same state, same batches (they depend on the step only), same schedule:
+  # the resumed steps print exactly the numbers of the uninterrupted run.
+  for s in resumed:
+    assert resumed[s] == full[s], (s, resumed, full)
+  assert f"checkpoint: saved steps [6] in {jobs.tmp / 'ckpt_resume'} (kept: [3, 6])" in out
+
+
+# --------------------------------------------------------------------------
+# train_nnx.py and custom_step.py
+
+
+def test_train_nnx(jobs):
+  out = jobs.nnx.ok()
+  assert "FSDP plan: FULL_SHARD" in out  # the plan is printed
+  for i in range(3):  # ModuleWrapPolicy({Block}) through module_classes(model)
+    assert re.search(rf"^  blocks\.{i}\s+6\s", out, re.M), out
+  first, final = first_final(out)
+  assert final < 0.6 * first, out
+  m = re.search(r"nnx\.update: .* held-out loss (\S+) -> (\S+), accuracy (\S+) -> (\S+)", out)
+  assert m, out
+  loss_before, loss_after, acc_before, acc_after = map(float, m.groups())
+  assert loss_after < 0.6 * loss_before and acc_after > acc_before + 0.3, out
+
+
+def test_custom_step(jobs):
+  out = jobs.custom.ok()
+  assert "units ['l1', 'l2', 'l3']" in out
+  first, final = first_final(out)
+  assert final < 0.5 * first, out
+  assert re.search(r"l2 loss \d\.\d+\s+grad_norm \d", out)
+  m = re.search(r"held-out MSE: weights (\S+), EMA weights (\S+) \(initial (\S+)\)", out)
+  assert m, out
+  raw, ema, initial = map(float, m.groups())
+  assert raw < 0.5 * initial and ema < 0.5 * initial, out
+  m = re.search(r"max \|param difference\| = (\S+)", out)
+  assert m and float(m.group(1)) < 1e-5, out
+
+
+# --------------------------------------------------------------------------
+# --help and argument errors, in this process (no backend is started)
+
+
+def _load(name: str):
+  spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # Flax modules are dataclasses: they look it up
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.parametrize("name, flags", [
+    ("train_gpt", ["--precision", "--checkpoint-dir", "--save-every", "--resume",
+                   "--max-norm", "--accumulate", "--peak-tflops", "--strategy"]),
+    ("train_nnx", ["--strategy", "--use-orig-params", "--steps"]),
+    ("custom_step", ["--max-norm", "--ema-decay", "--l2", "--verify"]),
+])
+def test_help(name, flags, capsys):
+  with pytest.raises(SystemExit) as e:
+    _load(name).main(["--help"])
+  assert e.value.code == 0
+  text = capsys.readouterr().out
+  assert text.startswith("usage:")
+  for flag in flags:
+    assert flag in text, (flag, text)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--accumulate", "0"], "--accumulate must be at least 1"),
+    (["--max-norm", "-1"], "--max-norm must be positive"),
+    (["--precision", "fp16"], "invalid choice: 'fp16'"),
+])
+def test_train_gpt_argument_errors(argv, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    _load("train_gpt").main(argv)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
