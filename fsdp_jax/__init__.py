@@ -27,6 +27,7 @@ from fsdp_jax.mesh import (
     simulate_cpu_devices as simulate_cpu_devices,
 )
 from fsdp_jax import distributed as distributed
+from fsdp_jax import hlo as hlo
 from fsdp_jax import hooks as hooks
 from fsdp_jax.distributed import (
     DistributedInfo as DistributedInfo,
@@ -87,7 +88,7 @@ __all__ = [
     "BackwardPrefetch", "CPUOffload", "CPU_XLA_FLAGS", "CheckpointError",
     "CheckpointManager", "CustomPolicy", "DistributedInfo",
     "MonitoredBarrierError", "OptimStateKeyType", "distributed",
-    "monitored_barrier",
+    "monitored_barrier", "hlo",
     "export_params", "full_optim_state_dict", "import_params",
     "load_state_dict", "optim_state_dict", "optim_state_dict_to_load",
     "rekey_optim_state_dict", "scatter_full_optim_state_dict",

@@ -128,7 +128,8 @@ class FSDPConfig:
       :mod:`fsdp_jax.wrap`); ``None`` makes the whole tree one root unit.
     backward_prefetch: ``BackwardPrefetch.BACKWARD_PRE`` (default).
     mixed_precision: a :class:`MixedPrecision` or ``None`` (full precision).
-    ignored_states: dotted names (glob patterns allowed) of parameters or
+    ignored_states: dotted names (glob patterns, ``*`` within a path
+      segment, ``**`` across) of parameters or
       subtrees FSDP does not manage (PyTorch ``ignored_states``): they are not
       sharded and never gathered; every device keeps its own full copy and
       updates it with its own, unreduced gradient, as each PyTorch rank does.
@@ -143,7 +144,8 @@ class FSDPConfig:
     comm_hook: a communication hook replacing each unit's gradient reduction
       (PyTorch ``register_comm_hook``), e.g. ``fsdp_jax.hooks.bf16_compress_hook``;
       see :mod:`fsdp_jax.hooks`.
-    stacked_layers: dotted-name glob patterns of subtrees whose leaves carry a
+    stacked_layers: dotted-name glob patterns (as in ``ModuleWrapPolicy``) of
+      subtrees whose leaves carry a
       leading layer axis (models that ``lax.scan`` over stacked layers). Each
       such subtree is its own unit, sharded layer by layer, and is gathered one
       layer per scan iteration.

@@ -195,11 +195,10 @@ def _align_module_paths(module_types: dict, paths) -> dict:
 
 def _ignored_leaves(paths, patterns) -> set:
   """Leaves named by ``ignored_states`` (a leaf, or any subtree above it)."""
-  import fnmatch  # pylint: disable=import-outside-toplevel
   out = set()
   for pattern in patterns:
     hits = {i for i, p in enumerate(paths)
-            if any(fnmatch.fnmatchcase(".".join(p[:k]), pattern) for k in range(1, len(p) + 1))}
+            if any(wrap.name_matches(".".join(p[:k]), pattern) for k in range(1, len(p) + 1))}
     if not hits:
       examples = ", ".join(repr(".".join(p)) for p in paths[:6])
       raise ValueError(

@@ -13,7 +13,8 @@ policy claimed.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
+import functools
+import re
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 
@@ -75,10 +76,41 @@ def lambda_auto_wrap_policy(module: Node, recurse: bool, nonwrapped_numel: int,
   return bool(lambda_fn(module))
 
 
+@functools.lru_cache(maxsize=None)
+def _name_regex(pattern: str) -> "re.Pattern":
+  out = []
+  i = 0
+  while i < len(pattern):
+    c = pattern[i]
+    if pattern.startswith("**", i):
+      out.append(".*")
+      i += 2
+      continue
+    out.append({"*": "[^.]*", "?": "[^.]"}.get(c, re.escape(c)))
+    i += 1
+  return re.compile("".join(out) + r"\Z")
+
+
+def name_matches(name: str, pattern: str) -> bool:
+  """Glob match of a dotted name, one path segment at a time: ``*`` and
+  ``?`` never cross a dot, ``**`` does. So ``"blocks.*"`` names the children
+  of ``blocks`` but not their children.
+
+  Example:
+    >>> name_matches("params.Block_0", "params.Block_*")
+    True
+    >>> name_matches("params.Block_0.Dense_0", "params.Block_*")
+    False
+    >>> name_matches("params.Block_0.Dense_0", "params.**.Dense_0")
+    True
+  """
+  return _name_regex(pattern).match(name) is not None
+
+
 def _matches(node: Node, specs: Iterable[Any]) -> bool:
   for spec in specs:
     if isinstance(spec, str):
-      if fnmatch.fnmatchcase(node.name, spec):
+      if name_matches(node.name, spec):
         return True
     elif isinstance(spec, type):
       if node.module_type is not None and issubclass(node.module_type, spec):
@@ -96,7 +128,8 @@ class ModuleWrapPolicy:
   Entries may be Flax module classes (matched when the tree comes from a
   Flax model whose module classes are known, see
   :func:`fsdp_jax.module_classes`) or dotted-name glob patterns for plain
-  trees (``"layers.*"``, ``"params.Block_*"``).
+  trees (``"layers.*"``, ``"params.Block_*"``): ``*`` matches within one
+  path segment, ``**`` across segments.
 
   Example:
     >>> import fsdp_jax
@@ -221,7 +254,7 @@ def choose_units(leaf_paths: Sequence[tuple[str, ...]],
   def mark_stacked(t: _Trie):
     for c in t.children.values():
       mark_stacked(c)
-    if t.path and any(fnmatch.fnmatchcase(dotted(t.path), p) for p in stacked_patterns):
+    if t.path and any(name_matches(dotted(t.path), p) for p in stacked_patterns):
       stacked_hits.add(dotted(t.path))
       add_unit(t, {}, True)
 
@@ -238,7 +271,7 @@ def choose_units(leaf_paths: Sequence[tuple[str, ...]],
   if full_precision_nodes:
     mark_full_precision(trie)
   for pattern in stacked_patterns:
-    if not any(fnmatch.fnmatchcase(h, pattern) for h in stacked_hits):
+    if not any(name_matches(h, pattern) for h in stacked_hits):
       raise ValueError(
           f"stacked_layers pattern {pattern!r} matches no subtree of the "
           f"parameter tree. Subtrees are named by dotted paths such as "
