@@ -369,15 +369,7 @@ def check_microbatches(local_batch_shapes, k: int) -> None:
 def _microbatches(batch, k: int):
   check_microbatches(batch, k)
 
-  def split(x):
-    if x.shape[0] % k:
-      raise ValueError(
-          f"The local batch has {x.shape[0]} rows on each device, which "
-          f"gradient_accumulation_steps={k} does not divide. Fix: use a "
-          f"per-device batch that is a multiple of {k} (global batch a multiple "
-          f"of {k} x the data-parallel size), or change the number of microbatches.")
-    return x.reshape((k, x.shape[0] // k) + x.shape[1:])
-  return jax.tree.map(split, batch)
+  return jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
 
 
 def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps: int = 1,
