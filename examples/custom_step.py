@@ -27,9 +27,6 @@ the building blocks compute what ``shard_train_step`` computes.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import subprocess
 import sys
 import time
 
@@ -55,17 +52,7 @@ def configure_devices(platform: str, cpu_devices: int) -> str:
   """``auto``: GPUs when ``JAX_PLATFORMS`` says so or ``nvidia-smi`` lists
   one, else ``cpu_devices`` simulated CPU devices (before JAX starts)."""
   if platform == "auto":
-    env = os.environ.get("JAX_PLATFORMS", "").lower()
-    if env:
-      platform = "gpu" if any(p in env for p in ("cuda", "gpu", "rocm")) else "cpu"
-    else:
-      exe = shutil.which("nvidia-smi")
-      try:
-        found = exe is not None and "GPU" in subprocess.run(
-            [exe, "-L"], capture_output=True, text=True, timeout=20).stdout
-      except (OSError, subprocess.SubprocessError):
-        found = False
-      platform = "gpu" if found else "cpu"
+    platform = fsdp_jax.distributed.detect_platform()
   if platform == "cpu":
     try:
       fsdp_jax.simulate_cpu_devices(cpu_devices)

@@ -55,8 +55,6 @@ import importlib
 import inspect
 import math
 import os
-import shutil
-import subprocess
 import sys
 import time
 
@@ -98,18 +96,6 @@ CPU_PEAK_TFLOPS = 1.0
 # Devices
 
 
-def gpu_available() -> bool:
-  """Whether ``nvidia-smi`` exists and lists a GPU (never touches JAX)."""
-  exe = shutil.which("nvidia-smi")
-  if exe is None:
-    return False
-  try:
-    out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20)
-  except (OSError, subprocess.SubprocessError):
-    return False
-  return out.returncode == 0 and "GPU" in out.stdout
-
-
 def launched() -> bool:
   """Whether ``python -m fsdp_jax.launch``, srun or mpirun started this process
   as one of several.
@@ -135,11 +121,7 @@ def configure_devices(platform: str, cpu_devices: int) -> str:
   Returns ``"cpu"`` or ``"gpu"``.
   """
   if platform == "auto":
-    env = os.environ.get("JAX_PLATFORMS", "").lower()
-    if env:
-      platform = "gpu" if ("cuda" in env or "gpu" in env or "rocm" in env) else "cpu"
-    else:
-      platform = "gpu" if gpu_available() else "cpu"
+    platform = fsdp_jax.distributed.detect_platform()
   if platform == "cpu":
     try:
       fsdp_jax.simulate_cpu_devices(cpu_devices)
