@@ -151,12 +151,22 @@ def _gather_transpose(cts, buf, *, spec: GatherSpec):
   cts = [jnp.zeros(prefix + tuple(ls), spec.compute_dtype) if type(c) is ad.Zero else c
          for c, (ls, _, _, _) in zip(cts, spec.leaves)]
   with jax.named_scope(f"fsdp_reduce_scatter[{spec.label}]"):
-    g = pack_full(cts, spec, prefix)
-    if spec.hook is not None:
-      r, _ = spec.hook(None, g, spec)
-    else:
-      r = reduce_gradient(g, spec)
-    return [finish_gradient(r, spec, buf.aval.dtype)]
+    return [fsdp_reduce_p.bind(*cts, spec=spec, stored_dtype=np.dtype(buf.aval.dtype))]
+
+
+def _reduce_impl(*cts, spec: GatherSpec, stored_dtype):
+  """The unit's full leaf gradients -> this device's reduced shard."""
+  g = pack_full(list(cts), spec, tuple(cts[0].shape[:cts[0].ndim - len(spec.leaves[0][0])]))
+  if spec.hook is not None:
+    r, _ = spec.hook(None, g, spec)
+  else:
+    r = reduce_gradient(g, spec)
+  return finish_gradient(r, spec, stored_dtype)
+
+
+def _reduce_abstract_eval(*cts, spec: GatherSpec, stored_dtype):
+  prefix = cts[0].shape[:len(cts[0].shape) - len(spec.leaves[0][0])]
+  return jax_core.ShapedArray(tuple(prefix) + (spec.chunk,), stored_dtype)
 
 
 def finish_gradient(r, spec: GatherSpec, stored_dtype):
@@ -175,11 +185,20 @@ mlir.register_lowering(
 ad.deflinear2(fsdp_all_gather_p, _gather_transpose)
 
 
+# The transpose of the gather: one equation per unit (and dtype group) in the
+# differentiated program, so :mod:`fsdp_jax.schedule` can order reductions
+# against gathers and compute.
+fsdp_reduce_p = Primitive("fsdp_reduce")
+fsdp_reduce_p.def_abstract_eval(_reduce_abstract_eval)
+mlir.register_lowering(fsdp_reduce_p, mlir.lower_fun(_reduce_impl, multiple_results=False))
+
+
 def _no_eager(*args, **kwargs):
   raise RuntimeError("fsdp_all_gather only runs inside fsdp_jax's sharded step.")
 
 
 fsdp_all_gather_p.def_impl(_no_eager)
+fsdp_reduce_p.def_impl(_no_eager)
 
 
 def gather(buf, spec: GatherSpec):

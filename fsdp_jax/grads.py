@@ -406,6 +406,13 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
   stateful_hook = hooks.is_stateful(plan.config.comm_hook)
   use_probes = stateful_hook or (k > 1 and accumulation == "no_sync")
 
+  cfg = plan.config
+  ordering = schedule.Ordering(
+      backward_prefetch=None if cfg.backward_prefetch is None else cfg.backward_prefetch.name,
+      forward_prefetch=bool(cfg.forward_prefetch),
+      limit_all_gathers=bool(cfg.limit_all_gathers),
+      reshard=frozenset(u.display_name for u in plan.units if plan.reshard(u)))
+
   def direct(params, batch, model_state):
     trainable, frozen = split_trainable(plan, params)
 
@@ -415,6 +422,8 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
 
     (_, out), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
     return out, grads
+
+  direct = schedule.ordered(direct, ordering)
 
   def probed(params, batch, model_state):
     params = jax.lax.stop_gradient(params)
@@ -427,6 +436,8 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
 
     (_, out), full = jax.value_and_grad(objective, has_aux=True)(probes)
     return out, full
+
+  probed = schedule.ordered(probed, ordering)
 
   def f(params, batch, model_state=None, hook_state=None):
     if k == 1:

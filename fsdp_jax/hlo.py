@@ -113,3 +113,136 @@ def loop_bodies(hlo_text: str) -> set[str]:
     out.add(name)
     todo.extend(calls.get(name, ()))
   return out
+
+
+# --------------------------------------------------------------------------
+# The scheduled entry computation: collective order and gathered liveness
+
+_UNIT_GATHER = re.compile(r"fsdp_all_gather\[([^\]]*)\]")
+_UNIT_REDUCE = re.compile(r"fsdp_reduce_scatter\[([^\]]*)\]")
+_ALIASING = ("bitcast", "copy", "reshape")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  """One instruction of a computation, as printed by ``as_text()``."""
+
+  name: str
+  opcode: str
+  operands: tuple[str, ...]
+  op_name: str
+  tuple_size: int  # 0 for an array
+  index: int = -1  # get-tuple-element's index
+
+
+def _closing(s: str, start: int) -> int:
+  depth = 0
+  for k in range(start, len(s)):
+    if s[k] in "({":
+      depth += 1
+    elif s[k] in ")}":
+      depth -= 1
+      if depth == 0:
+        return k
+  return len(s) - 1
+
+
+def entry_instructions(hlo_text: str) -> list[Instruction]:
+  """The ENTRY computation's instructions in order. For a scheduled module
+  (``compiled.as_text()`` on CPU and GPU) the order is the execution order."""
+  out, inside = [], False
+  for line in hlo_text.splitlines():
+    if line.startswith("ENTRY"):
+      inside = True
+      continue
+    if not inside:
+      continue
+    if line.startswith("}"):
+      break
+    m = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+) = ", line)
+    if m is None:
+      continue
+    rest = line[m.end():]
+    if rest.startswith("("):
+      end = _closing(rest, 0)
+      shape, rest = rest[:end + 1], rest[end + 1:].lstrip()
+      size = len(re.findall(r"\[[0-9,]*\]", shape))
+    else:
+      shape, _, rest = rest.partition(" ")
+      size = 0
+    op = re.match(r"([\w\-]+)\(", rest)
+    if op is None:
+      continue
+    args = rest[op.end() - 1:_closing(rest, op.end() - 1) + 1]
+    index = re.search(r"\bindex=(\d+)", rest)
+    op_name = re.search(r'op_name="([^"]*)"', rest)
+    out.append(Instruction(m.group(1), op.group(1), tuple(re.findall(r"%([\w.\-]+)", args)),
+                           op_name.group(1) if op_name else "", size,
+                           int(index.group(1)) if index else -1))
+  return out
+
+
+def collective_order(hlo_text: str) -> list[tuple[str, str]]:
+  """``[(kind, unit), ...]``: the entry computation's all-gathers and
+  reduce-scatters in execution order, with the unit each belongs to (from the
+  ``fsdp_all_gather[unit]`` / ``fsdp_reduce_scatter[unit]`` scopes)."""
+  out = []
+  for ins in entry_instructions(hlo_text):
+    kind = ins.opcode.replace("-start", "")
+    if kind not in ("all-gather", "reduce-scatter") or ins.opcode.endswith("-done"):
+      continue
+    m = (_UNIT_REDUCE if kind == "reduce-scatter" else _UNIT_GATHER).search(ins.op_name)
+    out.append((kind, m.group(1) if m else ""))
+  return out
+
+
+def live_gathered_units(hlo_text: str) -> list[frozenset]:
+  """For each instruction of the entry computation (in execution order), the
+  units whose gathered parameters are live there.
+
+  A unit's gathered values are the results of instructions in its
+  ``fsdp_all_gather[unit]`` scope (the all-gather and its unpacking), followed
+  through tuples, optimization barriers, get-tuple-element, bitcasts and
+  copies. A value is live from its instruction to its last reader.
+  """
+  instrs = entry_instructions(hlo_text)
+  pos = {ins.name: k for k, ins in enumerate(instrs)}
+  carries: dict[str, list[frozenset]] = {}
+  empty = frozenset()
+
+  def whole(name):
+    return frozenset().union(*carries.get(name, [empty]))
+
+  for ins in instrs:
+    gather = _UNIT_GATHER.search(ins.op_name)
+    n = max(ins.tuple_size, 1)
+    if gather and "fsdp_reduce_scatter" not in ins.op_name and ins.opcode != "parameter":
+      carries[ins.name] = [frozenset([gather.group(1)])] * n
+    elif ins.opcode == "tuple":
+      carries[ins.name] = [whole(o) for o in ins.operands]
+    elif ins.opcode == "opt-barrier" and ins.operands:
+      carries[ins.name] = list(carries.get(ins.operands[0], [empty] * n))
+    elif ins.opcode == "get-tuple-element" and ins.operands:
+      src = carries.get(ins.operands[0], [])
+      carries[ins.name] = [src[ins.index] if 0 <= ins.index < len(src) else empty]
+    elif ins.opcode in _ALIASING and ins.operands:
+      carries[ins.name] = [whole(ins.operands[0])]
+  # A tuple's elements are separate buffers: element i lives until the last
+  # get-tuple-element reading it (or the last reader of the whole tuple).
+  last: dict = {}
+  for k, ins in enumerate(instrs):
+    for o in ins.operands:
+      key = (o, ins.index) if ins.opcode == "get-tuple-element" else (o, None)
+      last[key] = k
+  live = [set() for _ in instrs]
+  for name, car in carries.items():
+    whole_end = last.get((name, None), pos[name])
+    for i, units in enumerate(car):
+      if not units:
+        continue
+      end = max(whole_end, last.get((name, i), pos[name])) if len(car) > 1 else whole_end
+      if len(car) == 1:
+        end = max(end, last.get((name, 0), pos[name]))
+      for k in range(pos[name], end + 1):
+        live[k] |= units
+  return [frozenset(s) for s in live]

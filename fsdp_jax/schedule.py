@@ -15,16 +15,30 @@ reads one of its parameters.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional
 
 import jax
 from jax import lax
+from jax._src import ad_checkpoint
 from jax._src import core as jax_core
+from jax._src import source_info_util
 from jax.extend.core import Literal
 
 from fsdp_jax import collectives
 
 _INLINE = ("pjit", "jit", "closed_call", "core_call")
+
+
+def _bind(eqn, invals):
+  """Binds ``eqn`` to ``invals`` keeping its name scope and source location
+  (profiler labels survive the re-evaluation), as ``jax.core.eval_jaxpr``."""
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  params = eqn.primitive.get_bind_params(eqn.params)
+  with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager):
+    ans = eqn.primitive.bind(*invals, **params)
+  return ans if eqn.primitive.multiple_results else [ans]
 
 
 class Gatherer:
@@ -99,15 +113,8 @@ def eval_with_gathers(jaxpr: jax_core.Jaxpr, consts, args, lazy: dict,
         for v, o in zip(eqn.outvars, outs):
           write(v, o)
         continue
-    invals = [read(v) for v in eqn.invars]
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
-      ans = eqn.primitive.bind(*invals, **bind_params)
-    if eqn.primitive.multiple_results:
-      for v, a in zip(eqn.outvars, ans):
-        write(v, a)
-    else:
-      write(eqn.outvars[0], ans)
+    for v, a in zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])):
+      write(v, a)
   return [read(v) for v in jaxpr.outvars]
 
 
@@ -155,3 +162,268 @@ def _scan_pushdown(eqn, lazy, g: Gatherer, read, write) -> bool:
   for v, o in zip(eqn.outvars, [*carry_out, *ys]):
     write(v, o)
   return True
+
+
+# --------------------------------------------------------------------------
+# Ordering collectives against compute: prefetch and the rate limiter
+
+
+@dataclasses.dataclass(frozen=True)
+class Ordering:
+  """PyTorch's prefetch settings, as explicit ordering of a step's collectives.
+
+  ``backward_prefetch``: ``"BACKWARD_PRE"``, ``"BACKWARD_POST"`` or ``None``.
+  ``reshard``: labels of the units freed after their forward use.
+  """
+
+  backward_prefetch: Optional[str]
+  forward_prefetch: bool
+  limit_all_gathers: bool
+  reshard: frozenset = frozenset()
+
+
+def ordered(fn: Callable, ordering: Ordering) -> Callable:
+  """Wraps ``fn`` (a differentiated step, run on local shards) so its unit
+  gathers and reductions follow ``ordering``.
+
+  ``fn`` is traced to a jaxpr. The ``jax.checkpoint`` holding the backward
+  pass is inlined (with the same optimization barrier on its inputs that its
+  lowering adds), giving one sequence of equations with the forward gathers,
+  the backward re-gathers and the reductions (``fsdp_reduce``) of every unit.
+  The sequence is re-evaluated with two changes:
+
+  * a backward re-gather is bound just before its first use (not at the start
+    of the backward pass, where tracing puts it);
+  * each gather or reduction reads its input through an
+    ``optimization_barrier`` together with the values it must wait for, so
+    the compiled program cannot start it earlier.
+
+  What each collective waits for (units numbered in the order they run, ``k``
+  the current one) mirrors what PyTorch's CPU thread does before issuing it,
+  and that one NCCL stream runs collectives in issue order:
+
+  * forward gather ``k+1``: gather ``k`` (issue order); without
+    ``forward_prefetch`` also the first computation of unit ``k`` (PyTorch
+    issues it at unit ``k+1``'s pre-forward); with ``limit_all_gathers`` the
+    last forward use of unit ``k-1`` (at most two units gathered at once).
+  * backward re-gather of the next unit ``n`` after the current unit ``c``:
+    ``BACKWARD_PRE``: gather ``c`` (issued before ``c``'s gradient
+    computation, overlapping it); ``BACKWARD_POST``: ``c``'s gradient and the
+    last use of ``c``'s parameters (issued after ``c``'s gradient
+    computation; ``c`` is freed first); ``None``: ``c``'s reduce-scatter (no
+    overlap). With ``limit_all_gathers``, also the last backward use of the
+    unit before ``c``.
+  * reduce-scatter of ``c``: its gradient, and for ``BACKWARD_PRE`` /
+    ``BACKWARD_POST`` the prefetched gather of ``n`` (issued before it).
+
+  Gathers inside a ``scan`` over stacked layers are left to that loop.
+  """
+
+  def wrapped(*args):
+    flat, in_tree = jax.tree_util.tree_flatten(args)
+    closed, out_shape = jax.make_jaxpr(
+        lambda *xs: fn(*jax.tree_util.tree_unflatten(in_tree, xs)), return_shape=True)(*flat)
+    outs = _Sequence(closed.jaxpr, ordering).run(closed.consts, flat)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+  return wrapped
+
+
+class _Sequence:
+  """A step's equations as one sequence, with ``remat`` bodies inlined."""
+
+  def __init__(self, jaxpr: jax_core.Jaxpr, ordering: Ordering):
+    self.jaxpr = jaxpr
+    self.ordering = ordering
+    self.items: list = []  # ("eqn", eqn) | ("enter", eqn) | ("exit", eqn)
+    self._flatten(jaxpr)
+    self.alias: dict = {}  # inlined remat invar -> outer var
+    for kind, eqn in self.items:
+      if kind == "enter":
+        for iv, ov in zip(eqn.params["jaxpr"].invars, eqn.invars):
+          if not isinstance(ov, Literal):
+            self.alias[iv] = self.resolve(ov)
+    self.uses: dict = {}
+    self.producer: dict = {}
+    for i, (kind, eqn) in enumerate(self.items):
+      if kind == "exit":
+        continue
+      for v in eqn.invars:
+        if not isinstance(v, Literal):
+          self.uses.setdefault(self.resolve(v), []).append(i)
+      if kind == "eqn":
+        for v in eqn.outvars:
+          self.producer[v] = i
+    self.deps: dict[int, list] = {}
+    self._plan()
+
+  def _flatten(self, jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive is ad_checkpoint.remat_p:
+        self.items.append(("enter", eqn))
+        self._flatten(eqn.params["jaxpr"])
+        self.items.append(("exit", eqn))
+      else:
+        self.items.append(("eqn", eqn))
+
+  def resolve(self, v):
+    while v in self.alias:
+      v = self.alias[v]
+    return v
+
+  # -- analysis ------------------------------------------------------------
+
+  def _outs(self, i) -> list:
+    kind, eqn = self.items[i]
+    vs = eqn.params["jaxpr"].invars if kind == "enter" else eqn.outvars
+    return [v for v in vs if not isinstance(v, jax_core.DropVar)]
+
+  def _use_range(self, idxs):
+    uses = [u for i in idxs for v in self._outs(i) for u in self.uses.get(v, ())]
+    return (min(uses), max(uses)) if uses else None
+
+  def _freed(self, idxs) -> list:
+    """Values computed once every reader of these gathers' results has run:
+    the outputs of all of them (the last one in program order may be a cheap
+    broadcast the compiler runs early)."""
+    readers = sorted({u for i in idxs for v in self._outs(i) for u in self.uses.get(v, ())})
+    return [v for r in readers for v in self._outs(r)[:1]]
+
+  def _plan(self):
+    o = self.ordering
+    seen: dict = {}
+    fwd: dict = {}
+    bwd: dict = {}
+    red: dict = {}
+    for i, (kind, eqn) in enumerate(self.items):
+      if kind != "eqn":
+        continue
+      if eqn.primitive is collectives.fsdp_all_gather_p:
+        spec = eqn.params["spec"]
+        n = seen[spec] = seen.get(spec, 0) + 1
+        (fwd if n == 1 else bwd).setdefault(spec.label, []).append(i)
+      elif eqn.primitive is collectives.fsdp_reduce_p:
+        red.setdefault(eqn.params["spec"].label, []).append(i)
+    self.gathers = {i for d in (fwd, bwd) for idxs in d.values() for i in idxs}
+
+    def order(d):
+      ranges = {u: self._use_range(idxs) for u, idxs in d.items()}
+      return [u for u in sorted(d, key=lambda u: ranges[u] or (len(self.items),))
+              if ranges[u] is not None], ranges
+
+    def tie(idxs, anchors):
+      for i in idxs:
+        self.deps.setdefault(i, []).extend(anchors)
+
+    outs = lambda idxs: [v for i in idxs for v in self._outs(i)]
+    at = lambda i: self._outs(i)
+
+    fo, fr = order(fwd)
+    for k in range(1, len(fo)):
+      tie(fwd[fo[k]], outs(fwd[fo[k - 1]]))
+      if not o.forward_prefetch:
+        tie(fwd[fo[k]], at(fr[fo[k - 1]][0]))
+      if o.limit_all_gathers and k >= 2 and fo[k - 2] in o.reshard:
+        tie(fwd[fo[k]], self._freed(fwd[fo[k - 2]]))
+
+    bo, br = order(bwd)
+    bo = [u for u in bo if u in red]
+    for k in range(1, len(bo)):
+      c, n = bo[k - 1], bo[k]
+      tie(bwd[n], outs(bwd[c]))
+      if o.backward_prefetch is None:
+        tie(bwd[n], outs(red[c]))
+      else:
+        if k >= 2:
+          tie(bwd[n], outs(red[bo[k - 2]]))
+        tie(red[c], outs(bwd[n]))
+      if o.backward_prefetch != "BACKWARD_PRE":
+        tie(bwd[n], [v for i in red[c] for v in self.items[i][1].invars
+                     if not isinstance(v, Literal)])
+        tie(bwd[n], self._freed(bwd[c]))
+      if o.limit_all_gathers and k >= 2:
+        tie(bwd[n], self._freed(bwd[bo[k - 2]]))
+    # Reductions run in the order their gradients complete.
+    ro = sorted(red, key=lambda u: min(red[u]))
+    for a, b in zip(ro, ro[1:]):
+      tie(red[b], outs(red[a]))
+
+  # -- evaluation ----------------------------------------------------------
+
+  def run(self, consts, args):
+    """Evaluates the sequence. A gather with something to wait for is bound
+    as soon as all of it is computed (the earliest point its setting allows;
+    the compiler may still delay it); one with nothing to wait for, at its
+    first use. Every value waited for is re-bound to its copy out of the
+    barrier, so later readers keep the barrier (XLA drops barrier operands
+    whose results nobody reads)."""
+    env: dict = {}
+    pending: set = set(self.gathers)
+    waiting = sorted(i for i in pending if self.deps.get(i))
+    self.skipped = 0
+
+    def read(v):
+      if isinstance(v, Literal):
+        return v.val
+      if v not in env:
+        v = self.resolve(v)
+      if v not in env and self.producer.get(v) in pending:
+        force(self.producer[v])
+      return env[v]
+
+    def bind(i):
+      _, eqn = self.items[i]
+      invals = [read(v) for v in eqn.invars]
+      anchors = list(dict.fromkeys(self.deps.get(i, ())))
+      for a in anchors:
+        j = self.producer.get(a)
+        if a not in env and j in pending and j != i:
+          force(j)
+      avail = [a for a in anchors if a in env]
+      self.skipped += len(anchors) - len(avail)
+      if avail:
+        invals, held = lax.optimization_barrier((invals, [env[a] for a in avail]))
+        for a, h in zip(avail, held):
+          env[a] = h
+      for v, a in zip(eqn.outvars, _bind(eqn, invals)):
+        env[v] = a
+      release()
+
+    def force(i):
+      pending.discard(i)
+      bind(i)
+
+    def known(v):
+      return isinstance(v, Literal) or v in env or self.resolve(v) in env
+
+    def release():
+      for j in waiting:
+        if (j in pending and all(a in env for a in self.deps[j])
+            and all(known(v) for v in self.items[j][1].invars)):
+          force(j)
+
+    for v, c in zip(self.jaxpr.constvars, consts):
+      env[v] = c
+    for v, a in zip(self.jaxpr.invars, args):
+      env[v] = a
+    for i, (kind, eqn) in enumerate(self.items):
+      if kind == "enter":
+        inner = eqn.params["jaxpr"]
+        vals = [read(v) for v in eqn.invars]
+        pc = eqn.params["prevent_cse"]
+        pc = (pc,) * len(vals) if isinstance(pc, bool) else pc
+        if eqn.params["differentiated"] and any(pc):
+          idx = [j for j, p in enumerate(pc) if p]
+          barred = lax.optimization_barrier([vals[j] for j in idx])
+          for j, b in zip(idx, barred):
+            vals[j] = b
+        for iv, val in zip(inner.invars, vals):
+          env[iv] = val
+        release()
+      elif kind == "exit":
+        inner = eqn.params["jaxpr"]
+        for ov, iv in zip(eqn.outvars, inner.outvars):
+          env[ov] = read(iv)
+      elif i not in pending and i not in self.gathers:
+        bind(i)
+    return [read(v) for v in self.jaxpr.outvars]
