@@ -112,7 +112,29 @@ class MixedPrecision:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CPUOffload:
-  """PyTorch's ``CPUOffload(offload_params=False)``."""
+  """PyTorch's ``CPUOffload(offload_params=False)``.
+
+  With ``offload_params=True`` the sharded parameters and the optimizer state
+  live in host memory (each device's ``pinned_host`` memory kind, the same
+  shards in host RAM). Every step copies the parameter shards to the device
+  for the all-gathers, moves the reduced (and, with ``max_norm``, clipped)
+  gradient shards to the host, and runs ``optimizer.update`` and
+  ``optax.apply_updates`` on the host, so the new parameters and optimizer
+  state are written in host memory. The step counter, ``model_state`` and a
+  communication hook's state stay on the device. The devices must have a
+  ``pinned_host`` memory kind; ``init_train_state`` raises a ``ValueError``
+  otherwise.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> cfg = fsdp_jax.FSDPConfig(
+    ...     cpu_offload=fsdp_jax.CPUOffload(offload_params=True))
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.adam(1e-3), mesh=mesh, config=cfg)
+    >>> state.params["_flat_param"].sharding.memory_kind
+    'pinned_host'
+  """
 
   offload_params: bool = False
 
@@ -123,7 +145,8 @@ class FSDPConfig:
 
   Args:
     sharding_strategy: a :class:`ShardingStrategy` (default ``FULL_SHARD``).
-    cpu_offload: a :class:`CPUOffload` or ``None``.
+    cpu_offload: a :class:`CPUOffload` or ``None``; ``CPUOffload(offload_params=True)``
+      keeps the sharded params and optimizer state in host memory.
     auto_wrap_policy: a wrap policy choosing the FSDP units (see
       :mod:`fsdp_jax.wrap`); ``None`` makes the whole tree one root unit.
     backward_prefetch: ``BackwardPrefetch.BACKWARD_PRE`` (default).
@@ -190,8 +213,6 @@ class FSDPConfig:
     if self.ignored_states is not None:
       object.__setattr__(self, "ignored_states", tuple(self.ignored_states))
     unsupported = []
-    if self.cpu_offload is not None and self.cpu_offload.offload_params:
-      unsupported.append("cpu_offload=CPUOffload(offload_params=True)")
     if self.backward_prefetch not in (BackwardPrefetch.BACKWARD_PRE,):
       unsupported.append(f"backward_prefetch={self.backward_prefetch}")
     if self.forward_prefetch:

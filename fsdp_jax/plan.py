@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from fsdp_jax import offload
 from fsdp_jax.config import FSDPConfig, MixedPrecision, ShardingStrategy, gradient_divide_factors
 from fsdp_jax.mesh import MeshAxes
 
@@ -198,14 +199,26 @@ class Plan:
                    f"{[u.display_name for u in self.units]}")
 
   # ---- storage tree ------------------------------------------------------
+  @property
+  def memory_kind(self) -> Optional[str]:
+    """The memory kind of the stored params and optimizer state:
+    ``"pinned_host"`` with ``CPUOffload(offload_params=True)``, else None
+    (the device's default memory)."""
+    return offload.state_memory_kind(self.config)
+
+  def sharding(self, spec: P) -> NamedSharding:
+    """A ``NamedSharding`` on the plan's mesh, in the stored state's memory."""
+    return NamedSharding(self.mesh, spec, memory_kind=self.memory_kind)
+
   def storage_shardings(self):
-    """The sharding of each stored parameter array (the state's params)."""
-    ign = NamedSharding(self.mesh, self.ignored_spec())
+    """The sharding of each stored parameter array (the state's params),
+    with the memory kind it is stored in (``pinned_host`` with CPU offload)."""
+    ign = self.sharding(self.ignored_spec())
     if self.use_orig_params:
-      specs = [ign if l.ignored else NamedSharding(self.mesh, self.spec_for(self.units[l.unit]))
+      specs = [ign if l.ignored else self.sharding(self.spec_for(self.units[l.unit]))
                for l in self.leaves]
       return jax.tree_util.tree_unflatten(self.treedef, specs)
-    out = {u.flat_key: NamedSharding(self.mesh, self.spec_for(u)) for u in self.units}
+    out = {u.flat_key: self.sharding(self.spec_for(u)) for u in self.units}
     out.update({self.ignored_key(l): ign for l in self.ignored_leaves})
     return out
 

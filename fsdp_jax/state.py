@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fsdp_jax import layout, wrap
+from fsdp_jax import layout, offload, wrap
 from fsdp_jax.config import FSDPConfig, is_float_dtype
 from fsdp_jax.mesh import mesh_axes
 from fsdp_jax.plan import LeafSpec, Plan, UnitSpec
@@ -28,13 +28,16 @@ class ShardedTrainState:
     step: number of optimizer steps taken (int32 scalar).
     params: the stored parameter shards: ``{"<unit>._flat_param": array}``
       (flat layout) or the original tree of padded dim-0 shards
-      (``use_orig_params=True``). Global ``jax.Array`` s sharded over the mesh.
+      (``use_orig_params=True``). Global ``jax.Array`` s sharded over the mesh,
+      in ``pinned_host`` memory with ``CPUOffload(offload_params=True)``.
     opt_state: the optax state of the trainable params (frozen parameters
-      have none), sharded like them.
+      have none), sharded like them; every leaf in ``pinned_host`` memory with
+      CPU offload.
     model_state: non-trainable model state (Flax ``batch_stats``, PyTorch's
       buffers): replicated on every device, in ``buffer_dtype``; or None.
+      Kept in device memory, with or without CPU offload.
     comm_hook_state: the per-device state of a stateful communication hook,
-      or None.
+      or None (device memory, like ``step``).
     plan: the :class:`~fsdp_jax.plan.Plan` (units, layout, mesh, config).
   """
 
@@ -381,6 +384,10 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
       no gradient reduction, no optimizer state, never updated. With
       ``use_orig_params=False`` a unit must be all frozen or all trainable.
 
+  With ``config.cpu_offload=CPUOffload(offload_params=True)`` the stored
+  params and the optimizer state are written straight into ``pinned_host``
+  memory (``ValueError`` if the devices have none).
+
   Returns:
     A :class:`ShardedTrainState` with ``step == 0``.
 
@@ -399,6 +406,8 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
   if not isinstance(optimizer, optax.GradientTransformation):
     raise TypeError("optimizer must be an optax.GradientTransformation "
                     f"(e.g. optax.adam(1e-3)); got {type(optimizer).__name__}.")
+  if offload.offloads(config):
+    offload.check_backend(mesh)
   init_args = () if rng is None else (rng,)
   if config.sync_module_states and jax.process_count() > 1:
     # PyTorch's sync_module_states: every process starts from process 0's
@@ -437,7 +446,7 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
     storage_leaves[unit.index] = packed
   ignored = {}
   if plan.ignored_leaves:
-    ign_sh = NamedSharding(mesh, plan.ignored_spec())
+    ign_sh = plan.sharding(plan.ignored_spec())
     if init_fn is not None:
       make = lambda *a: pack_ignored(plan, jax.tree_util.tree_leaves(init_fn(*a)))
       ignored = jax.jit(make, out_shardings=ign_sh)(*init_args)
@@ -501,7 +510,7 @@ def unit_init_program(plan: Plan, unit: UnitSpec, init_fn: Callable):
 
 
 def _unit_out_shardings(plan: Plan, unit: UnitSpec, shardings):
-  sh = NamedSharding(plan.mesh, plan.spec_for(unit))
+  sh = plan.sharding(plan.spec_for(unit))
   if plan.use_orig_params:
     return {i: sh for i in unit.leaf_ids}
   return {"flat": sh}
@@ -544,9 +553,10 @@ def _init_opt_state(plan: Plan, optimizer, storage):
   specs, _ = opt_state_specs(plan, optimizer)
   trainable = split_trainable(plan, storage)[0]
   in_specs = split_trainable(plan, _storage_specs(plan))[0]
-  fn = jax.shard_map(optimizer.init, mesh=plan.mesh, in_specs=(in_specs,),
-                     out_specs=specs, check_vma=False)
-  return jax.jit(fn)(trainable)
+  fn = jax.shard_map(lambda t: optimizer.init(offload.to_device(t)), mesh=plan.mesh,
+                     in_specs=(in_specs,), out_specs=specs, check_vma=False)
+  out_sh = jax.tree.map(plan.sharding, specs, is_leaf=lambda x: isinstance(x, P))
+  return jax.jit(fn, out_shardings=out_sh)(trainable)
 
 
 # --------------------------------------------------------------------------
@@ -570,7 +580,7 @@ def full_params(state: ShardedTrainState, *, replicated: bool = True):
   """
   plan = state.plan
   out_sh = NamedSharding(plan.mesh, P()) if replicated else None
-  fn = jax.jit(lambda storage: unpack_all(plan, storage),
+  fn = jax.jit(lambda storage: unpack_all(plan, offload.to_device(storage)),
                out_shardings=out_sh)
   return fn(state.params)
 

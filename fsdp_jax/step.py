@@ -9,9 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fsdp_jax import grads as grads_lib
+from fsdp_jax import offload
 from fsdp_jax.config import FSDPConfig, is_float_dtype
 from fsdp_jax.mesh import cpu_flags_active
 from fsdp_jax.plan import Plan
@@ -108,6 +110,14 @@ def shard_train_step(loss_fn: Callable[..., Any],
      ``clip_grad_norm_``);
   4. ``optimizer.update`` runs on the local shards of the trainable params.
 
+  With ``config.cpu_offload=CPUOffload(offload_params=True)`` the state's
+  params and optimizer state are in host memory (``pinned_host``): the
+  parameter shards are copied to the device for step 1, the reduced (and
+  clipped, which needs collectives and stays on the device) gradient shards
+  are moved to the host, and step 4 (``optimizer.update`` and
+  ``optax.apply_updates``) runs on the host (``compute_on("device_host")``),
+  so the new params and optimizer state are written in host memory.
+
   Args:
     loss_fn: ``loss_fn(params, batch[, model_state])`` as above.
     optimizer: the optax optimizer the state was built with. Elementwise
@@ -159,6 +169,8 @@ def shard_train_step(loss_fn: Callable[..., Any],
     raise TypeError(f"config must be a fsdp_jax.FSDPConfig, got {type(config).__name__}.")
   if max_norm is not None and not float(max_norm) > 0:
     raise ValueError(f"max_norm={max_norm} must be positive (or None for no clipping).")
+  if offload.offloads(config):
+    offload.check_backend(mesh)
   if (jax.devices()[0].platform == "cpu" and not cpu_flags_active()
       and config.reshard_after_forward and not _warned_cpu):
     _warned_cpu.append(True)
@@ -186,17 +198,36 @@ def shard_train_step(loss_fn: Callable[..., Any],
                                   accumulation=accumulation,
                                   forward_inputs=forward_inputs)
     data_axes = plan.axes.data_axes
+    offloaded = offload.offloads(config)
+
+    def update(grads, opt_state, trainable):
+      updates, new_opt_state = optimizer.update(grads, opt_state, trainable)
+      return optax.apply_updates(trainable, updates), new_opt_state
 
     def body(params, opt_state, model_state, hook_state, batch_local):
-      out, grads, new_hook_state = vg(params, batch_local, model_state, hook_state)
+      # With CPU offload the stored shards are in host memory: the gathers
+      # read a device copy of them.
+      dev_params = offload.to_device(params) if offloaded else params
+      out, grads, new_hook_state = vg(dev_params, batch_local, model_state, hook_state)
       metrics = {"loss": jax.lax.pmean(out.loss.astype(jnp.float32), data_axes)}
       if max_norm is not None:
+        # Clipping sums over the shards (a collective): it runs on the device.
         grads, norm = grads_lib.clip_grad_norm(grads, plan=plan, max_norm=max_norm,
                                                norm_type=norm_type)
         metrics["grad_norm"] = norm
       trainable, frozen = grads_lib.split_trainable(plan, params)
-      updates, new_opt_state = optimizer.update(grads, opt_state, trainable)
-      new_params = grads_lib.merge_trainable(plan, optax.apply_updates(trainable, updates), frozen)
+      if offloaded:
+        # The gradient shards go to the host and the optimizer runs there,
+        # writing the new params and optimizer state in host memory.
+        grads = offload.to_host(grads)
+        new_trainable, new_opt_state = compute_on("device_host")(jax.jit(update))(
+            grads, opt_state, trainable)
+        # Leaves the host computation may leave in device memory (a step
+        # count made from a constant) are stored on the host too.
+        new_trainable, new_opt_state = offload.to_host((new_trainable, new_opt_state))
+      else:
+        new_trainable, new_opt_state = update(grads, opt_state, trainable)
+      new_params = grads_lib.merge_trainable(plan, new_trainable, frozen)
       if out.aux is not None:
         metrics["aux"] = jax.tree.map(
             lambda a: jax.lax.pmean(jnp.asarray(a, jnp.float32), data_axes), out.aux)
