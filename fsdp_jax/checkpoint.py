@@ -7,7 +7,9 @@ parameter) with its global shape, written from and read into sharded arrays
 data field of the state (model state, RNG keys, ...) as they are; and a JSON
 description of all of it. Any plan can restore it: a different device count,
 strategy (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, ...) or layout
-(flat or original parameters). Each device reads only its slice of each
+(flat or original parameters), with or without CPU offload (the params and
+optimizer state come back in ``pinned_host`` memory when the target's config
+offloads them). Each device reads only its slice of each
 parameter, and the conversion into the target's stored layout runs unit by
 unit, so the full model is never assembled on one device (a parameter none of
 whose dimensions divides the shard count is read whole by every device).
@@ -33,6 +35,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from fsdp_jax import offload
 from fsdp_jax.plan import Plan
 from fsdp_jax.state import ShardedTrainState
 
@@ -123,6 +126,10 @@ def _copy(x):
   if isinstance(x, jax.Array):
     if sd._is_key_dtype(x.dtype):
       return jax.random.key_data(x)
+    default = next(iter(x.sharding.device_set)).default_memory().kind
+    if getattr(x.sharding, "memory_kind", None) not in (None, default):
+      # Offloaded (pinned_host) leaves: the move to device memory is the copy.
+      return jax.device_put(x, x.sharding.with_memory_kind(default))
     return jnp.copy(x)
   return np.array(x)
 
@@ -254,7 +261,7 @@ def from_checkpoint_tree(target: ShardedTrainState, restored: dict, meta: dict):
   plan = target.plan
   names = sd.param_names(plan)
   leaves = {i: restored[sd.PARAMS][n] for i, n in enumerate(names)}
-  params = sd.leaves_to_storage(plan, leaves, target.params)
+  params = offload.place_state_tree(plan.config, sd.leaves_to_storage(plan, leaves, target.params))
   ro = restored[sd.OPT_STATE]
   osd = {"state": ro["state"], "param_groups": [dict(ro["param_groups"][0])]}
   opt_state = sd._load_named_opt(target, osd, what="restore", check=False)

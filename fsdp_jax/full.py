@@ -10,7 +10,10 @@
   inspection with ``summon_full_params(with_grads=True, grads=...)``.
 
 Parameters are returned in their stored (full) precision, as PyTorch forces
-full precision in ``summon_full_params``.
+full precision in ``summon_full_params``. With CPU offload the stored shards
+are read from host memory (one unit at a time in :func:`apply`), the full
+parameters are returned in device memory, and write-backs store the new
+shards in host memory again.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fsdp_jax import grads as grads_lib
-from fsdp_jax import layout
+from fsdp_jax import layout, offload
 from fsdp_jax.state import (ShardedTrainState, assemble_storage, ignored_storage,
                             pack_ignored, unpack_all)
 
@@ -68,13 +71,14 @@ def summon_full_params(state: ShardedTrainState, *, rank0_only: bool = False,
         "state holds no gradients between steps.")
   plan = state.plan
   replicated = NamedSharding(plan.mesh, P())
-  params = jax.jit(lambda s: unpack_all(plan, s), out_shardings=replicated)(state.params)
+  unpack = lambda s: unpack_all(plan, offload.to_device(s))
+  params = jax.jit(unpack, out_shardings=replicated)(state.params)
   full_grads = None
   if with_grads:
     frozen = grads_lib.split_trainable(plan, state.params)[1]
     zeros = jax.tree.map(lambda x: x, frozen)
     merged = grads_lib.merge_trainable(plan, grads, zeros)
-    full_grads = jax.jit(lambda s: unpack_all(plan, s), out_shardings=replicated)(merged)
+    full_grads = jax.jit(unpack, out_shardings=replicated)(merged)
     if plan.has_frozen:
       leaves = jax.tree_util.tree_leaves(full_grads)
       full_grads = jax.tree_util.tree_unflatten(
@@ -118,7 +122,7 @@ def write_full_params(state: ShardedTrainState, fn: Callable[[Any], Any], *,
   shardings = plan.storage_shardings()
 
   def run(storage):
-    full = unpack_all(plan, storage)
+    full = unpack_all(plan, offload.to_device(storage))
     new = fn(full)
     _check_same_tree(full, new)
     new_leaves = jax.tree_util.tree_leaves(new)
@@ -165,11 +169,11 @@ def apply(state: ShardedTrainState, fn: Callable[[str, Any], Any]) -> ShardedTra
   per_unit = {}
   for unit in plan.units:
     arrays = layout.unit_storage(plan, unit, storage)
-    sh = NamedSharding(plan.mesh, plan.spec_for(unit))
+    sh = plan.sharding(plan.spec_for(unit))  # the stored memory kind, too
     out_sh = ({i: sh for i in unit.leaf_ids} if plan.use_orig_params else {"flat": sh})
 
     def run(arrays, unit=unit):
-      full = layout.unpack_storage_full(plan, unit, arrays)
+      full = layout.unpack_storage_full(plan, unit, offload.to_device(arrays))
       new = {}
       for i, x in full.items():
         y = fn(plan.leaves[i].name, x)
@@ -185,9 +189,10 @@ def apply(state: ShardedTrainState, fn: Callable[[str, Any], Any]) -> ShardedTra
   ignored = {}
   if plan.ignored_leaves:
     # Ignored leaves: fn sees the first device's copy; every device gets the result.
-    ign_sh = NamedSharding(plan.mesh, plan.ignored_spec())
+    ign_sh = plan.sharding(plan.ignored_spec())
 
     def run_ignored(copies):
+      copies = offload.to_device(copies)
       return {i: jax.numpy.broadcast_to(fn(plan.leaves[i].name, x[0])[None], x.shape)
               for i, x in copies.items()}
 
@@ -197,8 +202,9 @@ def apply(state: ShardedTrainState, fn: Callable[[str, Any], Any]) -> ShardedTra
 
 def sharded_grads(loss_fn: Callable, state: ShardedTrainState, batch):
   """The reduced, averaged gradient shards of ``batch`` (in the optimizer's
-  layout, as global arrays), without updating the state. Pass them to
-  ``summon_full_params(with_grads=True, grads=...)`` to see full gradients.
+  layout, as global arrays, in device memory also with CPU offload), without
+  updating the state. Pass them to ``summon_full_params(with_grads=True,
+  grads=...)`` to see full gradients.
   """
   from fsdp_jax.step import place_batch  # pylint: disable=import-outside-toplevel
   plan = state.plan
@@ -209,7 +215,7 @@ def sharded_grads(loss_fn: Callable, state: ShardedTrainState, batch):
   ms_specs = jax.tree.map(lambda _: P(), state.model_state)
 
   def body(params, model_state, batch_local):
-    _, g, _ = vg(params, batch_local, model_state, None)
+    _, g, _ = vg(offload.to_device(params), batch_local, model_state, None)
     return g
 
   fn = jax.jit(jax.shard_map(body, mesh=plan.mesh, in_specs=(p_specs, ms_specs, b_specs),

@@ -45,7 +45,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fsdp_jax import layout
+from fsdp_jax import layout, offload
 from fsdp_jax.config import StateDictType
 from fsdp_jax.plan import LeafSpec, Plan, UnitSpec
 from fsdp_jax.state import ShardedTrainState, key_name
@@ -243,7 +243,7 @@ def _unpack_fn(plan: Plan, unit_index: int, ids: tuple, replicated: bool):
   unit = _sub_unit(plan, plan.units[unit_index], ids)
   out = {i: (_replicated(plan) if replicated else canonical_sharding(plan, plan.leaves[i]))
          for i in ids}
-  return jax.jit(lambda arrays: layout.unpack_storage_full(plan, unit, arrays),
+  return jax.jit(lambda arrays: layout.unpack_storage_full(plan, unit, offload.to_device(arrays)),
                  out_shardings=out)
 
 
@@ -282,7 +282,7 @@ def _ignored_entries(plan: Plan, tree) -> dict[int, Any]:
 def _ignored_unpack_fn(plan: Plan, index: int, replicated: bool):
   leaf = plan.leaves[index]
   out = _replicated(plan) if replicated else canonical_sharding(plan, leaf)
-  return jax.jit(lambda x: x[0], out_shardings=out)  # the first device's copy
+  return jax.jit(lambda x: offload.to_device(x)[0], out_shardings=out)  # the first device's copy
 
 
 @functools.lru_cache(maxsize=None)
@@ -290,7 +290,7 @@ def _ignored_pack_fn(plan: Plan, index: int, dtype):
   leaf = plan.leaves[index]
   world = plan.axes.world_size
   return jax.jit(lambda x: jnp.broadcast_to(x.astype(dtype)[None], (world,) + leaf.shape),
-                 out_shardings=NamedSharding(plan.mesh, plan.ignored_spec()))
+                 out_shardings=plan.sharding(plan.ignored_spec()))
 
 
 def split_storage(plan: Plan, tree) -> dict[int, list]:
@@ -762,7 +762,7 @@ def _load_named_params(plan, state, sd, buffers, strict, kind):
     if n in sd:
       leaf = plan.leaves[i]
       leaves[i] = place(sd[n], canonical_sharding(plan, leaf), shape=leaf.shape, dtype=leaf.dtype)
-  return leaves_to_storage(plan, leaves, state.params)
+  return offload.place_state_tree(plan.config, leaves_to_storage(plan, leaves, state.params))
 
 
 def _check_local_metadata(plan: Plan, meta, what: str):
@@ -825,7 +825,7 @@ def _load_local_params(plan, state, sd, buffers, strict):
       items[k] = place(sd[k], shardings[k], shape=shape, dtype=current[k].dtype)
     else:
       items[k] = current[k]
-  return _storage_from_items(plan, items)
+  return offload.place_state_tree(plan.config, _storage_from_items(plan, items))
 
 
 # ---------------------------------------------------------------------------
@@ -1055,7 +1055,7 @@ def _load_named_opt(state, osd, *, what: str, fetch: Optional[Callable] = None,
       entries.append(leaves_to_storage(plan, per_slot.get(name, {}), tmpl))
     else:
       entries.append(_place_scalar(plan, scalars[name], tmpl))
-  return lay.unflatten(entries)
+  return offload.place_state_tree(plan.config, lay.unflatten(entries))
 
 
 def _place_scalar(plan: Plan, v, tmpl):
@@ -1098,7 +1098,7 @@ def _load_local_opt(state, osd):
       entries.append(_storage_from_items(plan, items))
     else:
       entries.append(_place_scalar(plan, osd["param_groups"][0][name], tmpl))
-  return lay.unflatten(entries)
+  return offload.place_state_tree(plan.config, lay.unflatten(entries))
 
 
 def optim_state_dict_to_load(state: ShardedTrainState, optim_state_dict: dict, *,
