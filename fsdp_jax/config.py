@@ -3,7 +3,8 @@
 Every option keeps PyTorch's name and default. Options that change numbers
 follow PyTorch's documented semantics; options that only change scheduling in
 PyTorch (``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``)
-are accepted with their defaults and map to the compiled XLA schedule.
+become explicit ordering of the step's collectives against its computation
+(see :func:`fsdp_jax.schedule.ordered`).
 """
 
 from __future__ import annotations
@@ -149,7 +150,11 @@ class FSDPConfig:
       keeps the sharded params and optimizer state in host memory.
     auto_wrap_policy: a wrap policy choosing the FSDP units (see
       :mod:`fsdp_jax.wrap`); ``None`` makes the whole tree one root unit.
-    backward_prefetch: ``BackwardPrefetch.BACKWARD_PRE`` (default).
+    backward_prefetch: when the backward pass re-gathers the next unit
+      (FULL_SHARD/HYBRID_SHARD): ``BackwardPrefetch.BACKWARD_PRE`` (default:
+      before the current unit's gradient computation; most overlap, most
+      memory), ``BACKWARD_POST`` (after it, once the current unit is freed)
+      or ``None`` (after the current unit's reduce-scatter; no overlap).
     mixed_precision: a :class:`MixedPrecision` or ``None`` (full precision).
     ignored_states: dotted names (glob patterns, ``*`` within a path
       segment, ``**`` across) of parameters or
@@ -159,8 +164,11 @@ class FSDPConfig:
     sync_module_states: with several processes, every process starts from
       process 0's parameters, model state and init rng (broadcast at
       ``init_train_state``).
-    forward_prefetch: PyTorch's ``forward_prefetch`` (default ``False``).
-    limit_all_gathers: PyTorch's rate limiter (default ``True``).
+    forward_prefetch: ``True`` lets unit ``k+1``'s gather start before unit
+      ``k``'s computation; ``False`` (default) starts it once unit ``k``'s
+      computation has started, as PyTorch issues it at unit ``k+1``'s forward.
+    limit_all_gathers: ``True`` (default) makes each gather wait until the
+      unit two back is freed: at most two units gathered at once.
     use_orig_params: ``False`` (default) flattens each unit into one padded
       FlatParameter; ``True`` keeps the original tree for the optimizer with
       each leaf sharded along dimension 0 (padded).
@@ -212,17 +220,14 @@ class FSDPConfig:
     object.__setattr__(self, "stacked_layers", tuple(self.stacked_layers))
     if self.ignored_states is not None:
       object.__setattr__(self, "ignored_states", tuple(self.ignored_states))
-    unsupported = []
-    if self.backward_prefetch not in (BackwardPrefetch.BACKWARD_PRE,):
-      unsupported.append(f"backward_prefetch={self.backward_prefetch}")
-    if self.forward_prefetch:
-      unsupported.append("forward_prefetch=True")
-    if not self.limit_all_gathers:
-      unsupported.append("limit_all_gathers=False")
-    if unsupported:
-      raise NotImplementedError(
-          "FSDPConfig: " + ", ".join(unsupported) + " is not implemented in "
-          "this version of fsdp_jax. Leave the option at its default.")
+    if self.backward_prefetch is not None and not isinstance(
+        self.backward_prefetch, BackwardPrefetch):
+      raise TypeError(
+          f"backward_prefetch={self.backward_prefetch!r}: pass "
+          "fsdp_jax.BackwardPrefetch.BACKWARD_PRE, .BACKWARD_POST or None.")
+    for name in ("forward_prefetch", "limit_all_gathers"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
 
   @property
   def is_hybrid(self) -> bool:

@@ -203,7 +203,7 @@ def ordered(fn: Callable, ordering: Ordering) -> Callable:
   and that one NCCL stream runs collectives in issue order:
 
   * forward gather ``k+1``: gather ``k`` (issue order); without
-    ``forward_prefetch`` also the first computation of unit ``k`` (PyTorch
+    ``forward_prefetch`` also the first matmul of unit ``k`` (PyTorch
     issues it at unit ``k+1``'s pre-forward); with ``limit_all_gathers`` the
     last forward use of unit ``k-1`` (at most two units gathered at once).
   * backward re-gather of the next unit ``n`` after the current unit ``c``:
@@ -282,6 +282,16 @@ class _Sequence:
     uses = [u for i in idxs for v in self._outs(i) for u in self.uses.get(v, ())]
     return (min(uses), max(uses)) if uses else None
 
+  def _first_compute(self, idxs) -> list:
+    """The output of the first matmul (else the first equation) reading
+    these gathers' results: the unit's computation has started."""
+    readers = sorted({u for i in idxs for v in self._outs(i) for u in self.uses.get(v, ())})
+    for r in readers:
+      kind, eqn = self.items[r]
+      if kind == "eqn" and eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+        return self._outs(r)[:1]
+    return self._outs(readers[0])[:1] if readers else []
+
   def _freed(self, idxs) -> list:
     """Values computed once every reader of these gathers' results has run:
     the outputs of all of them (the last one in program order may be a cheap
@@ -322,7 +332,7 @@ class _Sequence:
     for k in range(1, len(fo)):
       tie(fwd[fo[k]], outs(fwd[fo[k - 1]]))
       if not o.forward_prefetch:
-        tie(fwd[fo[k]], at(fr[fo[k - 1]][0]))
+        tie(fwd[fo[k]], self._first_compute(fwd[fo[k - 1]]))
       if o.limit_all_gathers and k >= 2 and fo[k - 2] in o.reshard:
         tie(fwd[fo[k]], self._freed(fwd[fo[k - 2]]))
 
