@@ -22,9 +22,9 @@ on 8 simulated CPU devices it measures
 and writes ``benchmarks/RESULTS.md`` and ``benchmarks/results.json``. See
 ``benchmarks/README.md`` for the method and the definitions.
 
-Adding a setting (e.g. prefetch or offload, once fsdp_jax has them) is one
-line in :data:`SETTINGS`: ``Setting("fsdp/FULL_SHARD/fp32+fwd_prefetch",
-"fsdp", "FULL_SHARD", "fp32", fsdp_kwargs={"forward_prefetch": True})``.
+Adding a setting is one line in :data:`SETTINGS`, e.g.
+``Setting("fsdp/FULL_SHARD/fp32/fwd_prefetch", "fsdp", "FULL_SHARD", "fp32",
+fsdp_kwargs={"forward_prefetch": True})``.
 """
 
 from __future__ import annotations
@@ -101,6 +101,16 @@ class Setting:
 SETTINGS: list[Setting] = [
     Setting("fsdp/FULL_SHARD/fp32", "fsdp", "FULL_SHARD", "fp32"),
     Setting("fsdp/FULL_SHARD/bf16", "fsdp", "FULL_SHARD", "bf16"),
+    Setting("fsdp/FULL_SHARD/fp32/bwd_post", "fsdp", "FULL_SHARD", "fp32",
+            fsdp_kwargs={"backward_prefetch": fsdp_jax.BackwardPrefetch.BACKWARD_POST},
+            note="backward_prefetch=BACKWARD_POST"),
+    Setting("fsdp/FULL_SHARD/fp32/bwd_none", "fsdp", "FULL_SHARD", "fp32",
+            fsdp_kwargs={"backward_prefetch": None}, note="backward_prefetch=None"),
+    Setting("fsdp/FULL_SHARD/fp32/fwd_prefetch", "fsdp", "FULL_SHARD", "fp32",
+            fsdp_kwargs={"forward_prefetch": True}, note="forward_prefetch=True"),
+    Setting("fsdp/FULL_SHARD/fp32/no_limit", "fsdp", "FULL_SHARD", "fp32",
+            fsdp_kwargs={"forward_prefetch": True, "limit_all_gathers": False},
+            note="forward_prefetch=True, limit_all_gathers=False"),
     Setting("fsdp/SHARD_GRAD_OP/fp32", "fsdp", "SHARD_GRAD_OP", "fp32"),
     Setting("fsdp/SHARD_GRAD_OP/bf16", "fsdp", "SHARD_GRAD_OP", "bf16"),
     Setting("fsdp/NO_SHARD/fp32", "fsdp", "NO_SHARD", "fp32"),
@@ -355,6 +365,29 @@ def collective_stats(hlo_text: str, world: int) -> dict:
 
 _PEAK_LINE = re.compile(r"^\s+([\w.\-]+)\{[\d,]*\}: (\d+) bytes")
 _INSTR_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (\S+?)(?:\{[^}]*\})? ([\w\-]+)\(")
+
+
+def schedule_stats(hlo_text: str) -> dict:
+  """Most units whose gathered parameters are live at once (entry computation,
+  execution order), in the forward and the backward pass, and the order of
+  the first backward collectives."""
+  order = hlo.collective_order(hlo_text)
+  live = hlo.live_gathered_units(hlo_text)
+  instrs = hlo.entry_instructions(hlo_text)
+  seen, start = set(), len(instrs)
+  for k, ins in enumerate(instrs):
+    m = hlo._UNIT_GATHER.search(ins.op_name)  # pylint: disable=protected-access
+    if ins.opcode == "all-gather" and m:
+      if m.group(1) in seen:
+        start = k
+        break
+      seen.add(m.group(1))
+  back = [f"{'AG' if k == 'all-gather' else 'RS'} {u}" for k, u in order]
+  first_back = next((i for i, (k, u) in enumerate(order)
+                     if k == "all-gather" and (k, u) in order[:i]), len(order))
+  return {"max_live_units_forward": max((len(x) for x in live[:start]), default=0),
+          "max_live_units_backward": max((len(x) for x in live[start:]), default=0),
+          "backward_order": back[first_back:first_back + 6]}
 
 
 def peak_breakdown(dump_dir: str) -> Optional[dict]:
@@ -660,6 +693,7 @@ class Bench:
         "peak": peak,
         "collectives": collective_stats(text, self.world),
         "hlo_summarize": hlo.summarize(text),
+        "schedule": schedule_stats(text),
         "lower_s": t_lower,
         "compile_s": t_compile,
     }
@@ -1094,6 +1128,33 @@ def render_markdown(R: dict) -> str:
     w(f"| {n} | {pk['peak_at']} / {pk['program_length']} | {g['buffers']} | "
       f"{_mb(g['bytes'])} | {_mb(bk.get('arguments', {'bytes': 0})['bytes'])} | {_mb(other)} |")
   w("")
+
+  # ---- prefetch ----
+  pf = [n for n in fs if n.startswith("fsdp/FULL_SHARD/fp32") and "/scan" not in n]
+  if len(pf) > 1:
+    w("## Prefetch and rate limiting (FULL_SHARD fp32)\n")
+    w("Units live = the most units whose gathered parameters are live at one instruction "
+      "of the compiled schedule (`fsdp_jax.hlo.live_gathered_units`; the root unit, kept "
+      "gathered from forward to backward as in PyTorch, counts as one). First backward "
+      "collectives = the order of the first all-gathers (AG) and reduce-scatters (RS) of "
+      "the backward pass. Time ratio = step time / default setting's, same run.\n")
+    w("| setting | temp MiB | total / floor | units live fwd / bwd | "
+      "first backward collectives | time vs default |")
+    w("|---|---|---|---|---|---|")
+    base_t = F["fsdp/FULL_SHARD/fp32"].get("time", {}).get("median_s") \
+        if "fsdp/FULL_SHARD/fp32" in F else None
+    for n in pf:
+      d = F[n]
+      sc = d.get("schedule") or {}
+      fl = d.get("floor")
+      t = d.get("time", {}).get("median_s")
+      w(f"| {n}{' (' + d['note'] + ')' if d.get('note') else ' (defaults)'} | "
+        f"{_mb(d['memory']['temp'])} | "
+        f"{_fmt_ratio(_ratio(d['memory']['total'], fl['total'])) if fl else '-'} | "
+        f"{sc.get('max_live_units_forward', '-')} / {sc.get('max_live_units_backward', '-')} | "
+        f"{', '.join(sc.get('backward_order', [])) or '-'} | "
+        f"{_fmt_ratio(_ratio(t, base_t)) if t and base_t else '-'} |")
+    w("")
 
   # ---- collectives ----
   w("## Collectives per step (compiled HLO, `fsdp_jax.hlo.collectives`)\n")
