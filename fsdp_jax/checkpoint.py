@@ -126,7 +126,7 @@ def _copy(x):
   if isinstance(x, jax.Array):
     if sd._is_key_dtype(x.dtype):
       return jax.random.key_data(x)
-    default = next(iter(x.sharding.device_set)).default_memory().kind
+    default = offload.default_memory_kind(x.sharding)
     if getattr(x.sharding, "memory_kind", None) not in (None, default):
       # Offloaded (pinned_host) leaves: the move to device memory is the copy.
       return jax.device_put(x, x.sharding.with_memory_kind(default))

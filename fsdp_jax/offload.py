@@ -100,6 +100,16 @@ def to_host(tree):
   return jax.tree.map(move, tree)
 
 
+def default_memory_kind(sharding) -> str:
+  """The default memory kind of the devices of ``sharding`` (read from one
+  this process can address)."""
+  devices = getattr(sharding, "addressable_devices", None) or sharding.device_set
+  try:
+    return next(iter(devices)).default_memory().kind
+  except Exception:  # pylint: disable=broad-except  # backends without the API
+    return "device"
+
+
 def place_state_tree(config, tree):
   """Puts the ``jax.Array`` leaves of ``tree`` (stored params or optimizer
   state) into the memory ``config`` keeps them in: ``pinned_host`` with
@@ -108,7 +118,7 @@ def place_state_tree(config, tree):
   def place(x):
     if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding):
       return x
-    want = state_memory_kind(config) or x.sharding.mesh.devices.flat[0].default_memory().kind
+    want = state_memory_kind(config) or default_memory_kind(x.sharding)
     if x.sharding.memory_kind == want:
       return x
     return jax.device_put(x, x.sharding.with_memory_kind(want))
