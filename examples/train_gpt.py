@@ -14,6 +14,7 @@ every sharding strategy can be tried on a laptop:
     python examples/train_gpt.py --strategy HYBRID_SHARD --replicate 2
     python examples/train_gpt.py --wrap size --print-plan
     python examples/train_gpt.py --precision bf16 --max-norm 1.0 --accumulate 2
+    python examples/train_gpt.py --offload   # params + optimizer state in host memory
 
 Checkpoints (orbax, through ``fsdp_jax.CheckpointManager``) and resuming a
 run that was interrupted (keep ``--steps``: the learning-rate schedule
@@ -35,7 +36,8 @@ The steps, in the order PyTorch users know them:
 1. pick the devices (``fsdp_jax.simulate_cpu_devices`` before JAX starts, or
    ``fsdp_jax.distributed.initialize()`` under the launcher);
 2. build a mesh (``fsdp_jax.make_mesh``) and an ``fsdp_jax.FSDPConfig``
-   (sharding strategy, auto-wrap policy, mixed precision, ``use_orig_params``);
+   (sharding strategy, auto-wrap policy, mixed precision, ``use_orig_params``,
+   ``cpu_offload``);
 3. ``fsdp_jax.init_train_state(init_fn=...)`` materialises the model straight
    into its shards (PyTorch: wrapping the module in ``FullyShardedDataParallel``),
    or ``CheckpointManager.restore`` loads a saved one;
@@ -443,6 +445,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   g.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
                  help="bf16: MixedPrecision(param_dtype=bfloat16, reduce_dtype=float32): "
                       "bf16 gathers and compute, fp32 gradient reduction and master weights")
+  g.add_argument("--offload", action="store_true",
+                 help="CPUOffload(offload_params=True): keep the sharded params and "
+                      "optimizer state in host memory (pinned_host); each step copies "
+                      "the shards to the device for the gathers and runs the optimizer "
+                      "on the host")
   g.add_argument("--print-plan", action="store_true",
                  help="print the FSDP plan: units, leaves, bytes per device")
   d = p.add_argument_group("devices")
@@ -559,7 +566,8 @@ def main(argv=None) -> dict:
       sharding_strategy=strategy,
       auto_wrap_policy=make_wrap_policy(args.wrap, args.min_num_params),
       mixed_precision=make_mixed_precision(args.precision),
-      use_orig_params=args.use_orig_params)
+      use_orig_params=args.use_orig_params,
+      cpu_offload=fsdp_jax.CPUOffload(offload_params=True) if args.offload else None)
 
   # Model and optimizer. Only elementwise optimizers give the same result as
   # unsharded training (each device updates its own shard); global-norm
@@ -607,7 +615,8 @@ def main(argv=None) -> dict:
   start_step = int(state.step)  # the optimizer's step count (0 when fresh)
   say(f"{'restore' if start_step else 'init'}: {time.perf_counter() - t0:.1f}s, mesh "
       f"{dict(mesh.shape)}, {args.strategy}, {len(state.plan.units)} FSDP units "
-      f"({'original' if args.use_orig_params else 'flat'} parameters, {args.precision})")
+      f"({'original' if args.use_orig_params else 'flat'} parameters, {args.precision}"
+      f"{', params and optimizer state offloaded to host memory' if args.offload else ''})")
   if args.print_plan:
     say(state.plan)
 
@@ -629,6 +638,7 @@ def main(argv=None) -> dict:
 
   # Throughput, MFU (an estimate) and the stored state's size.
   bytes_dev, bytes_total = state_bytes_per_device(state)
+  where_state = "host bytes/device" if args.offload else "bytes/device"
   n_params = sum(int(np.prod(leaf.shape)) for leaf in state.plan.leaves)
   tokens_per_step = args.batch_size * args.seq_len
   fpt = flops_per_token(state.plan, args.layers, args.d_model, args.seq_len)
@@ -672,7 +682,7 @@ def main(argv=None) -> dict:
       if norm is not None:
         post["grad_norm"] = f"{norm:.3f}"
       post.update(tok_s=f"{tok_s:,.0f}", MFU=f"~{fmt_mfu(mfu)}",
-                  state=f"{bytes_dev / 1024:,.0f}KiB/dev")
+                  state=f"{bytes_dev / 1024:,.0f}KiB/dev" + (" (host)" if args.offload else ""))
       bar.set_postfix(post)
     elif step % args.log_every == 0 or step == args.steps:
       tok_s, mfu, compiling = meter.report()
@@ -680,7 +690,7 @@ def main(argv=None) -> dict:
       if norm is not None:
         line += f"  grad_norm {norm:.4f}"
       line += (f"  {tok_s:10,.0f} tokens/s  MFU~{fmt_mfu(mfu)}  "
-               f"state {bytes_dev:,} bytes/device")
+               f"state {bytes_dev:,} {where_state}")
       if compiling:
         line += "  (first step: includes compilation)"
       say(line)
@@ -705,7 +715,8 @@ def main(argv=None) -> dict:
                  f"MFU~{fmt_mfu(overall[1])} (estimate)")
     say(timing + ")")
   say(f"model: {n_params:,} parameters; stored params + optimizer state: "
-      f"{bytes_dev:,} bytes per device (global arrays: {bytes_total:,} bytes)")
+      f"{bytes_dev:,} bytes per device (global arrays: {bytes_total:,} bytes)"
+      + (", in host memory (--offload)" if args.offload else ""))
   if manager is not None:
     manager.wait_until_finished()
     if saved_steps:

@@ -10,6 +10,8 @@ settings and hard timeouts.
   those of the 1-process run;
 * a checkpoint round trip: a run resumed with ``--resume`` from the step-3
   checkpoint continues exactly like the uninterrupted run;
+* the same run with ``--offload`` (params and optimizer state in host
+  memory): the numbers of the run without it;
 * ``train_nnx.py`` (Flax NNX through nnx.split / nnx.merge, nnx.update at the
   end) and ``custom_step.py`` (value_and_grad, clip_grad_norm, EMA inside
   ``shard_map``, checked against ``shard_train_step``);
@@ -138,6 +140,7 @@ class Jobs:
         py, "-m", "fsdp_jax.launch", "--nproc", "2", "--devices-per-proc", "4",
         "--platform", "cpu", GPT, *GPT_ARGS,
         "--checkpoint-dir", str(tmp / "ckpt_2proc")], tmp)
+    self.gpt_offload = Job("gpt_offload", [py, GPT, *GPT_ARGS, "--offload"], tmp)
     self.nnx = Job("nnx", [py, str(EXAMPLES / "train_nnx.py"), "--platform", "cpu",
                            "--steps", "40", "--log-every", "10"], tmp)
     self.custom = Job("custom", [py, str(EXAMPLES / "custom_step.py"), "--platform", "cpu",
@@ -157,7 +160,8 @@ class Jobs:
     return self._resume
 
   def kill_all(self) -> None:
-    for job in (self.gpt, self.gpt_mp, self.nnx, self.custom, self._resume):
+    for job in (self.gpt, self.gpt_mp, self.gpt_offload, self.nnx, self.custom,
+                self._resume):
       if job is not None:
         job.kill()
 
@@ -224,6 +228,21 @@ def test_train_gpt_resume_round_trip(jobs):
   assert f"checkpoint: saved steps [6] in {jobs.tmp / 'ckpt_resume'} (kept: [3, 6])" in out
 
 
+def test_train_gpt_offload(jobs):
+  out = jobs.gpt_offload.ok()
+  assert "(flat parameters, bf16, params and optimizer state offloaded to host memory)" in out
+  line = next(l for l in out.splitlines() if l.startswith("step    6"))
+  assert re.search(r"state [\d,]+ host bytes/device$", line), line
+  assert re.search(r"bytes per device \(global arrays: [\d,]+ bytes\), in host memory", out)
+  # Only where the state lives and the optimizer runs differ: the same numbers
+  # as without offload (up to the last printed digit).
+  one, off = step_lines(jobs.gpt.ok()), step_lines(out)
+  assert sorted(off) == sorted(one)
+  for s in one:
+    assert abs(float(off[s][0]) - float(one[s][0])) <= 1.5e-4, (s, one, off)
+    assert abs(float(off[s][1]) - float(one[s][1])) <= 1.5e-4, (s, one, off)
+
+
 # --------------------------------------------------------------------------
 # train_nnx.py and custom_step.py
 
@@ -269,7 +288,8 @@ def _load(name: str):
 
 @pytest.mark.parametrize("name, flags", [
     ("train_gpt", ["--precision", "--checkpoint-dir", "--save-every", "--resume",
-                   "--max-norm", "--accumulate", "--peak-tflops", "--strategy"]),
+                   "--max-norm", "--accumulate", "--peak-tflops", "--strategy",
+                   "--offload"]),
     ("train_nnx", ["--strategy", "--use-orig-params", "--steps"]),
     ("custom_step", ["--max-norm", "--ema-decay", "--l2", "--verify"]),
 ])
