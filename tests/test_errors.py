@@ -108,9 +108,10 @@ def test_state_from_another_config():
     step(state, mlp_batch())
 
 
-def test_unimplemented_options_are_refused():
-  with pytest.raises(NotImplementedError, match="forward_prefetch=True"):
-    fsdp_jax.FSDPConfig(forward_prefetch=True)
+def test_prefetch_settings_are_accepted():
+  cfg = fsdp_jax.FSDPConfig(forward_prefetch=True, limit_all_gathers=False,
+                            backward_prefetch=None)
+  assert (cfg.forward_prefetch, cfg.limit_all_gathers, cfg.backward_prefetch) == (True, False, None)
 
 
 def test_config_is_keyword_only():
