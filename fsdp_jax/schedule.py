@@ -11,6 +11,14 @@ reads one of its parameters.
 * Liveness does the rest: a gathered value dies after its last use. For
   FULL_SHARD the step wraps the evaluation in ``jax.checkpoint`` with
   :func:`fsdp_jax.collectives.remat_policy`, so the backward re-gathers.
+* The model's own ``jax.checkpoint`` / ``nn.remat`` calls keep their policy.
+  JAX partially evaluates a ``jax.checkpoint`` nested in another one with the
+  *outer* policy (jax-ml/jax#18817): under the step's remat, which saves
+  everything but the gathered parameters, and inside the rebuilt scan body,
+  a user's checkpoint would save all its intermediates. Each one is re-bound
+  as a ``custom_vjp`` whose forward is ``jax.vjp`` of the user's checkpoint:
+  its residuals are its inputs and what the user's policy saves, and its
+  backward recomputes the rest.
 """
 
 from __future__ import annotations
@@ -100,8 +108,15 @@ def eval_with_gathers(jaxpr: jax_core.Jaxpr, consts, args, lazy: dict,
     name = eqn.primitive.name
     if reads_params and name == "scan" and _scan_pushdown(eqn, lazy, g, read, write):
       continue
-    if reads_params and name in _INLINE:
-      inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if eqn.primitive is ad_checkpoint.remat_p:
+      for v, o in zip(eqn.outvars, _user_checkpoint(eqn, [read(v) for v in eqn.invars])):
+        write(v, o)
+      continue
+    if name == "scan" and _has_user_checkpoint(eqn.params["jaxpr"]):
+      _scan_rebuild(eqn, read, write, g)
+      continue
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if name in _INLINE and (reads_params or _has_user_checkpoint(inner)):
       if inner is not None:
         inner_jaxpr = getattr(inner, "jaxpr", inner)
         inner_consts = getattr(inner, "consts", ())
@@ -162,6 +177,63 @@ def _scan_pushdown(eqn, lazy, g: Gatherer, read, write) -> bool:
   for v, o in zip(eqn.outvars, [*carry_out, *ys]):
     write(v, o)
   return True
+
+
+# --------------------------------------------------------------------------
+# The model's own jax.checkpoint / nn.remat
+
+
+def _has_user_checkpoint(jaxpr) -> bool:
+  """Whether ``jaxpr`` (or one nested in it) calls ``jax.checkpoint``."""
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  if not isinstance(jaxpr, jax_core.Jaxpr):
+    return False
+  return any(e.primitive is ad_checkpoint.remat_p for e in jaxpr.eqns) or any(
+      _has_user_checkpoint(sub) for sub in jax_core.subjaxprs(jaxpr))
+
+
+def _user_checkpoint(eqn, invals) -> list:
+  """Binds the user's ``jax.checkpoint`` equation so that its policy holds
+  inside the step's own remat (see the module docstring)."""
+  body = eqn.params["jaxpr"]
+  fn = jax.checkpoint(lambda *args: jax_core.eval_jaxpr(body, (), *args),
+                      policy=eqn.params["policy"], prevent_cse=eqn.params["prevent_cse"])
+
+  @jax.custom_vjp
+  def call(*args):
+    return fn(*args)
+
+  def fwd(*args):
+    return jax.vjp(fn, *args)  # residuals: the inputs and what the policy saves
+
+  def bwd(pullback, cts):
+    return pullback(cts)
+
+  call.defvjp(fwd, bwd)
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+    return call(*invals)
+
+
+def _scan_rebuild(eqn, read, write, g: Gatherer) -> None:
+  """Re-evaluates a scan whose body calls ``jax.checkpoint`` (a scan that is
+  not over a stacked unit), so those checkpoints keep their policy too."""
+  p = eqn.params
+  num_consts, num_carry = p["num_consts"], p["num_carry"]
+  invals = [read(v) for v in eqn.invars]
+  consts = invals[:num_consts]
+  init = invals[num_consts:num_consts + num_carry]
+  xs = invals[num_consts + num_carry:]
+  body_closed = p["jaxpr"]
+
+  def body(carry, x):
+    outs = eval_with_gathers(body_closed.jaxpr, body_closed.consts, [*consts, *carry, *x], {}, g)
+    return outs[:num_carry], outs[num_carry:]
+
+  carry_out, ys = lax.scan(body, init, xs, length=p["length"], reverse=p["reverse"],
+                           unroll=p["unroll"])
+  for v, o in zip(eqn.outvars, [*carry_out, *ys]):
+    write(v, o)
 
 
 # --------------------------------------------------------------------------
@@ -229,6 +301,24 @@ def ordered(fn: Callable, ordering: Ordering) -> Callable:
   return wrapped
 
 
+def _fresh_vars(jaxpr: jax_core.Jaxpr) -> jax_core.Jaxpr:
+  """A copy of ``jaxpr`` with new variables (nested jaxprs are kept)."""
+  new: dict = {}
+
+  def sub(v):
+    if isinstance(v, (Literal, jax_core.DropVar)):
+      return v
+    if v not in new:
+      new[v] = jax_core.Var(v.aval)
+    return new[v]
+
+  return jaxpr.replace(
+      constvars=[sub(v) for v in jaxpr.constvars], invars=[sub(v) for v in jaxpr.invars],
+      outvars=[sub(v) for v in jaxpr.outvars],
+      eqns=[e.replace(invars=[sub(v) for v in e.invars], outvars=[sub(v) for v in e.outvars])
+            for e in jaxpr.eqns])
+
+
 class _Sequence:
   """A step's equations as one sequence, with ``remat`` bodies inlined."""
 
@@ -257,11 +347,19 @@ class _Sequence:
     self.deps: dict[int, list] = {}
     self._plan()
 
-  def _flatten(self, jaxpr):
+  def _flatten(self, jaxpr, seen=None):
+    seen = set() if seen is None else seen
     for eqn in jaxpr.eqns:
       if eqn.primitive is ad_checkpoint.remat_p:
+        body = eqn.params["jaxpr"]
+        if id(body) in seen:
+          # jax.checkpoint caches its trace: calls of one function on the same
+          # shapes share one body jaxpr. Inlined bodies are told apart by
+          # their variables, so each further copy gets new ones.
+          eqn = eqn.replace(params={**eqn.params, "jaxpr": _fresh_vars(body)})
+        seen.add(id(eqn.params["jaxpr"]))
         self.items.append(("enter", eqn))
-        self._flatten(eqn.params["jaxpr"])
+        self._flatten(eqn.params["jaxpr"], seen)
         self.items.append(("exit", eqn))
       else:
         self.items.append(("eqn", eqn))

@@ -333,7 +333,7 @@ MEMORY_CASES = [(FULL_SHARD, 2, None), (SHARD_GRAD_OP, 2, None)]
 def test_checkpoint_reduces_activation_memory(case):
   """Temporaries per device (MiB, jax 0.10.2, CPU) without / with
   ``jax.checkpoint`` per block: SHARD_GRAD_OP-2 7.59 / 2.76. FULL_SHARD-2
-  14.40 / 14.27 does not drop (nor HYBRID_SHARD-2x2: 7.26 / 7.17): the
+  14.40 / 14.27 would not drop by itself (nor HYBRID_SHARD-2x2: 7.26 / 7.17): the
   step's own remat overrides the model's policy (NESTED_REMAT). With each
   user checkpoint re-bound as a custom_vjp in fsdp_jax/schedule.py:
   FULL_SHARD-2 14.40 / 2.30 (HYBRID_SHARD-2x2 7.26 / 1.23), the same
@@ -485,7 +485,7 @@ def test_linen_scan_of_remat_blocks_gathers_one_layer_per_iteration(case):
 def test_scan_of_remat_blocks_reduces_activation_memory(strategy):
   """nn.scan(nn.remat(Block)) over a stacked unit. Temporaries per device
   (MiB, jax 0.10.2, CPU, 2 devices) without / with nn.remat: FULL_SHARD
-  15.45 / 15.45, SHARD_GRAD_OP 14.91 / 15.41: the rebuilt scan body runs
+  15.45 / 15.45, SHARD_GRAD_OP 14.91 / 15.41 by itself: the rebuilt scan body runs
   under the step's remat policy, which overrides the model's, whatever the
   strategy (NESTED_REMAT). With each user checkpoint re-bound as a
   custom_vjp in fsdp_jax/schedule.py: 15.45 / 2.70 and 14.91 / 2.49."""
