@@ -376,14 +376,14 @@ class _Sequence:
     vs = eqn.params["jaxpr"].invars if kind == "enter" else eqn.outvars
     return [v for v in vs if not isinstance(v, jax_core.DropVar)]
 
-  def _use_range(self, idxs):
-    uses = [u for i in idxs for v in self._outs(i) for u in self.uses.get(v, ())]
-    return (min(uses), max(uses)) if uses else None
+  def _readers(self, idxs) -> list:
+    """Positions of the equations reading these gathers' results, in order."""
+    return sorted({u for i in idxs for v in self._outs(i) for u in self.uses.get(v, ())})
 
   def _first_compute(self, idxs) -> list:
     """The output of the first matmul (else the first equation) reading
     these gathers' results: the unit's computation has started."""
-    readers = sorted({u for i in idxs for v in self._outs(i) for u in self.uses.get(v, ())})
+    readers = self._readers(idxs)
     for r in readers:
       kind, eqn = self.items[r]
       if kind == "eqn" and eqn.primitive.name in ("dot_general", "conv_general_dilated"):
@@ -394,8 +394,7 @@ class _Sequence:
     """Values computed once every reader of these gathers' results has run:
     the outputs of all of them (the last one in program order may be a cheap
     broadcast the compiler runs early)."""
-    readers = sorted({u for i in idxs for v in self._outs(i) for u in self.uses.get(v, ())})
-    return [v for r in readers for v in self._outs(r)[:1]]
+    return [v for r in self._readers(idxs) for v in self._outs(r)[:1]]
 
   def _plan(self):
     o = self.ordering
@@ -415,18 +414,17 @@ class _Sequence:
     self.gathers = {i for d in (fwd, bwd) for idxs in d.values() for i in idxs}
 
     def order(d):
-      ranges = {u: self._use_range(idxs) for u, idxs in d.items()}
-      return [u for u in sorted(d, key=lambda u: ranges[u] or (len(self.items),))
-              if ranges[u] is not None], ranges
+      """Units in the order their gathered parameters are first read."""
+      first = {u: self._readers(idxs)[:1] for u, idxs in d.items()}
+      return sorted((u for u in d if first[u]), key=lambda u: first[u][0])
 
     def tie(idxs, anchors):
       for i in idxs:
         self.deps.setdefault(i, []).extend(anchors)
 
     outs = lambda idxs: [v for i in idxs for v in self._outs(i)]
-    at = lambda i: self._outs(i)
 
-    fo, fr = order(fwd)
+    fo = order(fwd)
     for k in range(1, len(fo)):
       tie(fwd[fo[k]], outs(fwd[fo[k - 1]]))
       if not o.forward_prefetch:
@@ -434,8 +432,7 @@ class _Sequence:
       if o.limit_all_gathers and k >= 2 and fo[k - 2] in o.reshard:
         tie(fwd[fo[k]], self._freed(fwd[fo[k - 2]]))
 
-    bo, br = order(bwd)
-    bo = [u for u in bo if u in red]
+    bo = [u for u in order(bwd) if u in red]
     for k in range(1, len(bo)):
       c, n = bo[k - 1], bo[k]
       tie(bwd[n], outs(bwd[c]))
