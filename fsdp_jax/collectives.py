@@ -82,23 +82,44 @@ def _unpack(g, spec: GatherSpec):
   return outs
 
 
-def pack_full(cts, spec: GatherSpec, prefix):
-  """Inverse layout of :func:`_unpack`: leaves -> (prefix..., N, S), zero padded."""
+def pack_full(cts, spec: GatherSpec, prefix, *, dtype=None, divide: float = 1.0,
+              order=None, tiled: bool = False):
+  """Inverse layout of :func:`_unpack`: leaves -> (prefix..., N, S), zero padded.
+
+  Each leaf (cast to ``dtype`` and divided by ``divide`` on the way) is written
+  into one zeroed buffer with ``dynamic_update_slice``, in ``order`` (leaf
+  positions; default last leaf first, roughly the order a backward pass
+  produces them): XLA updates the buffer in place, so a leaf's gradient can
+  be freed as soon as it is written and a unit's gradient is not held twice
+  (the leaves and their concatenation). ``tiled`` (flat parameters only):
+  return the buffer as (prefix..., N * S).
+  """
+  order = list(reversed(range(len(cts)))) if order is None else list(order)
   p = len(prefix)
+  dtype = dtype or cts[0].dtype
+
+  def prep(c):
+    c = c.astype(dtype)
+    return c / jnp.asarray(divide, dtype) if divide != 1.0 else c
+
   if spec.flat:
-    flat = jnp.concatenate([c.reshape(prefix + (-1,)) for c in cts], axis=p)
-    pad = spec.n * spec.chunk - flat.shape[-1]
-    if pad:
-      flat = jnp.pad(flat, [(0, 0)] * p + [(0, pad)])
-    return flat.reshape(prefix + (spec.n, spec.chunk))
-  parts = []
-  for c, (layer_shape, dim0, chunk0, row) in zip(cts, spec.leaves):
-    c = c.reshape(prefix + (dim0,) + tuple(layer_shape[1:]))
+    buf = jnp.zeros(prefix + (spec.n * spec.chunk,), dtype)
+    offsets = np.cumsum([0] + [int(np.prod(ls, dtype=np.int64)) for ls, _, _, _ in spec.leaves])
+    for k in order:
+      piece = prep(cts[k]).reshape(prefix + (-1,))
+      buf = lax.dynamic_update_slice_in_dim(buf, piece, int(offsets[k]), axis=p)
+    return buf if tiled else buf.reshape(prefix + (spec.n, spec.chunk))
+  buf = jnp.zeros(prefix + (spec.n, spec.chunk), dtype)
+  offsets = np.cumsum([0] + [chunk0 * row for _, _, chunk0, row in spec.leaves])
+  for k in order:
+    layer_shape, dim0, chunk0, row = spec.leaves[k]
+    c = prep(cts[k]).reshape(prefix + (dim0,) + tuple(layer_shape[1:]))
     pad = spec.n * chunk0 - dim0
     if pad:
       c = jnp.pad(c, [(0, 0)] * p + [(0, pad)] + [(0, 0)] * (len(layer_shape) - 1 if layer_shape else 0))
-    parts.append(c.reshape(prefix + (spec.n, chunk0 * row)))
-  return jnp.concatenate(parts, axis=p + 1)
+    buf = lax.dynamic_update_slice_in_dim(buf, c.reshape(prefix + (spec.n, chunk0 * row)),
+                                          int(offsets[k]), axis=p + 1)
+  return buf
 
 
 def _gather_impl(buf, *, spec: GatherSpec):
@@ -129,14 +150,17 @@ def _gather_abstract_eval(buf, *, spec: GatherSpec):
           for layer_shape, _, _, _ in spec.leaves]
 
 
-def reduce_gradient(g, spec: GatherSpec):
-  """The default reduction of a unit's (prefix..., N, S) gradient buffer."""
-  p = g.ndim - 2
+def reduce_gradient(g, spec: GatherSpec, *, tiled: bool = False):
+  """The default reduction of a unit's (prefix..., N, S) gradient buffer
+  (``tiled``: the same buffer as (prefix..., N * S))."""
+  p = g.ndim - (1 if tiled else 2)
   g = g.astype(spec.reduce_dtype)
   if spec.pre_divide != 1.0:
     g = g / jnp.asarray(spec.pre_divide, spec.reduce_dtype)
   if spec.shard_axes:
-    r = lax.psum_scatter(g, spec.axis_name(), scatter_dimension=p, tiled=False)
+    r = lax.psum_scatter(g, spec.axis_name(), scatter_dimension=p, tiled=tiled)
+  elif tiled:
+    r = g
   else:
     r = jnp.squeeze(g, axis=p)
   if spec.reduce_axes:
@@ -154,14 +178,31 @@ def _gather_transpose(cts, buf, *, spec: GatherSpec):
     return [fsdp_reduce_p.bind(*cts, spec=spec, stored_dtype=np.dtype(buf.aval.dtype))]
 
 
-def _reduce_impl(*cts, spec: GatherSpec, stored_dtype):
-  """The unit's full leaf gradients -> this device's reduced shard."""
-  g = pack_full(list(cts), spec, tuple(cts[0].shape[:cts[0].ndim - len(spec.leaves[0][0])]))
+def pack_gradient(cts, spec: GatherSpec, order=None):
+  """A unit's full leaf gradients -> the (prefix..., N, S) buffer it reduces:
+  raw for a communication hook; cast to ``reduce_dtype`` and pre-divided leaf
+  by leaf otherwise (the same values as on the packed buffer)."""
+  prefix = tuple(cts[0].shape[:cts[0].ndim - len(spec.leaves[0][0])])
+  if spec.hook is not None:
+    return pack_full(list(cts), spec, prefix, order=order)
+  # Flat parameters are reduced as one (N * S) vector: reshaping the packed
+  # buffer to (N, S) made XLA copy it before its last in-place update.
+  return pack_full(list(cts), spec, prefix, dtype=spec.reduce_dtype, divide=spec.pre_divide,
+                   order=order, tiled=spec.flat)
+
+
+def reduce_packed(g, spec: GatherSpec, stored_dtype):
+  """The buffer from :func:`pack_gradient` -> this device's reduced shard."""
   if spec.hook is not None:
     r, _ = spec.hook(None, g, spec)
   else:
-    r = reduce_gradient(g, spec)
+    r = reduce_gradient(g, dataclasses.replace(spec, pre_divide=1.0), tiled=spec.flat)
   return finish_gradient(r, spec, stored_dtype)
+
+
+def _reduce_impl(*cts, spec: GatherSpec, stored_dtype):
+  """The unit's full leaf gradients -> this device's reduced shard."""
+  return reduce_packed(pack_gradient(cts, spec), spec, stored_dtype)
 
 
 def _reduce_abstract_eval(*cts, spec: GatherSpec, stored_dtype):
@@ -207,6 +248,33 @@ def gather(buf, spec: GatherSpec):
     return fsdp_all_gather_p.bind(buf, spec=spec)
 
 
-def remat_policy(prim, *_, **params) -> bool:
-  """Saves every residual except the outputs of resharded gathers."""
+# Primitives the FSDP remat recomputes in the backward pass instead of saving
+# their outputs: elementwise arithmetic and layout changes, which XLA fuses into
+# the backward computations that read them. Without remat XLA does the same on
+# its own; saving them (e.g. every intermediate of a GELU) held 2.4x the
+# activations of the unsharded program.
+RECOMPUTED = frozenset({
+    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2",
+    "atanh", "broadcast_in_dim", "cbrt", "ceil", "clamp", "convert_element_type", "copy",
+    "copy_p", "cos", "cosh", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2",
+    "expand_dims", "expm1", "floor", "ge", "gt", "integer_pow", "is_finite", "le", "log",
+    "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or",
+    "pow", "reduce_precision", "rem", "reshape", "round", "rsqrt", "select_n", "sign",
+    "sin", "sinh", "sqrt", "square", "squeeze", "stop_gradient", "sub", "tan", "tanh",
+    "transpose", "xor", "slice", "concatenate", "pad", "dynamic_slice", "rev", "split",
+})
+
+
+def save_all_but_gathers(prim, *_, **params) -> bool:
+  """Saves every residual except the outputs of resharded gathers (steps
+  with a stacked unit, and the loop body gathering one layer per iteration)."""
   return not (prim is fsdp_all_gather_p and params["spec"].reshard)
+
+
+def remat_policy(prim, *_, **params) -> bool:
+  """Saves what is costly to recompute, except the outputs of resharded
+  gathers (re-gathered in the backward pass); elementwise and layout
+  primitives are recomputed."""
+  if prim is fsdp_all_gather_p:
+    return not params["spec"].reshard
+  return prim.name not in RECOMPUTED

@@ -250,7 +250,8 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
         direct=direct,
         stacked_units={u.index for u in plan.units if u.stacked},
         unit_layers={u.index: u.num_layers for u in plan.units},
-        unit_storage=unit_locals)
+        unit_storage=unit_locals,
+        save_mixed=_recomputes_cheap_ops(plan))
     jaxpr = closed.jaxpr
     n_params = len(plan.leaves)
     lazy = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
@@ -268,10 +269,22 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
   return local
 
 
+def _recomputes_cheap_ops(plan: Plan) -> bool:
+  """Whether the step's remat uses :func:`collectives.remat_policy`.
+
+  Stacked units keep every residual but the gathers: recomputing the cheap
+  operations of a scanned layer made the compiled program gather each layer
+  a third time, in a loop of its own.
+  """
+  return (any(plan.reshard(u) for u in plan.units)
+          and not any(u.stacked for u in plan.units))
+
+
 def _maybe_remat(local, plan: Plan):
   if any(plan.reshard(u) for u in plan.units):
-    return jax.checkpoint(local, policy=collectives.remat_policy, prevent_cse=True,
-                          static_argnums=())
+    policy = collectives.remat_policy if _recomputes_cheap_ops(plan) else (
+        collectives.save_all_but_gathers)
+    return jax.checkpoint(local, policy=policy, prevent_cse=True, static_argnums=())
   return local
 
 

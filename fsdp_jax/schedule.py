@@ -14,8 +14,8 @@ reads one of its parameters.
 * The model's own ``jax.checkpoint`` / ``nn.remat`` calls keep their policy.
   JAX partially evaluates a ``jax.checkpoint`` nested in another one with the
   *outer* policy (jax-ml/jax#18817): under the step's remat, which saves
-  everything but the gathered parameters, and inside the rebuilt scan body,
-  a user's checkpoint would save all its intermediates. Each one is re-bound
+  every costly result but the gathered parameters, and inside the rebuilt
+  scan body, a user's checkpoint would save those intermediates. Each one is re-bound
   as a ``custom_vjp`` whose forward is ``jax.vjp`` of the user's checkpoint:
   its residuals are its inputs and what the user's policy saves, and its
   backward recomputes the rest.
@@ -59,7 +59,8 @@ class Gatherer:
 
   def __init__(self, gather_unit: Callable, gather_layer: Callable,
                leaf_unit: dict, stacked_units: set, unit_layers: dict,
-               unit_storage: Callable, direct: Optional[dict] = None):
+               unit_storage: Callable, direct: Optional[dict] = None,
+               save_mixed: bool = False):
     self._gather_unit = gather_unit
     self._gather_layer = gather_layer
     self.leaf_unit = leaf_unit
@@ -68,6 +69,9 @@ class Gatherer:
     self.unit_storage = unit_storage
     self.cache: dict[int, dict] = {}
     self.direct = direct or {}  # leaves not managed by any unit
+    # Under collectives.remat_policy: save what mixes parameters with
+    # activations (see _saved_if_mixed).
+    self.save_mixed = save_mixed
 
   def leaf(self, leaf_id: int):
     if leaf_id in self.direct:
@@ -78,14 +82,49 @@ class Gatherer:
     return self.cache[u][leaf_id]
 
 
+# What a value is made of, for the step's remat (see :func:`_saved_if_mixed`):
+_CONST, _PARAM, _ACT = 0, 1, 2
+
+
+def _class_of(classes) -> int:
+  kinds = set(classes)
+  if _ACT in kinds:
+    return _ACT
+  return _PARAM if _PARAM in kinds else _CONST
+
+
+def _saved_if_mixed(eqn, in_classes, outs, enabled: bool = True):
+  """Saves the outputs of a cheap (recomputed) equation that combines
+  parameters with activations: they go through an ``optimization_barrier``,
+  whose outputs the policy saves and which XLA cannot fuse into a late
+  consumer (with ``checkpoint_name`` XLA recomputed the value right before
+  the backward pass, keeping the parameter alive until then).
+
+  The step's remat recomputes elementwise and layout primitives
+  (:data:`fsdp_jax.collectives.RECOMPUTED`). Recomputing ``h + bias`` or
+  ``x * scale`` would need the parameter in the backward pass wherever the
+  value is read, e.g. a block's output read by the next block's backward,
+  and so keep other units gathered. Saving these values (one activation
+  each) keeps every recomputation local to a unit: what is recomputed reads
+  only saved activations, or only parameters.
+  """
+  if (enabled and eqn.primitive.name in collectives.RECOMPUTED and _PARAM in in_classes
+      and _ACT in in_classes):
+    return list(lax.optimization_barrier(list(outs))), _ACT
+  return outs, _class_of(in_classes)
+
+
 def eval_with_gathers(jaxpr: jax_core.Jaxpr, consts, args, lazy: dict,
-                      g: Gatherer) -> list:
+                      g: Gatherer, param_invars=()) -> list:
   """Evaluates ``jaxpr`` where ``lazy`` maps invars to parameter leaf ids.
 
   ``args`` holds values for the non-lazy invars (``None`` for lazy ones).
+  ``param_invars``: invars (besides ``lazy``) that hold parameters or values
+  made only from parameters.
   """
   env: dict = {}
   lazy = dict(lazy)
+  cls: dict = {}
 
   def read(v):
     if isinstance(v, Literal):
@@ -94,29 +133,40 @@ def eval_with_gathers(jaxpr: jax_core.Jaxpr, consts, args, lazy: dict,
       return g.leaf(lazy[v])
     return env[v]
 
-  def write(v, val):
+  def klass(v):
+    if isinstance(v, Literal):
+      return _CONST
+    if v in lazy:
+      return _PARAM
+    return cls.get(v, _ACT)
+
+  def write(v, val, c=_ACT):
     env[v] = val
+    cls[v] = c
 
   for v, c in zip(jaxpr.constvars, consts):
-    write(v, c)
+    write(v, c, _CONST)
+  param_invars = set(param_invars)
   for v, a in zip(jaxpr.invars, args):
     if v not in lazy:
-      write(v, a)
+      write(v, a, _PARAM if v in param_invars else _ACT)
 
   for eqn in jaxpr.eqns:
     reads_params = any((not isinstance(v, Literal)) and v in lazy for v in eqn.invars)
+    in_classes = [klass(v) for v in eqn.invars]
     name = eqn.primitive.name
-    if reads_params and name == "scan" and _scan_pushdown(eqn, lazy, g, read, write):
+    if reads_params and name == "scan" and _scan_pushdown(eqn, lazy, g, read, write, klass):
       continue
     if eqn.primitive is ad_checkpoint.remat_p:
       for v, o in zip(eqn.outvars, _user_checkpoint(eqn, [read(v) for v in eqn.invars])):
         write(v, o)
       continue
     if name == "scan" and _has_user_checkpoint(eqn.params["jaxpr"]):
-      _scan_rebuild(eqn, read, write, g)
+      _scan_rebuild(eqn, read, write, g, klass)
       continue
     inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if name in _INLINE and (reads_params or _has_user_checkpoint(inner)):
+    reads_param_values = _PARAM in in_classes
+    if name in _INLINE and (reads_params or reads_param_values or _has_user_checkpoint(inner)):
       if inner is not None:
         inner_jaxpr = getattr(inner, "jaxpr", inner)
         inner_consts = getattr(inner, "consts", ())
@@ -124,16 +174,20 @@ def eval_with_gathers(jaxpr: jax_core.Jaxpr, consts, args, lazy: dict,
                       if not isinstance(ov, Literal) and ov in lazy}
         inner_args = [None if (not isinstance(ov, Literal) and ov in lazy) else read(ov)
                       for ov in eqn.invars]
-        outs = eval_with_gathers(inner_jaxpr, inner_consts, inner_args, inner_lazy, g)
+        inner_params = [iv for iv, c in zip(inner_jaxpr.invars, in_classes) if c == _PARAM]
+        outs = eval_with_gathers(inner_jaxpr, inner_consts, inner_args, inner_lazy, g,
+                                 inner_params)
         for v, o in zip(eqn.outvars, outs):
           write(v, o)
         continue
-    for v, a in zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])):
-      write(v, a)
+    outs, c = _saved_if_mixed(eqn, in_classes, _bind(eqn, [read(v) for v in eqn.invars]),
+                              g.save_mixed)
+    for v, a in zip(eqn.outvars, outs):
+      write(v, a, c)
   return [read(v) for v in jaxpr.outvars]
 
 
-def _scan_pushdown(eqn, lazy, g: Gatherer, read, write) -> bool:
+def _scan_pushdown(eqn, lazy, g: Gatherer, read, write, klass) -> bool:
   """Rebuilds a scan over a stacked unit so each iteration gathers one layer."""
   p = eqn.params
   num_consts, num_carry = p["num_consts"], p["num_carry"]
@@ -157,13 +211,19 @@ def _scan_pushdown(eqn, lazy, g: Gatherer, read, write) -> bool:
   unit_locals = {u: g.unit_storage(u) for u in units}
   body_closed = p["jaxpr"]
   body_jaxpr, body_consts = body_closed.jaxpr, body_closed.consts
+  # Parameters in the body: the gathered layer, and consts made of parameters.
+  body_params = [bv for k, bv in enumerate(body_jaxpr.invars[num_consts + num_carry:])
+                 if k in pushed]
+  body_params += [bv for bv, ov in zip(body_jaxpr.invars[:num_consts], invars[:num_consts])
+                  if klass(ov) == _PARAM]
 
   def body(carry, xs):
     plain, per_unit = xs
     gathered = {u: g._gather_layer(u, per_unit[u]) for u in units}
     xs_full = [gathered[pushed[k][0]][pushed[k][1]] if k in pushed else plain[k]
                for k in range(len(xs_vars))]
-    outs = eval_with_gathers(body_jaxpr, body_consts, [*consts, *carry, *xs_full], {}, g)
+    outs = eval_with_gathers(body_jaxpr, body_consts, [*consts, *carry, *xs_full], {}, g,
+                             body_params)
     return outs[:num_carry], outs[num_carry:]
 
   # The rebuilt body is rematerialised with the resharding policy: without it
@@ -171,7 +231,7 @@ def _scan_pushdown(eqn, lazy, g: Gatherer, read, write) -> bool:
   # the forward loop (the whole stack, gathered). With it, the backward loop
   # re-gathers one layer per iteration. SHARD_GRAD_OP is unchanged (the
   # policy saves its gathers).
-  body = jax.checkpoint(body, policy=collectives.remat_policy, prevent_cse=False)
+  body = jax.checkpoint(body, policy=collectives.save_all_but_gathers, prevent_cse=False)
   carry_out, ys = lax.scan(body, init, (xs_plain, unit_locals), length=length,
                            reverse=p["reverse"], unroll=p["unroll"])
   for v, o in zip(eqn.outvars, [*carry_out, *ys]):
@@ -215,7 +275,7 @@ def _user_checkpoint(eqn, invals) -> list:
     return call(*invals)
 
 
-def _scan_rebuild(eqn, read, write, g: Gatherer) -> None:
+def _scan_rebuild(eqn, read, write, g: Gatherer, klass) -> None:
   """Re-evaluates a scan whose body calls ``jax.checkpoint`` (a scan that is
   not over a stacked unit), so those checkpoints keep their policy too."""
   p = eqn.params
@@ -225,9 +285,12 @@ def _scan_rebuild(eqn, read, write, g: Gatherer) -> None:
   init = invals[num_consts:num_consts + num_carry]
   xs = invals[num_consts + num_carry:]
   body_closed = p["jaxpr"]
+  body_params = [bv for bv, ov in zip(body_closed.jaxpr.invars, eqn.invars)
+                 if klass(ov) == _PARAM]
 
   def body(carry, x):
-    outs = eval_with_gathers(body_closed.jaxpr, body_closed.consts, [*consts, *carry, *x], {}, g)
+    outs = eval_with_gathers(body_closed.jaxpr, body_closed.consts, [*consts, *carry, *x], {}, g,
+                             body_params)
     return outs[:num_carry], outs[num_carry:]
 
   carry_out, ys = lax.scan(body, init, xs, length=p["length"], reverse=p["reverse"],
@@ -327,12 +390,18 @@ class _Sequence:
     self.ordering = ordering
     self.items: list = []  # ("eqn", eqn) | ("enter", eqn) | ("exit", eqn)
     self._flatten(jaxpr)
-    self.alias: dict = {}  # inlined remat invar -> outer var
+    # Inlined remat bodies: their invars are the outer values passed in, and
+    # their results are the inner values.
+    self.alias: dict = {}
     for kind, eqn in self.items:
       if kind == "enter":
         for iv, ov in zip(eqn.params["jaxpr"].invars, eqn.invars):
           if not isinstance(ov, Literal):
             self.alias[iv] = self.resolve(ov)
+      elif kind == "exit":
+        for ov, iv in zip(eqn.outvars, eqn.params["jaxpr"].outvars):
+          if not isinstance(ov, jax_core.DropVar):
+            self.alias[ov] = iv if isinstance(iv, Literal) else self.resolve(iv)
     self.uses: dict = {}
     self.producer: dict = {}
     for i, (kind, eqn) in enumerate(self.items):
@@ -344,6 +413,20 @@ class _Sequence:
       if kind == "eqn":
         for v in eqn.outvars:
           self.producer[v] = i
+    self.gathers = {i for i, (kind, eqn) in enumerate(self.items)
+                    if kind == "eqn" and eqn.primitive is collectives.fsdp_all_gather_p}
+    # Equations computing from gathered parameters alone (a LayerNorm scale
+    # reshaped, a bias broadcast, a cast) run at their first use, like the
+    # gathers: the backward pass's recomputation lists them at its start,
+    # and binding them there would start every re-gather at once.
+    self.deferred: set = set()
+    for i, (kind, eqn) in enumerate(self.items):
+      if kind != "eqn" or i in self.gathers or eqn.effects:
+        continue
+      ins = [self.resolve(v) for v in eqn.invars if not isinstance(v, Literal)]
+      if ins and all(self.producer.get(v) in self.gathers or self.producer.get(v) in self.deferred
+                     for v in ins):
+        self.deferred.add(i)
     self.deps: dict[int, list] = {}
     self._plan()
 
@@ -377,8 +460,19 @@ class _Sequence:
     return [v for v in vs if not isinstance(v, jax_core.DropVar)]
 
   def _readers(self, idxs) -> list:
-    """Positions of the equations reading these gathers' results, in order."""
-    return sorted({u for i in idxs for v in self._outs(i) for u in self.uses.get(v, ())})
+    """Positions of the equations reading these gathers' results (directly or
+    through equations on parameters alone), in order."""
+    found, stack, seen = set(), list(idxs), set(idxs)
+    while stack:
+      for v in self._outs(stack.pop()):
+        for u in self.uses.get(v, ()):
+          if u in self.deferred:
+            if u not in seen:
+              seen.add(u)
+              stack.append(u)
+          else:
+            found.add(u)
+    return sorted(found)
 
   def _first_compute(self, idxs) -> list:
     """The output of the first matmul (else the first equation) reading
@@ -411,7 +505,6 @@ class _Sequence:
         (fwd if n == 1 else bwd).setdefault(spec.label, []).append(i)
       elif eqn.primitive is collectives.fsdp_reduce_p:
         red.setdefault(eqn.params["spec"].label, []).append(i)
-    self.gathers = {i for d in (fwd, bwd) for idxs in d.values() for i in idxs}
 
     def order(d):
       """Units in the order their gathered parameters are first read."""
@@ -463,7 +556,7 @@ class _Sequence:
     barrier, so later readers keep the barrier (XLA drops barrier operands
     whose results nobody reads)."""
     env: dict = {}
-    pending: set = set(self.gathers)
+    pending: set = set(self.gathers) | self.deferred
     waiting = sorted(i for i in pending if self.deps.get(i))
     self.skipped = 0
 
@@ -472,6 +565,8 @@ class _Sequence:
         return v.val
       if v not in env:
         v = self.resolve(v)
+        if isinstance(v, Literal):
+          return v.val
       if v not in env and self.producer.get(v) in pending:
         force(self.producer[v])
       return env[v]
@@ -486,6 +581,7 @@ class _Sequence:
           force(j)
       avail = [a for a in anchors if a in env]
       self.skipped += len(anchors) - len(avail)
+
       if avail:
         invals, held = lax.optimization_barrier((invals, [env[a] for a in avail]))
         for a, h in zip(avail, held):
@@ -526,9 +622,7 @@ class _Sequence:
           env[iv] = val
         release()
       elif kind == "exit":
-        inner = eqn.params["jaxpr"]
-        for ov, iv in zip(eqn.outvars, inner.outvars):
-          env[ov] = read(iv)
-      elif i not in pending and i not in self.gathers:
+        pass  # its results are read through ``alias``
+      elif i not in pending and i not in self.gathers and i not in self.deferred:
         bind(i)
     return [read(v) for v in self.jaxpr.outvars]
