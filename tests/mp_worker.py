@@ -296,6 +296,10 @@ def main(argv=None):
         f"source {info.source}", flush=True)
   {"train": main_train, "fail": main_fail, "barrier": main_barrier,
    "checkpoint": main_checkpoint, "sync": main_sync}[args.mode](args, info)
+  # As PyTorch's destroy_process_group: shut down while the interpreter is
+  # whole (a rank once aborted in a native thread during interpreter
+  # teardown, after its work was done).
+  distributed.shutdown()
 
 
 if __name__ == "__main__":
