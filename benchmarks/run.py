@@ -427,6 +427,9 @@ def peak_breakdown(dump_dir: str) -> Optional[dict]:
     op = opcode.get(name, "")
     if op == "parameter" or name.startswith("param"):
       cat = "arguments"
+    elif "fsdp_reduce_scatter[" in opname.get(name, ""):
+      # a unit's packed gradient (the reduce-scatter input) and its result
+      cat = "reduce-scatter"
     elif (op in ("all-gather", "all-gather-start", "all-gather-done")
           or name.startswith("all_gather")
           or ("fsdp_all_gather[" in opname.get(name, "") and "transpose(" not in opname.get(name, ""))):
