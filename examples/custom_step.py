@@ -10,6 +10,9 @@ step inside ``jax.shard_map`` with the same pieces (docs/custom_step.md):
   backward, and reduce-scatters each unit's gradient;
 * ``fsdp_jax.clip_grad_norm(grads, plan=plan, max_norm=...)``: PyTorch's
   ``clip_grad_norm_`` over all shards;
+* ``fsdp_jax.optimizer_step(optimizer, grads, opt_state, params, plan=plan)``:
+  PyTorch's ``optimizer.step()``, the optax optimizer on the user's tree, run
+  exactly on the shards;
 * ``fsdp_jax.param_specs(plan)``, ``fsdp_jax.opt_state_specs(plan, opt)``,
   ``fsdp_jax.batch_spec(plan)``: the ``PartitionSpec`` s for ``shard_map``.
 
@@ -133,10 +136,10 @@ def make_custom_step(plan, optimizer, mesh, *, losses, max_norm, ema_decay):
     if max_norm is not None:
       grads, metrics["grad_norm"] = fsdp_jax.clip_grad_norm(grads, plan=plan,
                                                             max_norm=max_norm)
-    # Elementwise optimizers work on shards unchanged. (With frozen
-    # parameters, wrap this in fsdp_jax.split_trainable / merge_trainable.)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    # The optimizer sees the original tree and computes what it computes
+    # unsharded; frozen parameters are left as they are.
+    params, opt_state = fsdp_jax.optimizer_step(optimizer, grads, opt_state, params,
+                                                plan=plan)
     if ema_decay is not None:  # the EMA is sharded like the weights: no communication
       ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, ema, params)
     return params, opt_state, ema, metrics
@@ -279,7 +282,7 @@ def main(argv=None) -> dict:
   if args.verify:
     diff = verify_against_shard_train_step(params0, optimizer, mesh, config, data,
                                            args.batch_size, sharding)
-    print(f"verify: value_and_grad + optimizer.update in shard_map vs shard_train_step, "
+    print(f"verify: value_and_grad + optimizer_step in shard_map vs shard_train_step, "
           f"3 steps: max |param difference| = {diff:.2e}")
     result["verify_max_diff"] = diff
   return result

@@ -569,10 +569,10 @@ def main(argv=None) -> dict:
       use_orig_params=args.use_orig_params,
       cpu_offload=fsdp_jax.CPUOffload(offload_params=True) if args.offload else None)
 
-  # Model and optimizer. Only elementwise optimizers give the same result as
-  # unsharded training (each device updates its own shard); global-norm
-  # clipping is done by the step (--max-norm), not by optax, which would only
-  # see the local shard.
+  # Model and optimizer. The optimizer sees the model's own parameter tree and
+  # computes what it computes unsharded (optax.clip_by_global_norm, masks and
+  # multi_transform included); --max-norm is PyTorch's clip_grad_norm_ in the
+  # step.
   model = GPT(vocab_size=data.vocab_size, max_len=args.seq_len, d_model=args.d_model,
               num_layers=args.layers, num_heads=args.heads)
   warmup = max(1, args.steps // 10)

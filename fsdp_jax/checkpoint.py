@@ -222,10 +222,13 @@ def _abstract_tree(target, meta: dict):
     if nd.slot is None:
       group[nd.key] = jax.ShapeDtypeStruct(nd.shape, nd.dtype,
                                            sharding=_target_sharding(plan, scalars[nd.key]))
-    else:
+    elif nd.sharded:
       leaf = plan.leaves[nd.index]
       state.setdefault(nd.key, {})[nd.slot] = jax.ShapeDtypeStruct(
           leaf.shape, nd.dtype, sharding=sd.canonical_sharding(plan, leaf))
+    else:  # per-parameter state of another shape: replicated
+      state.setdefault(nd.key, {})[nd.slot] = jax.ShapeDtypeStruct(
+          nd.shape, nd.dtype, sharding=NamedSharding(plan.mesh, P()))
   tree = {sd.PARAMS: params, sd.OPT_STATE: {"state": state, "param_groups": [group]}}
   for f in _other_fields(target):
     kind, items, _ = _field_leaves(getattr(target, f))

@@ -175,6 +175,14 @@ class FSDPConfig:
     comm_hook: a communication hook replacing each unit's gradient reduction
       (PyTorch ``register_comm_hook``), e.g. ``fsdp_jax.hooks.bf16_compress_hook``;
       see :mod:`fsdp_jax.hooks`.
+    optimizer_update: how the step runs the optimizer, which always sees the
+      tree passed to ``init_train_state`` and computes what it computes
+      unsharded (see ``docs/optimizers.md``): ``"sharded"`` evaluates its
+      update on each device's shards (elementwise work stays local, a
+      whole-parameter reduction costs one scalar all-reduce, an operation
+      that needs a whole parameter gathers it); ``"global"`` runs it on the
+      logical tree outside ``shard_map`` and lets the compiler partition it
+      from the state's shardings; ``"auto"`` (default) picks per optimizer.
     stacked_layers: dotted-name glob patterns (as in ``ModuleWrapPolicy``) of
       subtrees whose leaves carry a
       leading layer axis (models that ``lax.scan`` over stacked layers). Each
@@ -202,6 +210,7 @@ class FSDPConfig:
   use_orig_params: bool = False
   stacked_layers: Sequence[str] = ()
   comm_hook: Optional[Any] = None
+  optimizer_update: str = "auto"
 
   def __post_init__(self):
     if not isinstance(self.sharding_strategy, ShardingStrategy):
@@ -225,6 +234,10 @@ class FSDPConfig:
       raise TypeError(
           f"backward_prefetch={self.backward_prefetch!r}: pass "
           "fsdp_jax.BackwardPrefetch.BACKWARD_PRE, .BACKWARD_POST or None.")
+    if self.optimizer_update not in ("auto", "sharded", "global"):
+      raise ValueError(
+          f"optimizer_update={self.optimizer_update!r}: pass 'auto' (default), 'sharded' "
+          "or 'global'.")
     for name in ("forward_prefetch", "limit_all_gathers"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")

@@ -10,8 +10,11 @@ EMA weights or its own optimizer loop composes them itself (see
   loss and its backward, and reduce-scatters each unit's gradient (with
   optional gradient accumulation over microbatches);
 * :func:`clip_grad_norm` — PyTorch's ``clip_grad_norm_`` over the shards;
+* :func:`optimizer_step` — PyTorch's ``optimizer.step()``: the optax
+  optimizer on the user's tree, run exactly on the shards;
 * :func:`split_trainable` / :func:`merge_trainable` — the parameters the
-  optimizer sees (frozen parameters have no gradient and no optimizer state).
+  optimizer updates (frozen parameters have no gradient and no optimizer
+  state).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fsdp_jax import collectives, hooks, layout, schedule
+from fsdp_jax import collectives, hooks, layout, optim, schedule
 from fsdp_jax.config import is_float_dtype
 from fsdp_jax.plan import Plan
 
@@ -83,6 +86,41 @@ def merge_trainable(plan: Plan, trainable, frozen):
   f = iter(jax.tree_util.tree_leaves(frozen))
   leaves = [next(f) if l.frozen else next(t) for l in plan.leaves]
   return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+
+def optimizer_step(optimizer, grads, opt_state, params, *, plan: Plan, value=None):
+  """PyTorch's ``optimizer.step()`` inside ``jax.shard_map``.
+
+  Runs ``optimizer.update`` and ``optax.apply_updates`` on the tree passed to
+  ``init_train_state`` (its paths, unpadded shapes and dtypes; frozen leaves
+  are ``None``), evaluated on this device's shards so that the result is what
+  the optimizer computes unsharded (see :mod:`fsdp_jax.optim`): elementwise
+  work stays local, a whole-parameter reduction costs one scalar all-reduce,
+  an operation that needs a whole parameter gathers it.
+
+  Args:
+    optimizer: the optax transformation the state was built with.
+    grads: the reduced gradient shards (``value_and_grad``'s output).
+    opt_state: the stored optimizer state (``state.opt_state``'s shards).
+    params: the stored parameter shards (``state.params``'s shards).
+    plan: ``state.plan``.
+    value: the loss, passed as ``value=`` to transformations that take it
+      (``optax.contrib.reduce_on_plateau``).
+
+  Returns:
+    ``(new params, new opt_state)`` in the stored layout.
+
+  Example (inside the body of a ``jax.shard_map``; see docs/custom_step.md)::
+
+    out, grads, _ = vg(params, batch)
+    params, opt_state = fsdp_jax.optimizer_step(opt, grads, opt_state, params,
+                                                plan=plan)
+  """
+  trainable, frozen = split_trainable(plan, params)
+  optimizer = optim.as_transformation(optimizer)
+  new_trainable, new_state = optim.update_local(plan, optimizer, grads, opt_state, trainable,
+                                                value=value)
+  return merge_trainable(plan, new_trainable, frozen), new_state
 
 
 def trainable_shapes(plan: Plan):

@@ -95,11 +95,15 @@ class Plan:
   axes: MeshAxes
   # dtypes of the model state (buffers) before the cast to buffer_dtype.
   model_state_dtypes: Optional[tuple] = None
+  # How the optimizer's state is stored (fsdp_jax.optim.OptLayout) and how
+  # its update runs; set by init_train_state.
+  opt_layout: Any = None
+  opt_update: Any = None
 
   # Plans compare by the content that matters for tracing.
   def _key(self):
     return (self.treedef, self.leaves, self.units, self.config, self.mesh, self.axes,
-            self.model_state_dtypes)
+            self.model_state_dtypes, self.opt_layout, self.opt_update)
 
   def __hash__(self):
     return hash(self._key())
@@ -312,6 +316,14 @@ class Plan:
                  f"{'':>8} {total_bytes:>13,}")
     coll = self.collectives_per_step()
     lines.append("  collectives per step: " + ", ".join(f"{v} {k}" for k, v in coll.items() if v))
+    if self.opt_layout is not None:
+      from fsdp_jax import optim  # pylint: disable=import-outside-toplevel
+      sharded, replicated = optim.state_bytes(self, self.opt_layout)
+      slots = ", ".join(self.opt_layout.slot_names) or "none"
+      lines.append(f"  optimizer state: {sharded + replicated:,} bytes/device "
+                   f"({sharded:,} sharded in slots {slots}; {replicated:,} replicated)")
+      if self.opt_update is not None:
+        lines.append(f"  optimizer update: {self.opt_update.describe()}")
     pre, post = self.divide_factors()
     lines.append(f"  gradient divide factors: pre {pre:g}, post {post:g}")
     return "\n".join(lines)

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fsdp_jax import layout, offload, wrap
+from fsdp_jax import layout, offload, optim, wrap
 from fsdp_jax.config import FSDPConfig, is_float_dtype
 from fsdp_jax.mesh import mesh_axes
 from fsdp_jax.plan import LeafSpec, Plan, UnitSpec
@@ -293,54 +293,22 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
 
 
 def opt_state_specs(plan: Plan, optimizer: optax.GradientTransformation):
-  """PartitionSpecs of the optimizer state for ``plan``'s stored params.
+  """``(specs, shapes)`` of the optimizer state for ``plan``'s stored params.
 
-  A state leaf whose shape differs between the global and the per-device
-  view of the params is sharded along the dimension that differs; every
-  other leaf (counts, scalars) is replicated.
+  The state is a :class:`~fsdp_jax.optim.ShardedOptState`: the leaves of
+  ``optimizer.init(params)`` that belong to a parameter and have its shape are
+  sharded like that parameter, every other leaf (counts, hyperparameters,
+  factored statistics) is replicated. ``specs`` are the ``PartitionSpec`` s
+  for ``jax.shard_map``; ``shapes`` the ``jax.ShapeDtypeStruct`` s (with
+  shardings) of the stored state.
   """
-  from fsdp_jax.grads import split_trainable  # pylint: disable=import-outside-toplevel
-  global_shapes = plan.storage_shapes()
-  global_shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), global_shapes)
-  local_shapes = jax.tree.map(lambda s, spec: jax.ShapeDtypeStruct(_local_shape(plan, s.shape, spec), s.dtype),
-                              global_shapes, _storage_specs(plan))
-  global_shapes = split_trainable(plan, global_shapes)[0]
-  local_shapes = split_trainable(plan, local_shapes)[0]
-  g = jax.eval_shape(optimizer.init, global_shapes)
-  l = jax.eval_shape(optimizer.init, local_shapes)
-  axis = plan.axes.shard_axes
-  axis = axis[0] if len(axis) == 1 else axis
-  data_axis = plan.ignored_spec()[0]
-
-  def spec(gs, ls):
-    if gs.shape == ls.shape:
-      return P()
-    diff = [d for d, (a, b) in enumerate(zip(gs.shape, ls.shape)) if a != b]
-    ratio = gs.shape[diff[0]] // ls.shape[diff[0]] if len(diff) == 1 else 0
-    if ratio not in (plan.n, plan.axes.world_size) or gs.shape[diff[0]] % ls.shape[diff[0]]:
-      raise ValueError(
-          f"Optimizer state leaf of global shape {gs.shape} has local shape "
-          f"{ls.shape}; fsdp_jax can only shard optimizer state that mirrors "
-          "the parameters elementwise.")
-    out = [None] * len(gs.shape)
-    out[diff[0]] = axis if ratio == plan.n else data_axis
-    return P(*out)
-
-  return jax.tree.map(spec, g, l), g
+  lay = optim.layout_for(plan, optim.as_transformation(optimizer))
+  return optim.stored_specs(plan, lay), optim.stored_shapes(plan, lay)
 
 
 def _storage_specs(plan: Plan):
   return jax.tree.map(lambda s: s.spec, plan.storage_shardings(),
                       is_leaf=lambda x: isinstance(x, NamedSharding))
-
-
-def _local_shape(plan: Plan, shape, spec):
-  out = list(shape)
-  for d, a in enumerate(spec):
-    if a is not None:
-      names = a if isinstance(a, tuple) else (a,)
-      out[d] //= int(np.prod([plan.mesh.shape[n] for n in names]))
-  return tuple(out)
 
 
 # --------------------------------------------------------------------------
@@ -403,9 +371,7 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
   """
   if (params is None) == (init_fn is None):
     raise ValueError("init_train_state: pass exactly one of params= or init_fn=.")
-  if not isinstance(optimizer, optax.GradientTransformation):
-    raise TypeError("optimizer must be an optax.GradientTransformation "
-                    f"(e.g. optax.adam(1e-3)); got {type(optimizer).__name__}.")
+  optimizer = optim.as_transformation(optimizer)
   if offload.offloads(config):
     offload.check_backend(mesh)
   init_args = () if rng is None else (rng,)
@@ -433,6 +399,8 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
   plan = build_plan(abstract, mesh=mesh, config=config, module_types=types,
                     requires_grad=requires_grad, model_state=model_state)
 
+  if params is not None:
+    params = _off_other_devices(params, mesh)
   storage_leaves: dict = {}
   shardings = plan.storage_shardings()
   for unit in plan.units:
@@ -455,6 +423,7 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
       ignored = jax.jit(lambda xs: pack_ignored(plan, xs), out_shardings=ign_sh)(
           {l.index: flat[l.index] for l in plan.ignored_leaves})
   storage = assemble_storage(plan, storage_leaves, ignored)
+  plan = with_optimizer(plan, optimizer)
   opt_state = _init_opt_state(plan, optimizer, storage)
   replicated = NamedSharding(mesh, P())
   step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
@@ -472,6 +441,29 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
   return ShardedTrainState(step=step, params=storage, opt_state=opt_state,
                            model_state=model_state,
                            comm_hook_state=_init_hook_state(plan), plan=plan)
+
+
+def _off_other_devices(params, mesh: Mesh):
+  """Arrays that live on devices outside ``mesh`` (e.g. the full params of
+  a state on another mesh) are read to host first; the packing programs put
+  each shard where it belongs."""
+  devices = set(mesh.devices.flat)
+
+  def move(x):
+    if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+        and x.committed and x.sharding.device_set != devices):
+      return np.asarray(jax.device_get(x))
+    return x
+
+  return jax.tree.map(move, params)
+
+
+def with_optimizer(plan: Plan, optimizer) -> Plan:
+  """``plan`` with the optimizer's state layout and what its update needs
+  (shown by ``print(state.plan)``)."""
+  lay = optim.layout_for(plan, optimizer)
+  plan = dataclasses.replace(plan, opt_layout=lay)
+  return dataclasses.replace(plan, opt_update=optim.choose_mode(plan, optimizer))
 
 
 def _init_hook_state(plan: Plan):
@@ -549,13 +541,16 @@ def ignored_storage(plan: Plan, storage) -> dict:
 
 
 def _init_opt_state(plan: Plan, optimizer, storage):
+  """``optimizer.init`` on the user's tree, evaluated on each device's shards
+  (see :mod:`fsdp_jax.optim`) and stored as a ``ShardedOptState``."""
   from fsdp_jax.grads import split_trainable  # pylint: disable=import-outside-toplevel
-  specs, _ = opt_state_specs(plan, optimizer)
+  lay = plan.opt_layout
+  specs = optim.stored_specs(plan, lay)
   trainable = split_trainable(plan, storage)[0]
   in_specs = split_trainable(plan, _storage_specs(plan))[0]
-  fn = jax.shard_map(lambda t: optimizer.init(offload.to_device(t)), mesh=plan.mesh,
-                     in_specs=(in_specs,), out_specs=specs, check_vma=False)
-  out_sh = jax.tree.map(plan.sharding, specs, is_leaf=lambda x: isinstance(x, P))
+  fn = jax.shard_map(lambda t: optim.init_local(plan, optimizer, lay, offload.to_device(t)),
+                     mesh=plan.mesh, in_specs=(in_specs,), out_specs=specs, check_vma=False)
+  out_sh = jax.tree.map(lambda s: s.sharding, optim.stored_shapes(plan, lay))
   return jax.jit(fn, out_shardings=out_sh)(trainable)
 
 

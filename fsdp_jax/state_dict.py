@@ -385,112 +385,66 @@ def _flat_keys(plan: Plan) -> list[str]:
 
 @dataclasses.dataclass
 class OptLayout:
-  """The optax state split into slots (subtrees mirroring the stored params)
-  and other leaves, each named by its dotted path.
+  """The stored optimizer state (a :class:`~fsdp_jax.optim.ShardedOptState`)
+  as named entries, in the order of ``optimizer.init(params)``'s leaves:
 
-  With frozen parameters the optimizer's slots mirror only the trainable
-  params; ``entries`` hold them expanded to the full stored structure with
-  ``optax.MaskedNode`` at frozen leaves, and :meth:`unflatten` undoes that.
+  * ``("slot", slot, tree)``: a slot laid out like the stored params
+    (``optax.MaskedNode`` where it has no entry), named per parameter;
+  * ``("pleaf", (param index, slot), array)``: per-parameter state of another
+    shape than the parameter (replicated), named per parameter;
+  * ``("leaf", path, array)``: every other leaf (a parameter-group value).
   """
 
-  treedef: Any
-  entries: list  # [(kind, name, value)] with kind "slot" or "leaf", in treedef order
-  plan: Any = None
+  state: Any
+  entries: list
 
-  def unflatten(self, entries):
-    if self.plan is not None and self.plan.has_frozen:
-      entries = [_contract_slot(self.plan, v) if k == "slot" else v
-                 for (k, _, _), v in zip(self.entries, entries)]
-    return self.treedef.unflatten(entries)
+  def unflatten(self, values):
+    """Entries' values (same order) -> a ``ShardedOptState``."""
+    from fsdp_jax import optim  # pylint: disable=import-outside-toplevel
+    lay = self.state.layout
+    slots, leaves = {}, {}
+    pleaf_paths = {(e.param, e.slot): e.path for e in lay.entries if e.kind == "param"}
+    for (kind, name, _), v in zip(self.entries, values):
+      if kind == "slot":
+        slots[name] = v
+      elif kind == "pleaf":
+        leaves[pleaf_paths[name]] = v
+      else:
+        leaves[name] = v
+    return optim.ShardedOptState(slots, leaves, lay)
 
   @property
   def slots(self):
     return [(n, v) for k, n, v in self.entries if k == "slot"]
 
   @property
+  def pleaves(self):
+    return [(n, v) for k, n, v in self.entries if k == "pleaf"]
+
+  @property
   def scalars(self):
     return [(n, v) for k, n, v in self.entries if k == "leaf"]
 
 
-def _expand_slot(plan: Plan, slot):
-  """A slot shaped like the trainable params -> the full stored structure,
-  ``optax.MaskedNode`` at frozen leaves."""
-  masked = optax.MaskedNode()
-  if plan.use_orig_params:
-    it = iter(jax.tree.leaves(slot, is_leaf=_is_masked))
-    return plan.treedef.unflatten([masked if l.frozen else next(it) for l in plan.leaves])
-  frozen_keys = {u.flat_key for u in plan.units if u not in plan.trainable_units}
-  frozen_keys |= {plan.ignored_key(l) for l in plan.ignored_leaves if l.frozen}
-  return {k: (masked if k in frozen_keys else slot[k]) for k in _flat_keys(plan)}
-
-
-def _contract_slot(plan: Plan, full):
-  """Inverse of :func:`_expand_slot`."""
-  if plan.use_orig_params:
-    parts = plan.treedef.flatten_up_to(full)
-    return plan.treedef.unflatten([None if l.frozen else parts[i]
-                                   for i, l in enumerate(plan.leaves)])
-  from fsdp_jax.grads import split_trainable  # pylint: disable=import-outside-toplevel
-  return split_trainable(plan, full)[0]
-
-
 def opt_layout(plan: Plan, opt_state) -> OptLayout:
-  if plan.has_frozen:
-    from fsdp_jax.grads import split_trainable  # pylint: disable=import-outside-toplevel
-    tdef = jax.tree.structure(split_trainable(plan, plan.storage_shapes())[0])
-
-    def is_trainable_slot(x):
-      return (not _is_masked(x) and x is not None
-              and jax.tree.structure(x, is_leaf=_is_masked) == tdef)
-
-    flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_trainable_slot)
-    expanded = [_expand_slot(plan, x) if is_trainable_slot(x) else x for _, x in flat]
-    opt_state = treedef.unflatten(expanded)
-    lay = _opt_layout(plan, opt_state)
-    lay.treedef = treedef
-    lay.plan = plan
-    return lay
-  return _opt_layout(plan, opt_state)
-
-
-def _opt_layout(plan: Plan, opt_state) -> OptLayout:
-  storage = plan.storage_shapes()
-  sdef = jax.tree.structure(storage)
-  sshapes = [s.shape for s in sdef.flatten_up_to(storage)]
-
-  def is_mirror(x):
-    if _is_masked(x) or x is None:
-      return False
-    if jax.tree.structure(x, is_leaf=_is_masked) != sdef:
-      return False
-    parts = sdef.flatten_up_to(x)
-    arrays = [p for p in parts if not _is_masked(p)]
-    if not arrays:
-      return False
-    return all((_is_masked(p) or (hasattr(p, "shape") and tuple(p.shape) == s))
-               for p, s in zip(parts, sshapes))
-
-  flat, treedef = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_mirror)
+  """Names the entries of a state's optimizer state (concrete or abstract)."""
+  from fsdp_jax import optim  # pylint: disable=import-outside-toplevel
+  if not isinstance(opt_state, optim.ShardedOptState):
+    raise TypeError(
+        f"The state's opt_state is a {type(opt_state).__name__}, not the "
+        "ShardedOptState that init_train_state builds. Fix: build the state with "
+        "fsdp_jax.init_train_state, and replace its optimizer state only with values "
+        "from optim_state_dict_to_load / shard_full_optim_state_dict.")
+  lay = opt_state.layout
   entries = []
-  names = set()
-  for path, x in flat:
-    name = path_name(path)
-    kind = "slot" if is_mirror(x) else "leaf"
-    if kind == "leaf" and isinstance(x, jax.Array) and not x.sharding.is_fully_replicated:
-      raise NotImplementedError(
-          f"Optimizer state leaf opt_state.{name} of shape {tuple(x.shape)} is "
-          f"sharded ({x.sharding.spec}) over mesh axes ({_mesh_desc(plan)}) but "
-          "is not part of a subtree that mirrors the parameters, so fsdp_jax "
-          "cannot name it by parameter. State dicts support optax states whose "
-          "per-parameter parts mirror the parameter tree (sgd, momentum, adam(w), "
-          "lion, masked, multi_transform, inject_hyperparams, chains of them). Fix: "
-          "use such an optimizer, or keep this leaf replicated.")
-    if name in names or name == "params":
-      raise ValueError(f"Optimizer state path {name!r} is ambiguous as a dotted name; "
-                       "rename the optimizer state's keys.")
-    names.add(name)
-    entries.append((kind, name, x))
-  return OptLayout(treedef, entries)
+  for slot in lay.slot_names:
+    entries.append(("slot", slot, opt_state.slots[slot]))
+  for e in lay.entries:
+    if e.kind == "param":
+      entries.append(("pleaf", (e.param, e.slot), opt_state.leaves[e.path]))
+    elif e.kind == "group":
+      entries.append(("leaf", e.path, opt_state.leaves[e.path]))
+  return OptLayout(opt_state, entries)
 
 
 def _storage_keys(plan: Plan) -> list[str]:
@@ -842,6 +796,8 @@ def _optim_named(state, *, replicated: bool, post=None) -> dict:
   for slot, tree in lay.slots:
     for i, x in storage_to_leaves(plan, tree, replicated=replicated, post=post).items():
       per_name[names[i]][slot] = x
+  for (i, slot), x in lay.pleaves:
+    per_name[names[i]][slot] = post(x) if post is not None else x
   group: dict = {"params": list(names)}
   for name, x in lay.scalars:
     group[name] = post(x) if post is not None else x
@@ -859,10 +815,18 @@ def _optim_local(state, *, offload: bool) -> dict:
       if not _is_masked(x):
         per_key[k][slot] = post(x)
   group: dict = {"params": list(keys)}
-  for name, x in lay.scalars:
+  for name, x in _group_items(lay):
     group[name] = post(x)
   return {"state": {k: d for k, d in per_key.items() if d}, "param_groups": [group],
           LOCAL_METADATA_KEY: _local_metadata(plan)}
+
+
+def _group_items(lay: OptLayout) -> list:
+  """LOCAL state dicts keep every replicated leaf under its full path."""
+  paths = {(e.param, e.slot): e.path for e in lay.state.layout.entries if e.kind == "param"}
+  items = [(paths[k], x) for k, x in lay.pleaves] + list(lay.scalars)
+  order = {e.path: n for n, e in enumerate(lay.state.layout.entries)}
+  return sorted(items, key=lambda kv: order[kv[0]])
 
 
 def optim_state_dict(state: ShardedTrainState, *,
@@ -945,6 +909,7 @@ class _Need:
   shape: tuple
   dtype: Any
   index: int = -1      # leaf index for named slots
+  sharded: bool = True  # a slot entry shaped like its parameter (not a "pleaf")
 
 
 def _named_needs(plan: Plan, lay: OptLayout) -> list[_Need]:
@@ -963,6 +928,8 @@ def _named_needs(plan: Plan, lay: OptLayout) -> list[_Need]:
     for i, x in _ignored_entries(plan, tree).items():
       if x is not None:
         needs.append(_Need(slot, names[i], plan.leaves[i].shape, jnp.dtype(x.dtype), i))
+  for (i, slot), x in lay.pleaves:
+    needs.append(_Need(slot, names[i], _shape(x), jnp.dtype(x.dtype), i, sharded=False))
   for name, x in lay.scalars:
     needs.append(_Need(None, name, _shape(x), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype))
   return needs
@@ -1042,9 +1009,12 @@ def _load_named_opt(state, osd, *, what: str, fetch: Optional[Callable] = None,
 
   per_slot: dict = {}
   scalars: dict = {}
+  pvalues: dict = {}
   for nd in needs:
     if nd.slot is None:
       scalars[nd.key] = value(nd)
+    elif not nd.sharded:
+      pvalues[(nd.index, nd.slot)] = value(nd)
     else:
       leaf = plan.leaves[nd.index]
       per_slot.setdefault(nd.slot, {})[nd.index] = place(
@@ -1053,6 +1023,8 @@ def _load_named_opt(state, osd, *, what: str, fetch: Optional[Callable] = None,
   for kind, name, tmpl in lay.entries:
     if kind == "slot":
       entries.append(leaves_to_storage(plan, per_slot.get(name, {}), tmpl))
+    elif kind == "pleaf":
+      entries.append(_place_scalar(plan, pvalues[name], tmpl))
     else:
       entries.append(_place_scalar(plan, scalars[name], tmpl))
   return offload.place_state_tree(plan.config, lay.unflatten(entries))
@@ -1083,11 +1055,12 @@ def _load_local_opt(state, osd):
     for k, x in _storage_items(plan, tree).items():
       if not _is_masked(x):
         needs.append(_Need(slot, k, shapes[k], x.dtype))
-  for name, x in lay.scalars:
+  for name, x in _group_items(lay):
     needs.append(_Need(None, name, _shape(x), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype))
   _check_osd(osd, needs, what=what, keys_kind="stored array",
              fix="load the local optimizer state dict of a state with the same plan, or "
                  "use FULL_STATE_DICT / SHARDED_STATE_DICT to change mesh, strategy or layout.")
+  paths = {(e.param, e.slot): e.path for e in lay.state.layout.entries if e.kind == "param"}
   entries = []
   for kind, name, tmpl in lay.entries:
     if kind == "slot":
@@ -1097,7 +1070,8 @@ def _load_local_opt(state, osd):
                                                   shape=shapes[k], dtype=x.dtype)
       entries.append(_storage_from_items(plan, items))
     else:
-      entries.append(_place_scalar(plan, osd["param_groups"][0][name], tmpl))
+      key = paths[name] if kind == "pleaf" else name
+      entries.append(_place_scalar(plan, osd["param_groups"][0][key], tmpl))
   return offload.place_state_tree(plan.config, lay.unflatten(entries))
 
 
@@ -1155,7 +1129,7 @@ def shard_full_optim_state_dict(full_optim_state_dict: dict, state: ShardedTrain
     >>> full = full_optim_state_dict(build(8))
     >>> state = build(2)
     >>> state = state.replace(opt_state=shard_full_optim_state_dict(full, state))
-    >>> state.opt_state[0].mu["_flat_param"].sharding.spec
+    >>> state.opt_state.slots["0.mu"]["_flat_param"].sharding.spec
     P('shard',)
   """
   fn = "shard_full_optim_state_dict"
@@ -1180,7 +1154,7 @@ def scatter_full_optim_state_dict(full_optim_state_dict: Optional[dict],
     ...     optimizer=optax.adam(1e-3), mesh=mesh, config=fsdp_jax.FSDPConfig())
     >>> full = full_optim_state_dict(state)  # populated on process 0 only
     >>> opt_state = scatter_full_optim_state_dict(full, state)
-    >>> int(opt_state[0].count)
+    >>> int(opt_state.leaves["0.count"])
     0
   """
   fn = "scatter_full_optim_state_dict"

@@ -13,11 +13,11 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fsdp_jax import grads as grads_lib
-from fsdp_jax import offload
+from fsdp_jax import offload, optim
 from fsdp_jax.config import FSDPConfig, is_float_dtype
 from fsdp_jax.mesh import cpu_flags_active
 from fsdp_jax.plan import Plan
-from fsdp_jax.state import ShardedTrainState, opt_state_specs
+from fsdp_jax.state import ShardedTrainState
 
 
 def check_batch(plan: Plan, batch) -> None:
@@ -57,24 +57,20 @@ def _check_state(state, plan_cfg: FSDPConfig, mesh: Mesh, optimizer):
         f"{[d.id for d in plan.mesh.devices.flat]}) but the step was built for "
         f"mesh {dict(mesh.shape)} (devices {[d.id for d in mesh.devices.flat]}). "
         "Pass the same mesh to init_train_state and shard_train_step.")
-  specs, expected = opt_state_specs(plan, optimizer)
-  got = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), state.opt_state)
-  exp_leaves, exp_def = jax.tree_util.tree_flatten_with_path(expected)
-  got_leaves, got_def = jax.tree_util.tree_flatten_with_path(got)
-  if exp_def != got_def:
+  lay = optim.layout_for(plan, optimizer)
+  got = getattr(state.opt_state, "layout", None)
+  if got != lay:
+    def show(l):
+      if l is None:
+        return type(state.opt_state).__name__
+      return ", ".join(f"{e.path} {e.shape}" for e in l.entries[:6]) + (
+          ", ..." if len(l.entries) > 6 else "")
     raise ValueError(
         "The optimizer state does not match this optimizer and the params: "
-        f"expected the structure of optimizer.init(params)\n  {exp_def}\nbut "
-        f"the state holds\n  {got_def}\nBuild the state with the same "
-        "optimizer you pass to shard_train_step.")
-  for (path, e), (_, a) in zip(exp_leaves, got_leaves):
-    if e.shape != a.shape or e.dtype != a.dtype:
-      raise ValueError(
-          f"The optimizer state leaf opt_state{jax.tree_util.keystr(path)} has "
-          f"shape {a.shape} {a.dtype} but this optimizer over the stored params "
-          f"expects {e.shape} {e.dtype}. Build the state with the same "
-          "optimizer and config you pass to shard_train_step.")
-  return specs
+        f"optimizer.init(params) has the leaves\n  {show(lay)}\nbut the state holds\n  "
+        f"{show(got)}\nBuild the state with the same optimizer you pass to "
+        "shard_train_step.")
+  return optim.stored_specs(plan, lay)
 
 
 _warned_cpu = []
@@ -163,8 +159,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
   """
   if not callable(loss_fn):
     raise TypeError("loss_fn must be callable as loss_fn(params, batch).")
-  if not isinstance(optimizer, optax.GradientTransformation):
-    raise TypeError("optimizer must be an optax.GradientTransformation.")
+  optimizer = optim.as_transformation(optimizer)
   if not isinstance(config, FSDPConfig):
     raise TypeError(f"config must be a fsdp_jax.FSDPConfig, got {type(config).__name__}.")
   if max_norm is not None and not float(max_norm) > 0:
@@ -200,33 +195,41 @@ def shard_train_step(loss_fn: Callable[..., Any],
     data_axes = plan.axes.data_axes
     offloaded = offload.offloads(config)
 
-    def update(grads, opt_state, trainable):
-      updates, new_opt_state = optimizer.update(grads, opt_state, trainable)
-      return optax.apply_updates(trainable, updates), new_opt_state
+    mode = plan.opt_update.mode if plan.opt_update is not None else "sharded"
 
     def body(params, opt_state, model_state, hook_state, batch_local):
       # With CPU offload the stored shards are in host memory: the gathers
       # read a device copy of them.
       dev_params = offload.to_device(params) if offloaded else params
       out, grads, new_hook_state = vg(dev_params, batch_local, model_state, hook_state)
-      metrics = {"loss": jax.lax.pmean(out.loss.astype(jnp.float32), data_axes)}
+      loss = jax.lax.pmean(out.loss.astype(jnp.float32), data_axes)
+      metrics = {"loss": loss}
       if max_norm is not None:
         # Clipping sums over the shards (a collective): it runs on the device.
         grads, norm = grads_lib.clip_grad_norm(grads, plan=plan, max_norm=max_norm,
                                                norm_type=norm_type)
         metrics["grad_norm"] = norm
       trainable, frozen = grads_lib.split_trainable(plan, params)
-      if offloaded:
+      if mode == "global":
+        # The optimizer runs after shard_map, on the global view.
+        new_trainable, new_opt_state = grads, opt_state
+      elif offloaded:
         # The gradient shards go to the host and the optimizer runs there,
         # writing the new params and optimizer state in host memory.
         grads = offload.to_host(grads)
-        new_trainable, new_opt_state = compute_on("device_host")(jax.jit(update))(
-            grads, opt_state, trainable)
+        index, value = offload.to_host((optim.shard_index(plan), loss))
+
+        def host_update(g, s, t, i, v):
+          return optim.update_local(plan, optimizer, g, s, t, value=v, index=i, host=True)
+
+        new_trainable, new_opt_state = compute_on("device_host")(jax.jit(host_update))(
+            grads, opt_state, trainable, index, value)
         # Leaves the host computation may leave in device memory (a step
         # count made from a constant) are stored on the host too.
         new_trainable, new_opt_state = offload.to_host((new_trainable, new_opt_state))
       else:
-        new_trainable, new_opt_state = update(grads, opt_state, trainable)
+        new_trainable, new_opt_state = optim.update_local(plan, optimizer, grads, opt_state,
+                                                          trainable, value=loss)
       new_params = grads_lib.merge_trainable(plan, new_trainable, frozen)
       if out.aux is not None:
         metrics["aux"] = jax.tree.map(
@@ -247,6 +250,12 @@ def shard_train_step(loss_fn: Callable[..., Any],
                        check_vma=False)
     new_params, new_opt_state, new_ms, new_hook, metrics = fn(
         state.params, state.opt_state, state.model_state, state.comm_hook_state, batch)
+    if mode == "global":
+      grads = grads_lib.split_trainable(plan, new_params)[0]
+      trainable, frozen = grads_lib.split_trainable(plan, state.params)
+      new_trainable, new_opt_state = optim.update_global(
+          plan, optimizer, grads, state.opt_state, trainable, value=metrics["loss"])
+      new_params = grads_lib.merge_trainable(plan, new_trainable, frozen)
     new_state = state.replace(step=state.step + 1, params=new_params,
                               opt_state=new_opt_state, model_state=new_ms,
                               comm_hook_state=new_hook)

@@ -79,8 +79,8 @@ def test_checkpoint_keeps_one_copy_of_ignored_states(use_orig_params, tmp_path):
   got = np.asarray(key(restored.params))
   for d in range(got.shape[0]):
     np.testing.assert_array_equal(got[d], copies[0])
-  mu = np.asarray(key(restored.opt_state[0].mu))
-  np.testing.assert_array_equal(mu[1], np.asarray(key(state.opt_state[0].mu))[0])
+  mu = np.asarray(key(restored.opt_state.slots["0.mu"]))
+  np.testing.assert_array_equal(mu[1], np.asarray(key(state.opt_state.slots["0.mu"]))[0])
   # The managed parameters restore exactly.
   exact = lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   jax.tree.map(exact, fsdp_jax.full_params(restored)["blocks"],

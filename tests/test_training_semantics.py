@@ -224,8 +224,7 @@ def test_custom_step_with_two_losses_and_ema():
       out2, g2, _ = vg_reg(params, batch)
       grads = jax.tree.map(jnp.add, g1, g2)
       grads, norm = fsdp_jax.clip_grad_norm(grads, plan=plan, max_norm=0.5)
-      updates, opt_state = opt.update(grads, opt_state, params)
-      params = optax.apply_updates(params, updates)
+      params, opt_state = fsdp_jax.optimizer_step(opt, grads, opt_state, params, plan=plan)
       ema = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, ema, params)  # sharded EMA
       loss = jax.lax.pmean(out1.loss + out2.loss, plan.axes.data_axes)
       return params, opt_state, ema, loss, norm
