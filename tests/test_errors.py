@@ -123,3 +123,61 @@ def test_params_or_init_fn():
   mesh = mesh_for(S.FULL_SHARD, 2)
   with pytest.raises(ValueError, match="exactly one of params= or init_fn="):
     fsdp_jax.init_train_state(optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+
+
+# --------------------------------------------------------------------------
+# Communication hooks that return the wrong thing
+
+
+def _hook_forgets_state(state, grad, spec):
+  return fsdp_jax.collectives.reduce_gradient(grad, spec)  # no state
+
+
+def _hook_returns_unreduced(state, grad, spec):
+  return grad, state  # the (N, S) buffer, not this device's shard
+
+
+class _StatefulForgetsState:
+  stateful = True
+
+  def init(self, shape, dtype):
+    return jnp.zeros(shape, jnp.float32)
+
+  def __call__(self, state, grad, spec):
+    return fsdp_jax.collectives.reduce_gradient(grad, spec)
+
+  def __repr__(self):
+    return "StatefulForgetsState()"
+
+
+class _StatefulDropsARow(_StatefulForgetsState):
+
+  def __call__(self, state, grad, spec):
+    return fsdp_jax.collectives.reduce_gradient(grad, spec), state[1:]
+
+  def __repr__(self):
+    return "StatefulDropsARow()"
+
+
+@pytest.mark.parametrize("hook, name, words", [
+    (_hook_forgets_state, "test_errors._hook_forgets_state",
+     ["Fix: return (reduced, state) from comm_hook", "it returned an array of shape (28,) float32",
+      "for a gradient of shape (8, 28)", "reduced shard (shape (28,))"]),
+    (_hook_returns_unreduced, "test_errors._hook_returns_unreduced",
+     ["Fix: return this device's reduced shard as the first value of comm_hook",
+      "it returned an array of shape (8, 28) float32", "has shape (28,)"]),
+    (_StatefulForgetsState(), "StatefulForgetsState()",
+     ["Fix: return (reduced, state) from comm_hook", "it returned an array of shape (28,) float32"]),
+    (_StatefulDropsARow(), "StatefulDropsARow()",
+     ["Fix: return a new state shaped like the one it was given", "got (8, 28)",
+      "returned (7, 28)"]),
+], ids=["stateless", "unreduced", "stateful", "stateful-state"])
+def test_comm_hook_return_value_is_checked(hook, name, words):
+  state, step = _state_and_step(n=8, comm_hook=hook)
+  with pytest.raises(TypeError) as e:
+    step(state, mlp_batch())
+  msg = str(e.value)
+  assert msg.startswith("Fix:"), msg
+  assert name in msg, msg
+  for w in words:
+    assert w in msg, (w, msg)
