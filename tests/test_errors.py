@@ -181,3 +181,46 @@ def test_comm_hook_return_value_is_checked(hook, name, words):
   assert name in msg, msg
   for w in words:
     assert w in msg, (w, msg)
+
+
+# --------------------------------------------------------------------------
+# Integer leaves among the trainable parameters
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig", "flat"])
+def test_integer_trainable_leaf_is_refused_at_init(use_orig_params):
+  params = {"w": jnp.ones((4, 3)), "count": jnp.arange(3, dtype=jnp.int32)}
+  mesh = mesh_for(S.FULL_SHARD, 2)
+  config = fsdp_jax.FSDPConfig(use_orig_params=use_orig_params)
+  with pytest.raises(TypeError) as e:
+    fsdp_jax.init_train_state(params=params, optimizer=optax.adam(1e-2), mesh=mesh,
+                              config=config)
+  msg = str(e.value)
+  assert msg.startswith("Fix: pass requires_grad=jax.tree.map(lambda x: "
+                        "jnp.issubdtype(x.dtype, jnp.inexact), params)"), msg
+  assert "model_state=" in msg and "'count' (int32, shape (3,))" in msg, msg
+  assert "'w'" not in msg
+  # A requires_grad that still marks it trainable: the fix names requires_grad.
+  with pytest.raises(TypeError, match=r"^Fix: set those leaves to False in requires_grad"):
+    fsdp_jax.init_train_state(params=params, optimizer=optax.adam(1e-2), mesh=mesh,
+                              config=config, requires_grad={"w": True, "count": True})
+
+
+def test_integer_leaf_trains_once_frozen_as_the_error_says():
+  params = {"w": jnp.ones((4, 3)), "count": jnp.arange(3, dtype=jnp.int32)}
+  mesh = mesh_for(S.FULL_SHARD, 2)
+  config = fsdp_jax.FSDPConfig(use_orig_params=True)
+  opt = optax.sgd(0.1)
+  state = fsdp_jax.init_train_state(
+      params=params, optimizer=opt, mesh=mesh, config=config,
+      requires_grad=jax.tree.map(lambda x: jnp.issubdtype(x.dtype, jnp.inexact), params))
+
+  def loss(p, b):
+    return jnp.sum(p["w"]) * jnp.mean(b) + jnp.sum(p["count"]).astype(jnp.float32)
+
+  step = fsdp_jax.shard_train_step(loss, opt, mesh=mesh, config=config)
+  state, metrics = step(state, jnp.ones((4, 3)))
+  assert float(metrics["loss"]) == 15.0
+  full = fsdp_jax.full_params(state)
+  np.testing.assert_array_equal(np.asarray(full["count"]), [0, 1, 2])
+  np.testing.assert_allclose(np.asarray(full["w"]), 0.9, rtol=1e-6)
