@@ -295,8 +295,17 @@ class CheckpointManager:
       copied off the devices and writes in a background thread (default).
     read_only: only restore: never save, delete or clean up (for jobs that
       read a directory another job writes, e.g. evaluation).
+    create_parents: a writable manager creates ``directory`` itself but, by
+      default, not its missing parents, so that a mistyped path fails here
+      instead of silently growing a new directory tree; pass True to create
+      them too (``mkdir -p``).
     options: a full ``orbax.checkpoint.CheckpointManagerOptions``; overrides
       the options above.
+
+  Raises:
+    FileNotFoundError: ``directory``'s parent does not exist (and
+      ``create_parents`` is False).
+    NotADirectoryError: ``directory`` or one of its parents is a file.
 
   Example:
     >>> import tempfile, jax, jax.numpy as jnp, optax, fsdp_jax
@@ -318,8 +327,11 @@ class CheckpointManager:
   def __init__(self, directory, *, max_to_keep: Optional[int] = None,
                keep_period: Optional[int] = None, save_interval_steps: int = 1,
                enable_async_checkpointing: bool = True, read_only: bool = False,
+               create_parents: bool = False,
                options: Optional[ocp.CheckpointManagerOptions] = None):
     self.directory = os.path.abspath(os.fspath(directory))
+    if not read_only and (options is None or (options.create and not options.read_only)):
+      _check_creatable(self.directory, create_parents)
     if options is None:
       if read_only:
         options = ocp.CheckpointManagerOptions(read_only=True, create=False,
@@ -418,21 +430,22 @@ class CheckpointManager:
           step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
     except Exception as e:  # orbax raises many types for damaged directories
       raise CheckpointError(
-          f"Cannot read the description ({META_ITEM!r} item) of {where}: "
-          f"{type(e).__name__}: {_short(e)}. The checkpoint is damaged or was not written "
-          f"by fsdp_jax.checkpoint.CheckpointManager. {fix}") from e
+          f"{fix} Cannot read the description ({META_ITEM!r} item) of {where}: the "
+          "checkpoint is damaged or was not written by "
+          f"fsdp_jax.checkpoint.CheckpointManager.{_details(e)}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
       raise CheckpointError(
-          f"{where} is not an fsdp_jax train-state checkpoint (its {META_ITEM!r} item has "
-          f"format {meta.get('format') if isinstance(meta, dict) else type(meta).__name__!r}, "
-          f"expected {FORMAT!r}). {fix}")
+          f"{fix} Not an fsdp_jax train-state checkpoint: {where} has a {META_ITEM!r} "
+          "item of format "
+          f"{meta.get('format') if isinstance(meta, dict) else type(meta).__name__!r}, "
+          f"expected {FORMAT!r}.")
     if meta.get("version", 0) > VERSION:
       raise CheckpointError(
-          f"{where} was written by a newer fsdp_jax (format version {meta['version']} > "
-          f"{VERSION}). Fix: upgrade fsdp_jax.")
+          f"Fix: upgrade fsdp_jax. Written by a newer fsdp_jax: {where} has format "
+          f"version {meta['version']}, this fsdp_jax reads up to {VERSION}.")
     for key in ("params", "opt_state", "fields"):
       if key not in meta:
-        raise CheckpointError(f"The description of {where} has no {key!r} entry. {fix}")
+        raise CheckpointError(f"{fix} The description of {where} has no {key!r} entry.")
     return meta
 
   def _fix(self, step: int) -> str:
@@ -483,15 +496,47 @@ class CheckpointManager:
       restored = restored[STATE_ITEM]
     except Exception as e:
       raise CheckpointError(
-          f"Cannot read the arrays of step {step} of the checkpoint at {self.directory}: "
-          f"{type(e).__name__}: {_short(e)}. The step's files are damaged or incomplete. "
-          f"{self._fix(step)}") from e
+          f"{self._fix(step)} Cannot read the arrays of step {step} of the checkpoint at "
+          f"{self.directory}: the step's files are damaged or incomplete."
+          f"{_details(e)}") from e
     return from_checkpoint_tree(target, restored, meta)
+
+
+def _check_creatable(directory: str, create_parents: bool) -> None:
+  """A writable manager makes ``directory`` but, unless asked, not its
+  parents: a mistyped path must not grow a new tree."""
+  if os.path.isdir(directory):
+    return
+  if os.path.exists(directory):
+    raise NotADirectoryError(
+        f"Fix: pass a directory path (or a new one) to CheckpointManager: "
+        f"{directory} exists and is a file.")
+  parent = os.path.dirname(directory)
+  ancestor = parent
+  while not os.path.exists(ancestor):
+    ancestor = os.path.dirname(ancestor)
+  if not os.path.isdir(ancestor):
+    raise NotADirectoryError(
+        f"Fix: correct the checkpoint path {directory}: its ancestor {ancestor} is a "
+        "file, not a directory.")
+  if ancestor != parent and not create_parents:
+    missing = os.path.relpath(parent, ancestor)
+    raise FileNotFoundError(
+        f"Fix: check the path for a typo, create its parent first "
+        f"(os.makedirs({parent!r})), or pass create_parents=True. CheckpointManager "
+        f"creates {directory} itself but not its missing parents: {parent} does not "
+        f"exist (the nearest existing directory is {ancestor}, so {missing!r} would "
+        "be created too).")
 
 
 def _short(e: BaseException, limit: int = 400) -> str:
   text = " ".join(str(e).split())
   return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _details(e: BaseException) -> str:
+  """The low-level error (e.g. a TensorStore spec), after what to do."""
+  return f"\nDetails: {type(e).__name__}: {_short(e)}"
 
 
 # ---------------------------------------------------------------------------
@@ -606,6 +651,6 @@ def import_params(directory, *, sharding: Optional[jax.sharding.Sharding] = None
   except (FileNotFoundError, TypeError):
     raise
   except Exception as e:
-    raise CheckpointError(f"import_params: cannot read {item}: {type(e).__name__}: "
-                          f"{_short(e)}. The export is damaged or incomplete. Fix: export "
-                          "again.") from e
+    raise CheckpointError(f"Fix: export the parameters again (export_params). "
+                          f"import_params cannot read {item}: the export is damaged or "
+                          f"incomplete.{_details(e)}") from e

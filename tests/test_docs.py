@@ -130,7 +130,7 @@ target_state = jax.eval_shape(lambda: fsdp_jax.init_train_state(
     # A training loop, then a checkpoint restored onto another mesh/strategy.
     "checkpointing.md": dict(
         prelude=_SMALL_RUN,
-        replace={"/ckpt/run1": "{tmp}/ckpt/run1"},
+        replace={"/ckpt/run1": "{tmp}/run1"},
         epilogue="""
 assert int(state.step) == 1, int(state.step)  # saved: the first step only
 assert state.plan.config.sharding_strategy is fsdp_jax.ShardingStrategy.HYBRID_SHARD
