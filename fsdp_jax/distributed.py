@@ -546,11 +546,21 @@ def get_local_rank() -> int:
 
 def shutdown() -> None:
   """Stops the watchdog and ``jax.distributed`` (PyTorch
-  ``destroy_process_group``). Optional: it also happens at exit."""
+  ``destroy_process_group``). Optional: a process that exits normally does
+  it at exit.
+
+  ``jax.distributed.shutdown`` waits at a barrier for every process to shut
+  down (at most ``FSDP_JAX_SHUTDOWN_TIMEOUT`` seconds).
+  """
   global _info, _watchdog
-  if _watchdog is not None:
-    _watchdog.finish()
-    _watchdog.stop()
+  wd = _watchdog
+  if wd is not None:
+    wd.finish()
+    wd.stop()
+    if wd is not threading.current_thread():
+      # Not inside an RPC of the coordination client when it is destroyed:
+      # a daemon thread in native code at interpreter exit aborts the process.
+      wd.join(timeout=2 * wd.interval + 5)
     _watchdog = None
   if _jax_client() is not None:
     jax.distributed.shutdown()
@@ -853,7 +863,17 @@ def _at_exit() -> None:
     except Exception:
       pass
     os._exit(1)
-  wd.finish()
+  # A normal exit: shut down in order while the interpreter is whole. Left
+  # to interpreter teardown, the watchdog thread (or JAX's own threads) could
+  # be inside the coordination client as it is destroyed, which aborted about
+  # one exit in two ("terminate called after throwing an instance of ...").
+  try:
+    shutdown()
+  except Exception as e:  # pragma: no cover - best effort at exit
+    try:
+      sys.stderr.write(f"fsdp_jax.distributed: shutdown at exit failed: {e}\n")
+    except Exception:
+      pass
 
 
 # --------------------------------------------------------------------------
