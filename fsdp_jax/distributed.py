@@ -136,6 +136,9 @@ class DistributedInfo:
       ``"cluster"`` (JAX's SLURM / Open MPI detection), ``"jax"``
       (``jax.distributed.initialize`` had been called directly) or
       ``"single"``.
+    coordinator_bind_address: ``ip:port`` where process 0's coordination
+      service listens (see :func:`default_coordinator_bind_address`), or None when
+      JAX chose (cluster detection: all interfaces) or for one process.
   """
 
   rank: int
@@ -147,6 +150,7 @@ class DistributedInfo:
   platform: str
   devices_per_process: Optional[int]
   source: str
+  coordinator_bind_address: Optional[str] = None
 
   @property
   def is_main_process(self) -> bool:
@@ -259,6 +263,111 @@ def _cluster_local_rank():
   return 0, 1
 
 
+def _split_host_port(address: str) -> tuple[str, int]:
+  """``"host:port"`` / ``"[v6]:port"`` -> ``(host, port)``."""
+  host, sep, port = address.rpartition(":")
+  if not sep or not port.isdigit():
+    raise ValueError(f"Coordinator address {address!r} is not host:port. Fix: pass "
+                     "it as host:port, e.g. 127.0.0.1:29500 or [::1]:29500.")
+  return host.strip("[]"), int(port)
+
+
+def _join_host_port(host: str, port: int) -> str:
+  return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _resolve(host: str) -> Optional[str]:
+  """The address ``host`` resolves to on this machine (IPv4 first), or None."""
+  try:
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+  except OSError:
+    return None
+  v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+  v6 = [i[4][0] for i in infos if i[0] == socket.AF_INET6]
+  return (v4 or v6 or [None])[0]
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+  return ((str(e).strip().splitlines() or [type(e).__name__])[0])[:limit]
+
+
+def _is_loopback(ip: str) -> bool:
+  import ipaddress
+  try:
+    return ipaddress.ip_address(ip.split("%")[0]).is_loopback
+  except ValueError:
+    return False
+
+
+def default_coordinator_bind_address(coordinator_address: str) -> str:
+  """Where process 0's coordination service listens for ``coordinator_address``.
+
+  JAX's default is every interface (``[::]:PORT``), so any host that can
+  reach the machine can talk to the coordination service, which is
+  unauthenticated gRPC. fsdp_jax listens only on the interface of the
+  coordinator's host instead: ``127.0.0.1:PORT`` for a one-machine launch
+  (the launcher's default ``--master-addr``), the address ``--master-addr``
+  resolves to on several machines. ``JAX_COORDINATOR_BIND_ADDRESS``, if set,
+  wins (e.g. ``0.0.0.0:PORT`` behind NAT, where the coordinator's public
+  address is not one of the machine's own).
+
+  Example:
+    >>> from fsdp_jax.distributed import default_coordinator_bind_address
+    >>> default_coordinator_bind_address("127.0.0.1:29500")
+    '127.0.0.1:29500'
+    >>> default_coordinator_bind_address("localhost:29500")
+    '127.0.0.1:29500'
+  """
+  env = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").strip()
+  if env:
+    return env
+  host, port = _split_host_port(coordinator_address)
+  ip = _resolve(host)
+  return _join_host_port(ip if ip is not None else host, port)
+
+
+def port_problem(bind_address: str) -> Optional[str]:
+  """Why a TCP server could not listen on ``bind_address`` now
+  (``"address already in use"``, ...), or None if it could.
+
+  Binds a socket the way gRPC does (``SO_REUSEADDR``, so a port held only by
+  closed connections in TIME_WAIT counts as free) and closes it at once.
+
+  Example:
+    >>> import socket
+    >>> from fsdp_jax.distributed import port_problem
+    >>> with socket.socket() as s:
+    ...   s.bind(("127.0.0.1", 0)); s.listen()
+    ...   busy = f"127.0.0.1:{s.getsockname()[1]}"
+    ...   port_problem(busy)
+    'address already in use'
+  """
+  host, port = _split_host_port(bind_address)
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  try:
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+      sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      sock.bind((host, port))
+  except OSError as e:
+    return (e.strerror or str(e)).lower()
+  return None
+
+
+def _check_bind_address(bind: str, address: str, world: int, local_world: int) -> None:
+  """Refuses a loopback bind address when other machines must connect."""
+  host, _ = _split_host_port(address)
+  bind_host, _ = _split_host_port(bind)
+  if world > local_world and _is_loopback(bind_host) and not _is_loopback(host) \
+      and "JAX_COORDINATOR_BIND_ADDRESS" not in os.environ:
+    raise ValueError(
+        f"Fix: give the coordinator this machine's network address (MASTER_ADDR / "
+        f"--master-addr: its IP, e.g. from `hostname -I`), or set "
+        f"JAX_COORDINATOR_BIND_ADDRESS=0.0.0.0:{_split_host_port(address)[1]} to listen "
+        f"on every interface: the coordinator host {host!r} resolves to {bind_host} on "
+        f"this machine, a loopback address, but {world - local_world} of the {world} "
+        "processes run on other machines and could not reach it.")
+
+
 # --------------------------------------------------------------------------
 # initialize
 
@@ -272,6 +381,7 @@ def initialize(*, coordinator_address: Optional[str] = None,
                peer_timeout: Optional[float] = None,
                initialization_timeout: Optional[int] = None,
                cluster_detection_method: Optional[str] = None,
+               coordinator_bind_address: Optional[str] = None,
                watchdog: bool = True) -> DistributedInfo:
   """Sets up this process for single- or multi-process training.
 
@@ -320,6 +430,11 @@ def initialize(*, coordinator_address: Optional[str] = None,
       (default ``FSDP_JAX_INIT_TIMEOUT``, else 300).
     cluster_detection_method: passed to ``jax.distributed.initialize`` for
       case 3 (e.g. ``"mpi4py"``).
+    coordinator_bind_address: ``ip:port`` where process 0's coordination
+      service listens (cases 1 and 2). Default: ``JAX_COORDINATOR_BIND_ADDRESS``,
+      else only the interface of the coordinator's host (see
+      :func:`default_coordinator_bind_address`), not JAX's every interface. In case 3
+      JAX decides (every interface unless ``JAX_COORDINATOR_BIND_ADDRESS``).
     watchdog: start the heartbeat watchdog (multi-process only).
 
   Returns:
@@ -459,20 +574,36 @@ def initialize(*, coordinator_address: Optional[str] = None,
                   local_device_ids=local_device_ids)
     else:
       what = f"the coordinator at {address}"
+      bind = coordinator_bind_address or default_coordinator_bind_address(address)
+      if rank == 0:
+        _check_bind_address(bind, address, world, local_world)
       # "deactivate": the launcher's ranks win over a surrounding SLURM/MPI
       # job (whose variables would otherwise also pick the visible GPUs).
       args = dict(coordinator_address=address, num_processes=world, process_id=rank,
                   local_device_ids=local_device_ids,
-                  cluster_detection_method="deactivate")
+                  cluster_detection_method="deactivate", coordinator_bind_address=bind)
+    started = time.monotonic()
     try:
       jax.distributed.initialize(**args, **kwargs)
     except Exception as e:
+      waited = time.monotonic() - started
+      bind = args.get("coordinator_bind_address")
+      problem = port_problem(bind) if rank == 0 and bind else None
+      if rank == 0 and bind and ("rpc server" in str(e).lower() or problem):
+        port = _split_host_port(bind)[1]
+        raise RuntimeError(
+            f"Fix: choose another port (python -m fsdp_jax.launch --master-port P, or "
+            f"leave --master-port out to get a free one; or MASTER_PORT / "
+            f"JAX_COORDINATOR_ADDRESS), or stop the process that holds it (`ss -ltnp "
+            f"'sport = :{port}'` names it). Process 0 could not start JAX's coordination "
+            f"service on {bind}: {problem or 'the port cannot be listened on'} (JAX: "
+            f"{_first_line(e)}).") from None
       raise RuntimeError(
-          f"fsdp_jax.distributed.initialize(): process {rank} of {world} could "
-          f"not join {what} within {initialization_timeout} s: {e}\nFix: start "
-          "all processes (python -m fsdp_jax.launch does), check that process 0 "
-          "can listen on that port and the others can reach it, or raise "
-          "FSDP_JAX_INIT_TIMEOUT.") from e
+          f"Fix: start all processes (python -m fsdp_jax.launch does), check that "
+          f"process 0 can listen on {address} and the others can reach it, or raise "
+          f"FSDP_JAX_INIT_TIMEOUT (now {initialization_timeout} s). "
+          f"fsdp_jax.distributed.initialize(): process {rank} of {world} could not "
+          f"join {what} (gave up after {waited:.0f} s): {_first_line(e)}") from e
     from jax._src import distributed as jax_distributed
     state = jax_distributed.global_state
     rank, world, address = state.process_id, state.num_processes, state.coordinator_address
@@ -481,7 +612,10 @@ def initialize(*, coordinator_address: Optional[str] = None,
                           local_world_size=local_world, node_rank=node_rank,
                           coordinator_address=address if world > 1 else None,
                           platform=platform, devices_per_process=devices_per_process,
-                          source=source)
+                          source=source,
+                          coordinator_bind_address=(
+                              args.get("coordinator_bind_address")
+                              if world > 1 and source != "cluster" else None))
   if world > 1:
     _publish_info(_info)
     if watchdog:

@@ -460,6 +460,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      master_port=port, devices_per_proc=devices, platform=platform,
                      peer_timeout=args.peer_timeout)
           for i, r in enumerate(ranks)]
+  if args.node_rank == 0:
+    # Process 0 runs here: check now that its coordinator can listen, rather
+    # than have the worker fail with gRPC's "Failed to start RPC server".
+    address = envs[0]["JAX_COORDINATOR_ADDRESS"]
+    bind = distributed.default_coordinator_bind_address(address)
+    try:
+      distributed._check_bind_address(bind, address, world, args.nproc)
+    except ValueError as e:
+      parser.error(str(e))
+    problem = distributed.port_problem(bind)
+    if problem:
+      how = ("pass another --master-port (the same on every machine)" if args.nnodes > 1
+             else "pass another --master-port, or leave it out to get a free port")
+      parser.error(
+          f"Fix: {how}, or stop the process that holds it (`ss -ltnp 'sport = :{port}'` "
+          f"names it). --master-port {port}: the coordinator cannot listen on {bind}: "
+          f"{problem}.")
   cmd = [sys.executable]
   cmd += ["-m", args.script] if args.module else [args.script]
   cmd += list(args.script_args)

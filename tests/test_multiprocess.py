@@ -9,7 +9,9 @@
   which exits with fsdp_jax.distributed.EXIT_PEER_LOST in well under 60 s.
 * monitored_barrier names the process that did not arrive.
 * The launcher: --help, argument errors, environment, exit codes, stopping
-  the other workers when one fails.
+  the other workers when one fails, a busy --master-port.
+* Who can reach the job: the coordination service listens on loopback only
+  for a one-machine launch, on the interface of --master-addr otherwise.
 
 Every subprocess runs under a hard timeout and is killed (with its process
 group) on the way out; workers also die with their parent (PR_SET_PDEATHSIG).
@@ -17,9 +19,11 @@ group) on the way out; workers also die with their parent (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -518,3 +522,173 @@ def test_sync_module_states_starts_every_process_from_process_0(tmp_path):
   # Without the option, the processes' different host values are not
   # reconciled: process 1's own model state stays on its devices.
   assert seen[1]["False"]["stat"] == [1.0, 1.0, 1.0]
+
+
+# --------------------------------------------------------------------------
+# A busy --master-port, and who can reach the coordinator
+
+
+def test_launcher_refuses_busy_master_port(capsys):
+  with socket.socket() as squatter:
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    port = squatter.getsockname()[1]
+    with pytest.raises(SystemExit) as e:
+      launch.main(["--nproc", "2", "--master-port", str(port), WORKER])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert f"error: Fix: pass another --master-port, or leave it out to get a free port" in err
+  assert f"--master-port {port}: the coordinator cannot listen on 127.0.0.1:{port}: " \
+         "address already in use" in err, err
+
+
+def test_worker_names_busy_coordinator_port(tmp_path):
+  """Started without the launcher's check: process 0 says 'address already
+  in use' with the fix, at once, instead of JAX's 'Failed to start RPC
+  server' under a claim of a 300 s wait."""
+  script = _script(tmp_path, """
+      from fsdp_jax import distributed
+      distributed.initialize()
+  """)
+  with socket.socket() as squatter:
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    port = squatter.getsockname()[1]
+    env = worker_env(rank=0, world_size=2, local_rank=0, local_world_size=2,
+                     master_addr="127.0.0.1", master_port=port, devices_per_proc=1,
+                     platform="cpu", base=_env())
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+                          timeout=120)
+    took = time.monotonic() - start
+  assert proc.returncode == 1
+  err = proc.stderr
+  assert re.search(r"RuntimeError: Fix: choose another port .* Process 0 could not start "
+                   rf"JAX's coordination service on 127\.0\.0\.1:{port}: address already in use",
+                   err), err
+  assert "300 s" not in err and "raise FSDP_JAX_INIT_TIMEOUT" not in err, err
+  assert "The above exception was the direct cause" not in err  # no JAX traceback
+  assert took < 60
+
+
+def _local_ipv4() -> list[str]:
+  """This machine's own IPv4 addresses other than loopback (Linux)."""
+  try:
+    lines = Path("/proc/net/fib_trie").read_text().splitlines()
+  except OSError:
+    return []
+  out = []
+  for prev, line in zip(lines, lines[1:]):
+    if "/32 host LOCAL" in line:
+      ip = prev.split()[-1]
+      if not ipaddress.ip_address(ip).is_loopback and ip not in out:
+        out.append(ip)
+  return out
+
+
+def listening_sockets(pids) -> list[tuple[int, str, int]]:
+  """``(pid, ip, port)`` of every TCP socket in LISTEN state owned by
+  ``pids``, from /proc/net/tcp and tcp6 (IPv4-mapped IPv6 shown as IPv4)."""
+  owner = {}
+  for pid in pids:
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+      try:
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+      except OSError:
+        continue
+      if target.startswith("socket:["):
+        owner[target[len("socket:["):-1]] = pid
+  out = []
+  for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+    for line in Path(table).read_text().splitlines()[1:]:
+      fields = line.split()
+      local, state, inode = fields[1], fields[3], fields[9]
+      if state != "0A" or inode not in owner:  # 0A: LISTEN
+        continue
+      hex_ip, hex_port = local.split(":")
+      raw = bytes.fromhex(hex_ip)
+      # The kernel prints the address as 32-bit words in host (little-endian) order.
+      raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+      ip = ipaddress.ip_address(raw)
+      if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+      out.append((owner[inode], str(ip), int(hex_port, 16)))
+  return out
+
+
+@pytest.mark.parametrize("where", ["one-machine", "master-addr"])
+def test_coordinator_listens_only_where_it_must(tmp_path, where):
+  """A one-machine launch: JAX's coordination service (unauthenticated gRPC)
+  listens on 127.0.0.1 only, not on every interface as JAX's default
+  ``[::]:PORT`` would. With --master-addr set to one of this machine's
+  network addresses: on that address only."""
+  extra = []
+  expect = "127.0.0.1"
+  if where == "master-addr":
+    lan = _local_ipv4()
+    if not lan:
+      pytest.skip("this machine has no IPv4 address besides loopback")
+    expect = lan[0]
+    extra = ["--master-addr", expect]
+  go = tmp_path / "go"
+  script = _script(tmp_path, f"""
+      import json, os, time
+      from fsdp_jax import distributed
+      info = distributed.initialize()
+      import jax.numpy as jnp
+      from jax.experimental import multihost_utils
+      multihost_utils.process_allgather(jnp.ones(()))  # gloo connects its pairs
+      print("READY", json.dumps(dict(pid=os.getpid(), rank=info.rank,
+                                     address=info.coordinator_address,
+                                     bind=info.coordinator_bind_address)), flush=True)
+      deadline = time.monotonic() + 60
+      while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+      distributed.shutdown()
+  """)
+  log = tmp_path / "launcher.log"
+  run = _Background(_launcher("--nproc", "2", "--devices-per-proc", "1", "--platform", "cpu",
+                              *extra, script), log, timeout=120)
+  try:
+    ready = {}
+    deadline = time.monotonic() + 90
+    while len(ready) < 2 and time.monotonic() < deadline and run.proc.poll() is None:
+      for m in re.finditer(r"^READY (.*)$", run.output(), re.M):
+        seen = json.loads(m.group(1))
+        ready[seen["rank"]] = seen
+      time.sleep(0.1)
+    assert len(ready) == 2, run.output()[-3000:]
+    port = int(ready[0]["address"].rsplit(":", 1)[1])
+    assert ready[0]["address"] == f"{expect}:{port}"
+    assert ready[0]["bind"] == f"{expect}:{port}"
+    sockets = listening_sockets([ready[0]["pid"], ready[1]["pid"]])
+  finally:
+    go.write_text("")
+  assert run.wait() == 0, run.output()[-3000:]
+  on_port = [(pid, ip) for pid, ip, p in sockets if p == port]
+  assert on_port == [(ready[0]["pid"], expect)], (port, sockets)
+  # Nothing of the job listens on every interface (gloo, CPU collectives,
+  # listens on the address of this machine's host name).
+  host_ip = socket.gethostbyname(socket.gethostname())
+  for pid, ip, p in sockets:
+    assert ip not in ("0.0.0.0", "::"), sockets
+    assert ip in (expect, host_ip, "127.0.0.1"), sockets
+  print(f"\nlistening: {sockets}")
+
+
+def test_bind_address_rules(monkeypatch):
+  monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
+  assert distributed.default_coordinator_bind_address("localhost:29500") == "127.0.0.1:29500"
+  assert distributed.default_coordinator_bind_address("[::1]:29500") == "[::1]:29500"
+  # A host name that resolves to loopback (Debian maps the host name to
+  # 127.0.1.1) while other machines must connect: refused with the fix.
+  with pytest.raises(ValueError, match=(
+      r"^Fix: give the coordinator this machine's network address .* 'node0' resolves to "
+      r"127\.0\.1\.1 on this machine, a loopback address, but 2 of the 4 processes run on "
+      r"other machines")):
+    distributed._check_bind_address("127.0.1.1:29500", "node0:29500", 4, 2)
+  distributed._check_bind_address("127.0.1.1:29500", "node0:29500", 2, 2)  # one machine
+  distributed._check_bind_address("127.0.0.1:29500", "127.0.0.1:29500", 4, 2)  # meant
+  monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "0.0.0.0:29500")
+  assert distributed.default_coordinator_bind_address("node0:29500") == "0.0.0.0:29500"
+  distributed._check_bind_address("127.0.1.1:29500", "node0:29500", 4, 2)  # user's choice
