@@ -369,7 +369,7 @@ class CheckpointManager:
 
   # -- save -------------------------------------------------------------------
   def save(self, state: ShardedTrainState, *, force: bool = False,
-           metrics: Optional[dict] = None) -> bool:
+           metrics: Optional[dict] = None, data_state: Optional[dict] = None) -> bool:
     """Saves ``state`` as step ``int(state.step)``; returns whether it did.
 
     Honors ``save_interval_steps`` unless ``force``. With async
@@ -377,12 +377,23 @@ class CheckpointManager:
     train step may donate ``state`` right away) are off the devices; call
     :meth:`wait_until_finished` to block. ``metrics`` go to orbax's
     ``best_fn`` retention, if configured.
+
+    ``data_state`` is the input pipeline's position (a JSON-serialisable
+    dict, e.g. ``{"epoch": 3, "batch": 1200}``), saved in the same commit as
+    the arrays and read back with :meth:`data_state`, so a resumed run feeds
+    the batches the uninterrupted run would have. Process 0 writes it: pass
+    the same value on every process (a global position, from which each
+    process derives its own part).
     """
     sd._require_state(state, "CheckpointManager.save")
+    if data_state is not None:
+      data_state = _check_data_state(data_state)
     step = int(jax.device_get(state.step))
     if not force and not self.manager.should_save(step):
       return False
     tree, meta = checkpoint_tree(state)
+    if data_state is not None:
+      meta["data_state"] = data_state
     if step in self.manager.all_steps():
       raise ValueError(
           f"CheckpointManager.save: step {step} is already saved in {self.directory}. "
@@ -421,6 +432,24 @@ class CheckpointManager:
     self.wait_until_finished()
     step = self._choose_step(step)
     return self._read_meta(step)
+
+  def data_state(self, step: Optional[int] = None) -> Optional[dict]:
+    """The ``data_state`` saved with ``step`` (default: the latest), or None
+    if that save had none.
+
+    Example:
+      >>> import tempfile, jax, jax.numpy as jnp, optax, fsdp_jax
+      >>> from fsdp_jax.checkpoint import CheckpointManager
+      >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+      >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones(4)},
+      ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+      >>> with CheckpointManager(tempfile.mkdtemp()) as mngr:
+      ...   mngr.save(state, data_state={"epoch": 0, "batch": 17})
+      ...   mngr.data_state()
+      True
+      {'epoch': 0, 'batch': 17}
+    """
+    return self.metadata(step).get("data_state")
 
   def _read_meta(self, step: int) -> dict:
     where = f"step {step} of the checkpoint at {self.directory}"
@@ -500,6 +529,22 @@ class CheckpointManager:
           f"{self.directory}: the step's files are damaged or incomplete."
           f"{_details(e)}") from e
     return from_checkpoint_tree(target, restored, meta)
+
+
+def _check_data_state(data_state) -> dict:
+  """A JSON round trip of ``data_state`` (what :meth:`data_state` returns)."""
+  import json
+  if not isinstance(data_state, dict):
+    raise TypeError(
+        f"Fix: pass data_state as a dict, e.g. {{'position': 1200}}: got a "
+        f"{type(data_state).__name__}.")
+  try:
+    return json.loads(json.dumps(data_state, allow_nan=False))
+  except (TypeError, ValueError) as e:
+    raise TypeError(
+        "Fix: give data_state plain JSON values (int, float, str, bool, None, lists, "
+        "dicts with str keys; e.g. int(x) for a NumPy or JAX integer): "
+        f"{e}.") from None
 
 
 def _check_creatable(directory: str, create_parents: bool) -> None:
