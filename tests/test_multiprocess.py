@@ -23,6 +23,7 @@ import ipaddress
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -361,6 +362,8 @@ def test_launcher_help(capsys):
     (["--nproc", "2", "--master-port", "70000", WORKER], "not a TCP port"),
     (["--nproc", "2", "--peer-timeout", "-1", WORKER], "--peer-timeout must be positive"),
     (["--nproc", "2", "--platform", "tpu", WORKER], "invalid choice: 'tpu'"),
+    (["--nproc", "2", "--max-restarts", "-1", WORKER], "--max-restarts must be 0 or more"),
+    (["--nproc", "2", "--term-timeout", "0", WORKER], "--term-timeout must be positive"),
 ])
 def test_launcher_rejects_bad_arguments(capsys, argv, message):
   with pytest.raises(SystemExit) as e:
@@ -424,6 +427,83 @@ def test_launcher_stops_others_and_forwards_failure(tmp_path, how, expected_stat
                    "failed first", proc.stderr), proc.stderr
   assert re.search(r"stopped the other workers: RANK=0 \(killed by signal SIGTERM \(15\)\), "
                    r"RANK=2 \(killed by signal SIGTERM \(15\)\)", proc.stderr), proc.stderr
+
+
+def test_launcher_max_restarts(tmp_path):
+  """--max-restarts K: after a worker fails, all workers start again (with
+  FSDP_JAX_RESTART_COUNT and a fresh coordinator port), up to K times; the
+  logs of every start follow each other."""
+  script = _script(tmp_path, """
+      import os, sys, time
+      n = int(os.environ["FSDP_JAX_RESTART_COUNT"])
+      print(f"start {n} of max {os.environ['FSDP_JAX_MAX_RESTARTS']} rank {os.environ['RANK']} "
+            f"port {os.environ['MASTER_PORT']}", flush=True)
+      if n < 2 and os.environ["RANK"] == "1":
+          sys.exit(3)
+      time.sleep(0 if n >= 2 else 60)  # rank 0 runs on until stopped
+  """)
+  logs = tmp_path / "logs"
+  proc = subprocess.run(_launcher("--nproc", "2", "--max-restarts", "2", "--kill-grace", "2",
+                                  "--log-dir", str(logs), script),
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=90)
+  assert proc.returncode == 0, proc.stderr
+  assert re.findall(r"restarting all 2 worker\(s\) \(restart (\d) of 2\)", proc.stderr) == \
+      ["1", "2"], proc.stderr
+  assert "worker RANK=1 (LOCAL_RANK=1, pid" in proc.stderr and "exit code 3 failed first" \
+      in proc.stderr
+  log0 = (logs / "rank0.log").read_text()
+  starts = re.findall(r"start (\d) of max 2 rank 0 port (\d+)", log0)
+  assert [n for n, _ in starts] == ["0", "1", "2"], log0
+  assert len({p for _, p in starts}) == 3, starts  # a fresh port each time
+  assert "==== fsdp_jax.launch: restart 2 of 2 ====" in log0
+  # One restart fewer than needed: the failure's status, and why.
+  proc = subprocess.run(_launcher("--nproc", "2", "--max-restarts", "1", "--kill-grace", "2",
+                                  script),
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=90)
+  assert proc.returncode == 3, proc.stderr
+  assert "no restarts left (--max-restarts 1 used up). Exiting with status 3." in proc.stderr
+
+
+@pytest.mark.parametrize("how, expected, words", [
+    # Workers that save and exit 75 on SIGTERM: the launcher asks to be
+    # restarted, and does not restart them itself (its machine goes away).
+    ("sys.exit(75)", 75, "RANK=0 exit code 75; RANK=1 exit code 75. Exiting with status 75 "
+                         "(the workers saved and stopped: restart the job to resume)"),
+    # Workers that ignore SIGTERM: killed after --term-timeout.
+    ("time.sleep(120)", 128 + 15, "killing the workers still running after 2 s"),
+])
+def test_launcher_forwards_sigterm(tmp_path, how, expected, words):
+  script = _script(tmp_path, f"""
+      import os, signal, sys, time
+      def on_term(signum, frame):
+          print("worker got SIGTERM", flush=True)
+          {how}
+      signal.signal(signal.SIGTERM, on_term)
+      open(os.path.join(os.path.dirname(__file__), "up" + os.environ["RANK"]), "w").close()
+      time.sleep(60)
+  """)
+  proc = subprocess.Popen(_launcher("--nproc", "2", "--max-restarts", "3", "--term-timeout", "2",
+                                    script),
+                          cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+  try:
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"up{r}").exists() for r in (0, 1)):
+      assert time.monotonic() < deadline and proc.poll() is None
+      time.sleep(0.05)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - start
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, 9)
+  assert proc.returncode == expected, err
+  assert out.count("worker got SIGTERM") == 2, out
+  assert "got SIGTERM; forwarded it to the workers (up to 2 s to exit" in err, err
+  assert words in err, err
+  assert "restarting" not in err
+  assert took < 20
 
 
 def test_exit_without_shutdown_is_clean(tmp_path):
