@@ -592,22 +592,31 @@ def initialize(*, coordinator_address: Optional[str] = None,
       args = dict(coordinator_address=address, num_processes=world, process_id=rank,
                   local_device_ids=local_device_ids,
                   cluster_detection_method="deactivate", coordinator_bind_address=bind)
+    bind = args.get("coordinator_bind_address")
+
+    def port_error(problem: str, jax_error: str = "") -> RuntimeError:
+      port = _split_host_port(bind)[1]
+      return RuntimeError(
+          f"Fix: choose another port (python -m fsdp_jax.launch --master-port P, or "
+          f"leave --master-port out to get a free one; or MASTER_PORT / "
+          f"JAX_COORDINATOR_ADDRESS), or stop the process that holds it (`ss -ltnp "
+          f"'sport = :{port}'` names it). Process 0 could not start JAX's coordination "
+          f"service on {bind}: {problem}" + (f" (JAX: {jax_error})." if jax_error else "."))
+
+    if rank == 0 and bind:
+      # Checked first: JAX 0.10 sometimes segfaults when its service cannot bind.
+      problem = port_problem(bind)
+      if problem:
+        raise port_error(problem)
     started = time.monotonic()
     try:
       jax.distributed.initialize(**args, **kwargs)
     except Exception as e:
       waited = time.monotonic() - started
-      bind = args.get("coordinator_bind_address")
       problem = port_problem(bind) if rank == 0 and bind else None
       if rank == 0 and bind and ("rpc server" in str(e).lower() or problem):
-        port = _split_host_port(bind)[1]
-        raise RuntimeError(
-            f"Fix: choose another port (python -m fsdp_jax.launch --master-port P, or "
-            f"leave --master-port out to get a free one; or MASTER_PORT / "
-            f"JAX_COORDINATOR_ADDRESS), or stop the process that holds it (`ss -ltnp "
-            f"'sport = :{port}'` names it). Process 0 could not start JAX's coordination "
-            f"service on {bind}: {problem or 'the port cannot be listened on'} (JAX: "
-            f"{_first_line(e)}).") from None
+        raise port_error(problem or "the port cannot be listened on",
+                         _first_line(e)) from None
       raise RuntimeError(
           f"Fix: start all processes (python -m fsdp_jax.launch does), check that "
           f"process 0 can listen on {address} and the others can reach it, or raise "
