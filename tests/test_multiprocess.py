@@ -506,6 +506,47 @@ def test_launcher_forwards_sigterm(tmp_path, how, expected, words):
   assert took < 20
 
 
+def _alive(pid: int) -> bool:
+  """Running (a zombie waiting to be reaped counts as dead)."""
+  try:
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):
+    return False
+  return state not in ("Z", "X")
+
+
+def test_workers_die_with_the_launcher(tmp_path):
+  """SIGKILL to the launcher (no chance to stop anything): the kernel kills
+  every worker (PR_SET_PDEATHSIG), so none is left running orphaned."""
+  script = _script(tmp_path, """
+      import os, time
+      with open(os.path.join(os.path.dirname(__file__), "pid" + os.environ["RANK"]), "w") as f:
+          f.write(str(os.getpid()))
+      time.sleep(120)
+  """)
+  proc = subprocess.Popen(_launcher("--nproc", "2", script), cwd=REPO, env=_env(),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          start_new_session=True)
+  pids = []
+  try:
+    deadline = time.monotonic() + 30
+    while len(pids) < 2:
+      assert time.monotonic() < deadline and proc.poll() is None
+      pids = [int(p.read_text()) for p in sorted(tmp_path.glob("pid[01]")) if p.read_text()]
+      time.sleep(0.05)
+    assert all(_alive(p) for p in pids)
+    proc.kill()  # the launcher only: the workers run in their own sessions
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), pids
+  finally:
+    for p in pids:
+      if _alive(p):
+        os.kill(p, 9)
+
+
 def test_exit_without_shutdown_is_clean(tmp_path):
   """A script that never calls distributed.shutdown() exits 0: the watchdog
   and jax.distributed are shut down at exit, in order (left to interpreter
