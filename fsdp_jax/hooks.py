@@ -124,7 +124,7 @@ def check_hook(hook) -> None:
                     "method returning its initial state.")
 
 
-def hook_name(hook) -> str:
+def _hook_name(hook) -> str:
   """How messages name a hook: its qualified name, else its repr."""
   name = getattr(hook, "__qualname__", None)
   if isinstance(name, str):  # a function (instances of hook classes have none)
@@ -161,7 +161,7 @@ def call_hook(hook, state, grad, spec: GatherSpec):
     TypeError: Fix: return (reduced, state) from comm_hook ...forgot_the_state: ...
   """
   out = hook(state, grad, spec)
-  name = hook_name(hook)
+  name = _hook_name(hook)
   expected = tuple(grad.shape[:-2]) + tuple(grad.shape[-1:])
   example = ("  def my_hook(state, grad, spec):\n"
              "    reduced = fsdp_jax.collectives.reduce_gradient(grad, spec)\n"
