@@ -277,8 +277,8 @@ def _split_host_port(address: str) -> tuple[str, int]:
   """``"host:port"`` / ``"[v6]:port"`` -> ``(host, port)``."""
   host, sep, port = address.rpartition(":")
   if not sep or not port.isdigit():
-    raise ValueError(f"Coordinator address {address!r} is not host:port. Fix: pass "
-                     "it as host:port, e.g. 127.0.0.1:29500 or [::1]:29500.")
+    raise ValueError(f"Fix: give the coordinator address as host:port, e.g. "
+                     f"127.0.0.1:29500 or [::1]:29500: got {address!r}.")
   return host.strip("[]"), int(port)
 
 
