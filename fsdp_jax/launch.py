@@ -559,6 +559,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"used up). Exiting with status {exit_status(failure.returncode)}.",
                 file=sys.stderr, flush=True)
         return exit_status(failure.returncode)
+      if received:  # a signal came while the workers were being stopped
+        print(f"fsdp_jax.launch: got {signal.Signals(received[0]).name} before the "
+              f"restart; not restarting. Exiting with status {distributed.EXIT_RESTART} "
+              "(restart the job to resume from its latest checkpoint).",
+              file=sys.stderr, flush=True)
+        return distributed.EXIT_RESTART
       restart += 1
       print(f"fsdp_jax.launch: restarting all {args.nproc} worker(s) (restart {restart} of "
             f"{args.max_restarts}); the script resumes from its latest checkpoint.",
