@@ -559,19 +559,21 @@ def test_exit_without_shutdown_is_clean(tmp_path):
       from jax.experimental import multihost_utils
       print("sum", float(multihost_utils.process_allgather(jnp.ones(())).sum()), flush=True)
   """)
-  procs = [subprocess.Popen(_launcher("--nproc", "2", "--platform", "cpu", script),
+  procs = [subprocess.Popen(_launcher("--nproc", "2", "--platform", "cpu", "--log-dir",
+                                      str(tmp_path / f"logs{i}"), script),
                             cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-           for _ in range(4)]
+           for i in range(4)]
   try:
     outs = [p.communicate(timeout=120)[0] for p in procs]
   finally:
     for p in procs:
       if p.poll() is None:
         os.killpg(p.pid, 9)
-  for p, out in zip(procs, outs):
-    assert p.returncode == 0, out[-3000:]
-    assert out.count("sum 2.0") == 2, out[-3000:]
+  for i, (p, out) in enumerate(zip(procs, outs)):
+    logs = [(tmp_path / f"logs{i}" / f"rank{r}.log").read_text() for r in (0, 1)]
+    assert p.returncode == 0, (out[-3000:], logs)
+    assert all("sum 2.0" in log for log in logs), logs
 
 
 def test_launcher_success_module_mode_and_log_dir(tmp_path):
