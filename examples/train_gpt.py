@@ -18,11 +18,22 @@ every sharding strategy can be tried on a laptop:
 
 Checkpoints (orbax, through ``fsdp_jax.CheckpointManager``) and resuming a
 run that was interrupted (keep ``--steps``: the learning-rate schedule
-depends on it; the batches depend only on the step, so the resumed run
-continues exactly like an uninterrupted one):
+depends on it). A checkpoint holds the train state and the data position
+(the number of the next global batch), so the resumed run continues exactly
+like an uninterrupted one:
 
     python examples/train_gpt.py --steps 200 --checkpoint-dir /tmp/gpt --save-every 50
     python examples/train_gpt.py --steps 200 --checkpoint-dir /tmp/gpt --resume
+
+With ``--checkpoint-dir`` a SIGTERM (preemption: SLURM, Kubernetes, a cloud
+spot instance, or ``kill``) does not lose the steps since the last
+checkpoint: every process finishes its step, they all stop after the same
+one, save it, and exit with status 75 ("restart me"). Run with ``--resume``
+from the start and the job can be restarted as often as needed, by the
+launcher after a failure (``--max-restarts``) or by the scheduler:
+
+    python -m fsdp_jax.launch --nproc 2 --devices-per-proc 4 --platform cpu \\
+        --max-restarts 3 examples/train_gpt.py --checkpoint-dir /tmp/gpt --resume
 
 Several processes (like ``torchrun``), here 2 processes x 4 simulated CPU
 devices; each process feeds its own half of every global batch and only
@@ -495,15 +506,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "first 16 characters of --text)")
   c = p.add_argument_group("checkpoints")
   c.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                 help="save the train state here with fsdp_jax.CheckpointManager "
-                      "(every --save-every steps and at the end)")
+                 help="save the train state and the data position here with "
+                      "fsdp_jax.CheckpointManager (every --save-every steps, at the end, "
+                      "and on SIGTERM, which then exits with status 75)")
   c.add_argument("--save-every", type=int, default=100, metavar="N",
                  help="checkpoint every N steps (and at the last step)")
   c.add_argument("--keep", type=int, default=3,
                  help="number of checkpoints to keep (max_to_keep)")
   c.add_argument("--resume", action="store_true",
                  help="restore the latest checkpoint in --checkpoint-dir and continue "
-                      "from its step up to --steps (starts from scratch if there is none)")
+                      "from its step and data position up to --steps (starts from "
+                      "scratch if there is none, so it is safe to pass on every start)")
   args = p.parse_args(argv)
   if args.d_model % args.heads:
     p.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
@@ -594,7 +607,11 @@ def main(argv=None) -> dict:
   if args.checkpoint_dir is not None:
     # Every process opens the same directory; orbax coordinates the writes.
     manager = fsdp_jax.CheckpointManager(args.checkpoint_dir, max_to_keep=args.keep)
+    # SIGTERM (preemption) now stops the loop below at a step every process
+    # agrees on, instead of killing the job: see should_stop() there.
+    fsdp_jax.distributed.handle_preemption()
   state = None
+  next_batch = 1  # the data position: the number of the next global batch
   t0 = time.perf_counter()
   if args.resume:
     latest = manager.latest_step()
@@ -604,10 +621,12 @@ def main(argv=None) -> dict:
       # The target only gives the plan and tree structure: build it abstractly
       # (jax.eval_shape allocates and initialises nothing), then restore.
       # The checkpoint may come from another mesh, strategy or layout.
-      state = manager.restore(jax.eval_shape(build_state))
+      state = manager.restore(jax.eval_shape(build_state), step=latest)
+      data_state = manager.data_state(latest)  # saved with the state, below
+      next_batch = data_state["next_batch"] if data_state else latest + 1
       saved = manager.metadata(latest)["saved_with"]
-      say(f"resumed from step {latest} in {manager.directory} (saved with "
-          f"{saved['sharding_strategy']}, mesh {saved['mesh']}, "
+      say(f"resumed from step {latest} in {manager.directory}, next batch {next_batch} "
+          f"(saved with {saved['sharding_strategy']}, mesh {saved['mesh']}, "
           f"{saved['process_count']} process(es))")
   if state is None:
     state = build_state()
@@ -666,8 +685,9 @@ def main(argv=None) -> dict:
          if use_bar else None)
   t_start = time.perf_counter()
   for step in (bar if bar is not None else steps):
-    local = data.batch(args.batch_size, args.seq_len, step=step, process=rank,
+    local = data.batch(args.batch_size, args.seq_len, step=next_batch, process=rank,
                        num_processes=nproc)  # this process's rows
+    next_batch += 1
     batch = place_batch(local, batch_sharding)
     t_step = time.perf_counter()
     state, metrics = train_step(state, batch)  # the old state is donated
@@ -694,10 +714,24 @@ def main(argv=None) -> dict:
       if compiling:
         line += "  (first step: includes compilation)"
       say(line)
-    if manager is not None and (step % args.save_every == 0 or step == args.steps):
-      # Async: returns once the arrays are copied off the devices.
-      if manager.save(state):
+    if manager is None:
+      continue
+    # True on every process after the same step once a SIGTERM reached any.
+    stop = fsdp_jax.distributed.should_stop(step)
+    if step % args.save_every == 0 or step == args.steps or stop:
+      # Async: returns once the arrays are copied off the devices. The data
+      # position goes into the same checkpoint.
+      if manager.save(state, force=stop, data_state={"next_batch": next_batch}):
         saved_steps.append(step)
+    if stop:
+      manager.wait_until_finished()
+      manager.close()
+      if bar is not None:
+        bar.close()
+      say(f"preempted (SIGTERM): saved step {step} in {manager.directory}; exiting with "
+          f"status {fsdp_jax.distributed.EXIT_RESTART} so that the job is restarted "
+          "(run it with --resume)")
+      sys.exit(fsdp_jax.distributed.EXIT_RESTART)
   if bar is not None:
     bar.close()
   t_end = time.perf_counter()

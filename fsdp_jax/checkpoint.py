@@ -298,8 +298,17 @@ class CheckpointManager:
       copied off the devices and writes in a background thread (default).
     read_only: only restore: never save, delete or clean up (for jobs that
       read a directory another job writes, e.g. evaluation).
+    create_parents: a writable manager creates ``directory`` itself but, by
+      default, not its missing parents, so that a mistyped path fails here
+      instead of silently growing a new directory tree; pass True to create
+      them too (``mkdir -p``).
     options: a full ``orbax.checkpoint.CheckpointManagerOptions``; overrides
       the options above.
+
+  Raises:
+    FileNotFoundError: ``directory``'s parent does not exist (and
+      ``create_parents`` is False).
+    NotADirectoryError: ``directory`` or one of its parents is a file.
 
   Example:
     >>> import tempfile, jax, jax.numpy as jnp, optax, fsdp_jax
@@ -321,8 +330,11 @@ class CheckpointManager:
   def __init__(self, directory, *, max_to_keep: Optional[int] = None,
                keep_period: Optional[int] = None, save_interval_steps: int = 1,
                enable_async_checkpointing: bool = True, read_only: bool = False,
+               create_parents: bool = False,
                options: Optional[ocp.CheckpointManagerOptions] = None):
     self.directory = os.path.abspath(os.fspath(directory))
+    if not read_only and (options is None or (options.create and not options.read_only)):
+      _check_creatable(self.directory, create_parents)
     if options is None:
       if read_only:
         options = ocp.CheckpointManagerOptions(read_only=True, create=False,
@@ -360,7 +372,7 @@ class CheckpointManager:
 
   # -- save -------------------------------------------------------------------
   def save(self, state: ShardedTrainState, *, force: bool = False,
-           metrics: Optional[dict] = None) -> bool:
+           metrics: Optional[dict] = None, data_state: Optional[dict] = None) -> bool:
     """Saves ``state`` as step ``int(state.step)``; returns whether it did.
 
     Honors ``save_interval_steps`` unless ``force``. With async
@@ -368,12 +380,23 @@ class CheckpointManager:
     train step may donate ``state`` right away) are off the devices; call
     :meth:`wait_until_finished` to block. ``metrics`` go to orbax's
     ``best_fn`` retention, if configured.
+
+    ``data_state`` is the input pipeline's position (a JSON-serialisable
+    dict, e.g. ``{"epoch": 3, "batch": 1200}``), saved in the same commit as
+    the arrays and read back with :meth:`data_state`, so a resumed run feeds
+    the batches the uninterrupted run would have. Process 0 writes it: pass
+    the same value on every process (a global position, from which each
+    process derives its own part).
     """
     sd._require_state(state, "CheckpointManager.save")
+    if data_state is not None:
+      data_state = _check_data_state(data_state)
     step = int(jax.device_get(state.step))
     if not force and not self.manager.should_save(step):
       return False
     tree, meta = checkpoint_tree(state)
+    if data_state is not None:
+      meta["data_state"] = data_state
     if step in self.manager.all_steps():
       raise ValueError(
           f"CheckpointManager.save: step {step} is already saved in {self.directory}. "
@@ -413,6 +436,24 @@ class CheckpointManager:
     step = self._choose_step(step)
     return self._read_meta(step)
 
+  def data_state(self, step: Optional[int] = None) -> Optional[dict]:
+    """The ``data_state`` saved with ``step`` (default: the latest), or None
+    if that save had none.
+
+    Example:
+      >>> import tempfile, jax, jax.numpy as jnp, optax, fsdp_jax
+      >>> from fsdp_jax.checkpoint import CheckpointManager
+      >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+      >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones(4)},
+      ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+      >>> with CheckpointManager(tempfile.mkdtemp()) as mngr:
+      ...   mngr.save(state, data_state={"epoch": 0, "batch": 17})
+      ...   mngr.data_state()
+      True
+      {'epoch': 0, 'batch': 17}
+    """
+    return self.metadata(step).get("data_state")
+
   def _read_meta(self, step: int) -> dict:
     where = f"step {step} of the checkpoint at {self.directory}"
     fix = self._fix(step)
@@ -421,21 +462,22 @@ class CheckpointManager:
           step, args=ocp.args.Composite(**{META_ITEM: ocp.args.JsonRestore()}))[META_ITEM]
     except Exception as e:  # orbax raises many types for damaged directories
       raise CheckpointError(
-          f"Cannot read the description ({META_ITEM!r} item) of {where}: "
-          f"{type(e).__name__}: {_short(e)}. The checkpoint is damaged or was not written "
-          f"by fsdp_jax.checkpoint.CheckpointManager. {fix}") from e
+          f"{fix} Cannot read the description ({META_ITEM!r} item) of {where}: the "
+          "checkpoint is damaged or was not written by "
+          f"fsdp_jax.checkpoint.CheckpointManager.{_details(e)}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
       raise CheckpointError(
-          f"{where} is not an fsdp_jax train-state checkpoint (its {META_ITEM!r} item has "
-          f"format {meta.get('format') if isinstance(meta, dict) else type(meta).__name__!r}, "
-          f"expected {FORMAT!r}). {fix}")
+          f"{fix} Not an fsdp_jax train-state checkpoint: {where} has a {META_ITEM!r} "
+          "item of format "
+          f"{meta.get('format') if isinstance(meta, dict) else type(meta).__name__!r}, "
+          f"expected {FORMAT!r}.")
     if meta.get("version", 0) > VERSION:
       raise CheckpointError(
-          f"{where} was written by a newer fsdp_jax (format version {meta['version']} > "
-          f"{VERSION}). Fix: upgrade fsdp_jax.")
+          f"Fix: upgrade fsdp_jax. Written by a newer fsdp_jax: {where} has format "
+          f"version {meta['version']}, this fsdp_jax reads up to {VERSION}.")
     for key in ("params", "opt_state", "fields"):
       if key not in meta:
-        raise CheckpointError(f"The description of {where} has no {key!r} entry. {fix}")
+        raise CheckpointError(f"{fix} The description of {where} has no {key!r} entry.")
     return meta
 
   def _fix(self, step: int) -> str:
@@ -486,15 +528,63 @@ class CheckpointManager:
       restored = restored[STATE_ITEM]
     except Exception as e:
       raise CheckpointError(
-          f"Cannot read the arrays of step {step} of the checkpoint at {self.directory}: "
-          f"{type(e).__name__}: {_short(e)}. The step's files are damaged or incomplete. "
-          f"{self._fix(step)}") from e
+          f"{self._fix(step)} Cannot read the arrays of step {step} of the checkpoint at "
+          f"{self.directory}: the step's files are damaged or incomplete."
+          f"{_details(e)}") from e
     return from_checkpoint_tree(target, restored, meta)
+
+
+def _check_data_state(data_state) -> dict:
+  """A JSON round trip of ``data_state`` (what :meth:`data_state` returns)."""
+  import json
+  if not isinstance(data_state, dict):
+    raise TypeError(
+        f"Fix: pass data_state as a dict, e.g. {{'position': 1200}}: got a "
+        f"{type(data_state).__name__}.")
+  try:
+    return json.loads(json.dumps(data_state, allow_nan=False))
+  except (TypeError, ValueError) as e:
+    raise TypeError(
+        "Fix: give data_state plain JSON values (int, float, str, bool, None, lists, "
+        "dicts with str keys; e.g. int(x) for a NumPy or JAX integer): "
+        f"{e}.") from None
+
+
+def _check_creatable(directory: str, create_parents: bool) -> None:
+  """A writable manager makes ``directory`` but, unless asked, not its
+  parents: a mistyped path must not grow a new tree."""
+  if os.path.isdir(directory):
+    return
+  if os.path.exists(directory):
+    raise NotADirectoryError(
+        f"Fix: pass a directory path (or a new one) to CheckpointManager: "
+        f"{directory} exists and is a file.")
+  parent = os.path.dirname(directory)
+  ancestor = parent
+  while not os.path.exists(ancestor):
+    ancestor = os.path.dirname(ancestor)
+  if not os.path.isdir(ancestor):
+    raise NotADirectoryError(
+        f"Fix: correct the checkpoint path {directory}: its ancestor {ancestor} is a "
+        "file, not a directory.")
+  if ancestor != parent and not create_parents:
+    missing = os.path.relpath(parent, ancestor)
+    raise FileNotFoundError(
+        f"Fix: check the path for a typo, create its parent first "
+        f"(os.makedirs({parent!r})), or pass create_parents=True. CheckpointManager "
+        f"creates {directory} itself but not its missing parents: {parent} does not "
+        f"exist (the nearest existing directory is {ancestor}, so {missing!r} would "
+        "be created too).")
 
 
 def _short(e: BaseException, limit: int = 400) -> str:
   text = " ".join(str(e).split())
   return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _details(e: BaseException) -> str:
+  """The low-level error (e.g. a TensorStore spec), after what to do."""
+  return f"\nDetails: {type(e).__name__}: {_short(e)}"
 
 
 # ---------------------------------------------------------------------------
@@ -609,6 +699,6 @@ def import_params(directory, *, sharding: Optional[jax.sharding.Sharding] = None
   except (FileNotFoundError, TypeError):
     raise
   except Exception as e:
-    raise CheckpointError(f"import_params: cannot read {item}: {type(e).__name__}: "
-                          f"{_short(e)}. The export is damaged or incomplete. Fix: export "
-                          "again.") from e
+    raise CheckpointError(f"Fix: export the parameters again (export_params). "
+                          f"import_params cannot read {item}: the export is damaged or "
+                          f"incomplete.{_details(e)}") from e

@@ -194,7 +194,8 @@ def pack_gradient(cts, spec: GatherSpec, order=None):
 def reduce_packed(g, spec: GatherSpec, stored_dtype):
   """The buffer from :func:`pack_gradient` -> this device's reduced shard."""
   if spec.hook is not None:
-    r, _ = spec.hook(None, g, spec)
+    from fsdp_jax.hooks import call_hook  # hooks imports this module
+    r, _ = call_hook(spec.hook, None, g, spec)
   else:
     r = reduce_gradient(g, dataclasses.replace(spec, pre_divide=1.0), tiled=spec.flat)
   return finish_gradient(r, spec, stored_dtype)

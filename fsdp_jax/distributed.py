@@ -11,6 +11,9 @@ PyTorch → fsdp_jax:
 ``dist.monitored_barrier(timeout=...)``      :func:`monitored_barrier`
 NCCL watchdog / TCPStore failure detection   the peer watchdog started by :func:`initialize`
 ``dist.destroy_process_group()``             :func:`shutdown`
+torchrun ``--max-restarts`` / elastic agent  ``python -m fsdp_jax.launch --max-restarts K``,
+                                             :func:`handle_preemption`, :func:`should_stop`,
+                                             :data:`EXIT_RESTART`
 ==========================================  =====================================
 
 A training script calls :func:`initialize` first thing, before any JAX
@@ -98,9 +101,15 @@ from typing import Optional, Sequence
 
 import jax
 
-# Exit status of a process that stops because another process was lost
-# (sysexits' EX_TEMPFAIL: "try again later", i.e. restart from a checkpoint).
-EXIT_PEER_LOST = 75
+# "Restart me": the job stopped in a state it can resume from the latest
+# checkpoint (sysexits' EX_TEMPFAIL, "try again later"). A process exits with
+# it after saving on preemption (should_stop), and when the watchdog stops it
+# because another process was lost. ``python -m fsdp_jax.launch
+# --max-restarts K`` restarts the workers; a cluster scheduler can requeue the
+# job on it (Kubernetes podFailurePolicy onExitCodes, SLURM requeue).
+EXIT_RESTART = 75
+# The watchdog's exit status: another process was lost (the same "restart me").
+EXIT_PEER_LOST = EXIT_RESTART
 
 DEFAULT_PEER_TIMEOUT = 30.0
 DEFAULT_INIT_TIMEOUT = 300
@@ -136,6 +145,9 @@ class DistributedInfo:
       ``"cluster"`` (JAX's SLURM / Open MPI detection), ``"jax"``
       (``jax.distributed.initialize`` had been called directly) or
       ``"single"``.
+    coordinator_bind_address: ``ip:port`` where process 0's coordination
+      service listens (see :func:`default_coordinator_bind_address`), or None when
+      JAX chose (cluster detection: all interfaces) or for one process.
   """
 
   rank: int
@@ -147,6 +159,7 @@ class DistributedInfo:
   platform: str
   devices_per_process: Optional[int]
   source: str
+  coordinator_bind_address: Optional[str] = None
 
   @property
   def is_main_process(self) -> bool:
@@ -157,6 +170,7 @@ class DistributedInfo:
 _info: Optional[DistributedInfo] = None
 _watchdog: Optional["_Watchdog"] = None
 _barrier_seq = [0]
+_preemption: Optional["_Preemption"] = None  # set by handle_preemption()
 
 
 # --------------------------------------------------------------------------
@@ -259,6 +273,111 @@ def _cluster_local_rank():
   return 0, 1
 
 
+def _split_host_port(address: str) -> tuple[str, int]:
+  """``"host:port"`` / ``"[v6]:port"`` -> ``(host, port)``."""
+  host, sep, port = address.rpartition(":")
+  if not sep or not port.isdigit():
+    raise ValueError(f"Fix: give the coordinator address as host:port, e.g. "
+                     f"127.0.0.1:29500 or [::1]:29500: got {address!r}.")
+  return host.strip("[]"), int(port)
+
+
+def _join_host_port(host: str, port: int) -> str:
+  return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _resolve(host: str) -> Optional[str]:
+  """The address ``host`` resolves to on this machine (IPv4 first), or None."""
+  try:
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+  except OSError:
+    return None
+  v4 = [i[4][0] for i in infos if i[0] == socket.AF_INET]
+  v6 = [i[4][0] for i in infos if i[0] == socket.AF_INET6]
+  return (v4 or v6 or [None])[0]
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+  return ((str(e).strip().splitlines() or [type(e).__name__])[0])[:limit]
+
+
+def _is_loopback(ip: str) -> bool:
+  import ipaddress
+  try:
+    return ipaddress.ip_address(ip.split("%")[0]).is_loopback
+  except ValueError:
+    return False
+
+
+def default_coordinator_bind_address(coordinator_address: str) -> str:
+  """Where process 0's coordination service listens for ``coordinator_address``.
+
+  JAX's default is every interface (``[::]:PORT``), so any host that can
+  reach the machine can talk to the coordination service, which is
+  unauthenticated gRPC. fsdp_jax listens only on the interface of the
+  coordinator's host instead: ``127.0.0.1:PORT`` for a one-machine launch
+  (the launcher's default ``--master-addr``), the address ``--master-addr``
+  resolves to on several machines. ``JAX_COORDINATOR_BIND_ADDRESS``, if set,
+  wins (e.g. ``0.0.0.0:PORT`` behind NAT, where the coordinator's public
+  address is not one of the machine's own).
+
+  Example:
+    >>> from fsdp_jax.distributed import default_coordinator_bind_address
+    >>> default_coordinator_bind_address("127.0.0.1:29500")
+    '127.0.0.1:29500'
+    >>> default_coordinator_bind_address("localhost:29500")
+    '127.0.0.1:29500'
+  """
+  env = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS", "").strip()
+  if env:
+    return env
+  host, port = _split_host_port(coordinator_address)
+  ip = _resolve(host)
+  return _join_host_port(ip if ip is not None else host, port)
+
+
+def port_problem(bind_address: str) -> Optional[str]:
+  """Why a TCP server could not listen on ``bind_address`` now
+  (``"address already in use"``, ...), or None if it could.
+
+  Binds a socket the way gRPC does (``SO_REUSEADDR``, so a port held only by
+  closed connections in TIME_WAIT counts as free) and closes it at once.
+
+  Example:
+    >>> import socket
+    >>> from fsdp_jax.distributed import port_problem
+    >>> with socket.socket() as s:
+    ...   s.bind(("127.0.0.1", 0)); s.listen()
+    ...   busy = f"127.0.0.1:{s.getsockname()[1]}"
+    ...   port_problem(busy)
+    'address already in use'
+  """
+  host, port = _split_host_port(bind_address)
+  family = socket.AF_INET6 if ":" in host else socket.AF_INET
+  try:
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+      sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      sock.bind((host, port))
+  except OSError as e:
+    return (e.strerror or str(e)).lower()
+  return None
+
+
+def _check_bind_address(bind: str, address: str, world: int, local_world: int) -> None:
+  """Refuses a loopback bind address when other machines must connect."""
+  host, _ = _split_host_port(address)
+  bind_host, _ = _split_host_port(bind)
+  if world > local_world and _is_loopback(bind_host) and not _is_loopback(host) \
+      and "JAX_COORDINATOR_BIND_ADDRESS" not in os.environ:
+    raise ValueError(
+        f"Fix: give the coordinator this machine's network address (MASTER_ADDR / "
+        f"--master-addr: its IP, e.g. from `hostname -I`), or set "
+        f"JAX_COORDINATOR_BIND_ADDRESS=0.0.0.0:{_split_host_port(address)[1]} to listen "
+        f"on every interface: the coordinator host {host!r} resolves to {bind_host} on "
+        f"this machine, a loopback address, but {world - local_world} of the {world} "
+        "processes run on other machines and could not reach it.")
+
+
 # --------------------------------------------------------------------------
 # initialize
 
@@ -272,6 +391,7 @@ def initialize(*, coordinator_address: Optional[str] = None,
                peer_timeout: Optional[float] = None,
                initialization_timeout: Optional[int] = None,
                cluster_detection_method: Optional[str] = None,
+               coordinator_bind_address: Optional[str] = None,
                watchdog: bool = True) -> DistributedInfo:
   """Sets up this process for single- or multi-process training.
 
@@ -320,6 +440,11 @@ def initialize(*, coordinator_address: Optional[str] = None,
       (default ``FSDP_JAX_INIT_TIMEOUT``, else 300).
     cluster_detection_method: passed to ``jax.distributed.initialize`` for
       case 3 (e.g. ``"mpi4py"``).
+    coordinator_bind_address: ``ip:port`` where process 0's coordination
+      service listens (cases 1 and 2). Default: ``JAX_COORDINATOR_BIND_ADDRESS``,
+      else only the interface of the coordinator's host (see
+      :func:`default_coordinator_bind_address`), not JAX's every interface. In case 3
+      JAX decides (every interface unless ``JAX_COORDINATOR_BIND_ADDRESS``).
     watchdog: start the heartbeat watchdog (multi-process only).
 
   Returns:
@@ -459,20 +584,45 @@ def initialize(*, coordinator_address: Optional[str] = None,
                   local_device_ids=local_device_ids)
     else:
       what = f"the coordinator at {address}"
+      bind = coordinator_bind_address or default_coordinator_bind_address(address)
+      if rank == 0:
+        _check_bind_address(bind, address, world, local_world)
       # "deactivate": the launcher's ranks win over a surrounding SLURM/MPI
       # job (whose variables would otherwise also pick the visible GPUs).
       args = dict(coordinator_address=address, num_processes=world, process_id=rank,
                   local_device_ids=local_device_ids,
-                  cluster_detection_method="deactivate")
+                  cluster_detection_method="deactivate", coordinator_bind_address=bind)
+    bind = args.get("coordinator_bind_address")
+
+    def port_error(problem: str, jax_error: str = "") -> RuntimeError:
+      port = _split_host_port(bind)[1]
+      return RuntimeError(
+          f"Fix: choose another port (python -m fsdp_jax.launch --master-port P, or "
+          f"leave --master-port out to get a free one; or MASTER_PORT / "
+          f"JAX_COORDINATOR_ADDRESS), or stop the process that holds it (`ss -ltnp "
+          f"'sport = :{port}'` names it). Process 0 could not start JAX's coordination "
+          f"service on {bind}: {problem}" + (f" (JAX: {jax_error})." if jax_error else "."))
+
+    if rank == 0 and bind:
+      # Checked first: JAX 0.10 sometimes segfaults when its service cannot bind.
+      problem = port_problem(bind)
+      if problem:
+        raise port_error(problem)
+    started = time.monotonic()
     try:
       jax.distributed.initialize(**args, **kwargs)
     except Exception as e:
+      waited = time.monotonic() - started
+      problem = port_problem(bind) if rank == 0 and bind else None
+      if rank == 0 and bind and ("rpc server" in str(e).lower() or problem):
+        raise port_error(problem or "the port cannot be listened on",
+                         _first_line(e)) from None
       raise RuntimeError(
-          f"fsdp_jax.distributed.initialize(): process {rank} of {world} could "
-          f"not join {what} within {initialization_timeout} s: {e}\nFix: start "
-          "all processes (python -m fsdp_jax.launch does), check that process 0 "
-          "can listen on that port and the others can reach it, or raise "
-          "FSDP_JAX_INIT_TIMEOUT.") from e
+          f"Fix: start all processes (python -m fsdp_jax.launch does), check that "
+          f"process 0 can listen on {address} and the others can reach it, or raise "
+          f"FSDP_JAX_INIT_TIMEOUT (now {initialization_timeout} s). "
+          f"fsdp_jax.distributed.initialize(): process {rank} of {world} could not "
+          f"join {what} (gave up after {waited:.0f} s): {_first_line(e)}") from e
     from jax._src import distributed as jax_distributed
     state = jax_distributed.global_state
     rank, world, address = state.process_id, state.num_processes, state.coordinator_address
@@ -481,7 +631,10 @@ def initialize(*, coordinator_address: Optional[str] = None,
                           local_world_size=local_world, node_rank=node_rank,
                           coordinator_address=address if world > 1 else None,
                           platform=platform, devices_per_process=devices_per_process,
-                          source=source)
+                          source=source,
+                          coordinator_bind_address=(
+                              args.get("coordinator_bind_address")
+                              if world > 1 and source != "cluster" else None))
   if world > 1:
     _publish_info(_info)
     if watchdog:
@@ -546,15 +699,322 @@ def get_local_rank() -> int:
 
 def shutdown() -> None:
   """Stops the watchdog and ``jax.distributed`` (PyTorch
-  ``destroy_process_group``). Optional: it also happens at exit."""
-  global _info, _watchdog
-  if _watchdog is not None:
-    _watchdog.finish()
-    _watchdog.stop()
+  ``destroy_process_group``). Optional: a process that exits normally does
+  it at exit.
+
+  ``jax.distributed.shutdown`` waits at a barrier for every process to shut
+  down (at most ``FSDP_JAX_SHUTDOWN_TIMEOUT`` seconds). Also puts back the
+  SIGTERM handler that :func:`handle_preemption` replaced, if any.
+  """
+  global _info, _watchdog, _preemption
+  wd = _watchdog
+  if wd is not None:
+    wd.finish()
+    wd.stop()
+    if wd is not threading.current_thread():
+      # Not inside an RPC of the coordination client when it is destroyed:
+      # a daemon thread in native code at interpreter exit aborts the process.
+      wd.join(timeout=2 * wd.interval + 5)
     _watchdog = None
+  if _preemption is not None:
+    _preemption.uninstall()
+    _preemption = None
   if _jax_client() is not None:
     jax.distributed.shutdown()
   _info = None
+
+
+# --------------------------------------------------------------------------
+# Preemption: stop at an agreed step, save, exit with EXIT_RESTART
+#
+# A SIGTERM handler (installed by handle_preemption) only records the signal.
+# With several processes a background thread per process then publishes a
+# notice in the coordination service; when a process's thread sees the
+# notice it takes the process's lock (so should_stop cannot move on), writes
+# the last step should_stop was given, waits until every process has written
+# one, and sets the stop step to the largest plus one. should_stop returns
+# True from the first call whose step reaches it: the same call on every
+# process, as no process can have passed it (each was frozen at or below the
+# largest step while the decision was made), and no main thread has to wait
+# for another (a process blocked on a collective still gets its step
+# published by its thread).
+#
+# This is the protocol of JAX's preemption sync manager
+# (multihost_utils.reached_preemption_sync_point), run here because that one
+# shares its step counter with orbax: orbax's CheckpointManager reports the
+# step of every save to it, also from its finalize thread after the fact,
+# which can move the counter back below the step the training loop is at and
+# make the sync point one that is never reached. A SIGTERM handler installed
+# here also replaces JAX's (which would otherwise only log the signal).
+
+_PREEMPT = f"{_KV}/preempt/"
+_PREEMPT_NOTICE = f"{_PREEMPT}notice"   # who got SIGTERM first
+_PREEMPT_AT = f"{_PREEMPT}at/"          # at/<rank> = last step given to should_stop
+_PREEMPT_STOP = f"{_PREEMPT}stop/"      # stop/<rank> = the step it stops after
+_NO_STEP = "none"
+
+
+class _Preemption:
+  """What :func:`handle_preemption` set up for this process."""
+
+  def __init__(self, multi: bool):
+    self.multi = multi
+    self.signalled = threading.Event()  # this process got SIGTERM
+    self.lock = threading.Lock()
+    self.last_step: Optional[int] = None  # the last step given to should_stop
+    self.sync_step: Optional[float] = None  # stop at the first step >= this
+    self.stop_step: Optional[int] = None
+    self.notice: Optional[str] = None
+    self.previous = None
+    self.installed = False
+    self.agent: Optional[_PreemptionAgent] = None
+
+  def install(self) -> None:
+    import signal
+
+    def on_sigterm(signum, frame):  # records it: the training loop decides
+      self.signalled.set()
+      if self.agent is not None:
+        self.agent.publish()  # at once: the agent may be waiting in an RPC
+
+    self.previous = signal.signal(signal.SIGTERM, on_sigterm)
+    self.installed = True
+
+  def uninstall(self) -> None:
+    if self.agent is not None:
+      self.agent.stop()
+      self.agent = None
+    if not self.installed:
+      return
+    import signal
+    try:
+      signal.signal(signal.SIGTERM, self.previous if self.previous is not None
+                    else signal.SIG_DFL)
+    except ValueError:  # pragma: no cover - not the main thread
+      return
+    self.installed = False
+
+
+class _PreemptionAgent(threading.Thread):
+  """Publishes this process's SIGTERM and runs the agreement on the stop
+  step (see the comment above)."""
+
+  POLL_MS = 500
+
+  def __init__(self, p: _Preemption, rank: int, world: int, timeout: float):
+    super().__init__(name="fsdp_jax-preemption", daemon=True)
+    self.p, self.rank, self.world, self.timeout = p, rank, world, timeout
+    self.client = _jax_client()
+    self._stop_event = threading.Event()
+    self._published = False
+
+  def stop(self) -> None:
+    self._stop_event.set()
+    if self is not threading.current_thread():
+      self.join(timeout=self.POLL_MS / 1000 + 5)
+
+  def publish(self) -> bool:
+    """Tells every process that this one got SIGTERM; whether it could."""
+    if self._published:
+      return True
+    try:
+      self.client.key_value_set(_PREEMPT_NOTICE, f"process {self.rank}",
+                                allow_overwrite=True)
+    except Exception:  # the service is gone; the watchdog deals with that
+      return False
+    self._published = True
+    return True
+
+  def run(self) -> None:
+    while not self._stop_event.is_set():
+      started = time.monotonic()
+      if self.p.signalled.is_set():
+        self.publish()  # if the signal handler could not
+      try:
+        # Returns as soon as any process publishes a notice (ours included).
+        notice = self.client.blocking_key_value_get(_PREEMPT_NOTICE, self.POLL_MS)
+      except Exception:  # no notice yet (timeout), or the service is gone
+        left = self.POLL_MS / 1000 - (time.monotonic() - started)
+        self._stop_event.wait(max(0.05, left))
+        continue
+      self._agree(notice)
+      return
+
+  def _agree(self, notice: str) -> None:
+    p = self.p
+    with p.lock:  # should_stop waits: the last step stays put meanwhile
+      mine = _NO_STEP if p.last_step is None else str(p.last_step)
+      try:
+        self.client.key_value_set(f"{_PREEMPT_AT}{self.rank}", mine, allow_overwrite=True)
+        steps = [self.client.blocking_key_value_get(f"{_PREEMPT_AT}{r}",
+                                                    int(self.timeout * 1000))
+                 for r in range(self.world)]
+      except Exception as e:
+        _warn(f"SIGTERM ({notice}): could not agree with the other processes on the "
+              f"step to stop after ({_first_line(e)}); this process keeps training.")
+        return
+      known = [int(v) for v in steps if v != _NO_STEP]
+      p.notice = notice
+      p.sync_step = max(known) + 1 if known else float("-inf")
+
+
+def _warn(text: str) -> None:
+  try:
+    sys.stderr.write(f"fsdp_jax.distributed: {text}\n")
+    sys.stderr.flush()
+  except Exception:
+    pass
+
+
+def handle_preemption(*, timeout: float = 120.0) -> None:
+  """Makes SIGTERM (preemption) stop training at a step all processes agree
+  on, instead of killing the job: see :func:`should_stop`.
+
+  Call it once, from the main thread, after :func:`initialize` and before
+  the training loop. It is an explicit call because it changes what SIGTERM
+  does to the whole process: it installs a SIGTERM handler that only records
+  the signal (:func:`shutdown` puts the previous one back). With several
+  processes it also starts a thread that tells the others through JAX's
+  coordination service and agrees with them on the step to stop after.
+
+  A SIGTERM may reach any one process (a scheduler preempting a node, ``kill
+  PID``) or all of them (``python -m fsdp_jax.launch`` forwards the SIGTERM
+  it gets; SLURM signals every task).
+
+  Args:
+    timeout: seconds to wait for every process to report its step once a
+      SIGTERM arrived (a process that does not is dead, and the watchdog
+      stops the job).
+
+  Raises:
+    RuntimeError: called off the main thread, or before :func:`initialize`
+      in a multi-process job.
+
+  Example::
+
+      from fsdp_jax import distributed
+      distributed.initialize()
+      distributed.handle_preemption()
+      ...   # the loop calls distributed.should_stop(step) after every step
+  """
+  global _preemption
+  if _preemption is not None:
+    return
+  if threading.current_thread() is not threading.main_thread():
+    raise RuntimeError("Fix: call fsdp_jax.distributed.handle_preemption() from the "
+                       "main thread: signal handlers can only be installed there.")
+  multi = _jax_client() is not None and get_world_size() > 1
+  if not multi and _info is None and (_env_int("WORLD_SIZE", 1) or 1) > 1:
+    raise RuntimeError(
+        "Fix: call fsdp_jax.distributed.initialize() before handle_preemption(): "
+        f"this process is one of WORLD_SIZE={os.environ.get('WORLD_SIZE')} but has "
+        "not joined the others yet.")
+  p = _Preemption(multi=multi)
+  p.install()
+  if multi:
+    p.agent = _PreemptionAgent(p, get_rank(), get_world_size(), float(timeout))
+    p.agent.start()
+    atexit.register(_stop_preemption_agent)
+  _preemption = p
+
+
+def _stop_preemption_agent() -> None:
+  """At exit: the agent thread must not be inside an RPC at teardown."""
+  p = _preemption
+  if p is not None and p.agent is not None:
+    p.agent.stop()
+    p.agent = None
+
+
+def should_stop(step: int, *, timeout: float = 120.0) -> bool:
+  """Whether to save and exit after ``step``: True on every process at the
+  same step once a SIGTERM reached any of them (or the launcher).
+
+  Call it on every process after every train step, with the step just
+  finished (e.g. ``int(state.step)``), after :func:`handle_preemption`. It
+  costs a lock until a SIGTERM arrives; then the processes agree on the
+  first step that none of them has passed, and from that step on it returns
+  True. Save with :class:`~fsdp_jax.checkpoint.CheckpointManager`
+  (``force=True``), wait for the save, and exit with :data:`EXIT_RESTART`::
+
+      distributed.handle_preemption()
+      for step in range(start + 1, total + 1):
+        state, metrics = train_step(state, next_batch())
+        stop = distributed.should_stop(step)
+        if step % save_every == 0 or stop:
+          manager.save(state, force=stop, data_state={"position": position})
+        if stop:
+          manager.wait_until_finished()
+          sys.exit(distributed.EXIT_RESTART)   # 75: "restart me"
+
+  Every process must call it with the same steps, in increasing order (once
+  per step, or at the same subset of steps everywhere).
+
+  Args:
+    step: the step just finished; must increase from call to call.
+    timeout: seconds to wait, once stopping, for the other processes to
+      report the step they stop after (a check that they passed the same
+      steps).
+
+  Returns:
+    True from the agreed step on; False before, and always without a SIGTERM.
+
+  Raises:
+    RuntimeError: :func:`handle_preemption` was not called; or the processes
+      stopped after different steps (they passed different ``step`` values).
+    ValueError: ``step`` did not increase.
+  """
+  p = _preemption
+  if p is None:
+    raise RuntimeError(
+        "Fix: call fsdp_jax.distributed.handle_preemption() once before the training "
+        "loop: should_stop() needs it to learn of a SIGTERM.")
+  step = int(step)
+  with p.lock:
+    if p.stop_step is not None:
+      return True
+    if p.last_step is not None and step <= p.last_step:
+      raise ValueError(
+          f"Fix: pass should_stop the step just finished, increasing from call to call "
+          f"(e.g. int(state.step)): got step {step} after step {p.last_step}.")
+    p.last_step = step
+    if p.multi:
+      hit = p.sync_step is not None and step >= p.sync_step
+    else:
+      hit = p.signalled.is_set()
+    if not hit:
+      return False
+    p.stop_step = step
+  world = get_world_size()
+  if p.multi:
+    _agree_on_stop_step(step, timeout)
+  who = f" ({p.notice} got it first)" if p.notice else ""
+  _warn(f"SIGTERM (preemption){who}: process {get_rank()} of {world} stops after step "
+        f"{step}" + (", like every other process" if world > 1 else "")
+        + f"; save a checkpoint and exit with status {EXIT_RESTART} (restart me).")
+  return True
+
+
+def _agree_on_stop_step(step: int, timeout: float) -> None:
+  """Checks that every process stops after the same step."""
+  client = _jax_client()
+  rank, world = get_rank(), get_world_size()
+  client.key_value_set(f"{_PREEMPT_STOP}{rank}", str(step), allow_overwrite=True)
+  steps = {}
+  for r in range(world):
+    try:
+      steps[r] = int(client.blocking_key_value_get(f"{_PREEMPT_STOP}{r}", int(timeout * 1000)))
+    except Exception as e:
+      raise RuntimeError(
+          f"Fix: look at process {r}'s log; every process must call should_stop() with "
+          f"the same steps. Process {rank} stops after step {step} on SIGTERM but "
+          f"process {r} did not report its step within {timeout:g} s "
+          f"({_first_line(e)}).") from None
+  if len(set(steps.values())) > 1:
+    detail = ", ".join(f"process {r} after step {v}" for r, v in sorted(steps.items()))
+    raise RuntimeError(
+        "Fix: pass should_stop() the same steps on every process (e.g. "
+        f"int(state.step)): on SIGTERM they stopped at different steps: {detail}.")
 
 
 # --------------------------------------------------------------------------
@@ -853,7 +1313,17 @@ def _at_exit() -> None:
     except Exception:
       pass
     os._exit(1)
-  wd.finish()
+  # A normal exit: shut down in order while the interpreter is whole. Left
+  # to interpreter teardown, the watchdog thread (or JAX's own threads) could
+  # be inside the coordination client as it is destroyed, which aborted about
+  # one exit in two ("terminate called after throwing an instance of ...").
+  try:
+    shutdown()
+  except Exception as e:  # pragma: no cover - best effort at exit
+    try:
+      sys.stderr.write(f"fsdp_jax.distributed: shutdown at exit failed: {e}\n")
+    except Exception:
+      pass
 
 
 # --------------------------------------------------------------------------

@@ -364,7 +364,8 @@ def reduce_full_grads(plan: Plan, full_grads: dict, hook_state=None):
       full = collectives.pack_full([full_grads[i] for i in group], spec, prefix)
       if stateful:
         key = hook_key(unit, gi)
-        reduced, st = hook(jax.tree.map(lambda x: x[0], hook_state[key]), full, spec)
+        reduced, st = hooks.call_hook(hook, jax.tree.map(lambda x: x[0], hook_state[key]),
+                                      full, spec)
         new_hook_state[key] = jax.tree.map(lambda x: x[None], st)
       else:
         reduced = collectives.reduce_gradient(full, spec)

@@ -14,9 +14,27 @@ gives each process 4 simulated CPU devices with gloo CPU collectives.
 Like torchrun, the launcher waits for all workers; when one fails it stops
 the others (SIGTERM, then SIGKILL after ``--kill-grace`` seconds), prints
 which worker failed first and how, and exits with that worker's status
-(``128 + signal`` for a signal). It exits 0 only when every worker did. A
-SIGINT/SIGTERM to the launcher is forwarded to the workers, and workers die
-with the launcher (Linux ``PR_SET_PDEATHSIG``), so none is ever orphaned.
+(``128 + signal`` for a signal). It exits 0 only when every worker did.
+Workers die with the launcher (Linux ``PR_SET_PDEATHSIG``), so none is ever
+orphaned.
+
+Fault tolerance:
+
+* ``--max-restarts K`` (torchrun's name and meaning): after a worker fails,
+  all workers are stopped and started again, up to K times. Each start gets
+  ``FSDP_JAX_RESTART_COUNT`` (0, 1, ...) and a fresh coordinator port (unless
+  ``--master-port`` fixes it); the script resumes from its latest finished
+  checkpoint.
+* Preemption: a SIGTERM to the launcher is forwarded to every worker, which
+  then get ``--term-timeout`` seconds to finish the step, save and exit (see
+  :func:`fsdp_jax.distributed.should_stop`) before SIGKILL. The launcher does
+  not restart them (its machine is going away) and exits with
+  :data:`fsdp_jax.distributed.EXIT_RESTART` (75, "restart me") when they all
+  saved and exited so, for the scheduler to restart the job. A SIGTERM to one
+  worker stops all of them the same way; their exit status 75 is a failure
+  the launcher restarts (``--max-restarts``) or passes on.
+* SIGINT (Ctrl-C) and SIGHUP are forwarded with ``--kill-grace``; a second
+  signal kills the workers at once.
 
 Several machines (static rendezvous, like ``torch.distributed.launch``): on
 each machine ``--nnodes K --node-rank i --master-addr HOST0 --master-port
@@ -60,6 +78,7 @@ def worker_env(*, rank: int, world_size: int, local_rank: int, local_world_size:
                master_addr: str, master_port: int, node_rank: int = 0,
                devices_per_proc: Optional[int] = None, platform: Optional[str] = None,
                peer_timeout: Optional[float] = None,
+               restart_count: int = 0, max_restarts: Optional[int] = None,
                base: Optional[dict] = None) -> dict:
   """The environment of one worker (what ``fsdp_jax.distributed.initialize``
   reads).
@@ -68,8 +87,10 @@ def worker_env(*, rank: int, world_size: int, local_rank: int, local_world_size:
   ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), JAX's
   ``JAX_COORDINATOR_ADDRESS``, and fsdp_jax's ``FSDP_JAX_DEVICES_PER_PROC``,
   ``FSDP_JAX_PLATFORM``, ``FSDP_JAX_PEER_TIMEOUT``, ``FSDP_JAX_LAUNCHED=1``,
-  on top of ``base`` (default ``os.environ``). ``PYTHONUNBUFFERED=1`` unless
-  set, so output is not lost when a worker is stopped.
+  ``FSDP_JAX_RESTART_COUNT`` (torchrun's ``TORCHELASTIC_RESTART_COUNT``) and
+  ``FSDP_JAX_MAX_RESTARTS``, on top of ``base`` (default ``os.environ``).
+  ``PYTHONUNBUFFERED=1`` unless set, so output is not lost when a worker is
+  stopped.
 
   Example:
     >>> env = worker_env(rank=1, world_size=2, local_rank=1, local_world_size=2,
@@ -86,7 +107,10 @@ def worker_env(*, rank: int, world_size: int, local_rank: int, local_world_size:
       "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
       "JAX_COORDINATOR_ADDRESS": f"{host}:{master_port}",
       "FSDP_JAX_LAUNCHED": "1",
+      "FSDP_JAX_RESTART_COUNT": str(restart_count),
   })
+  if max_restarts is not None:
+    env["FSDP_JAX_MAX_RESTARTS"] = str(max_restarts)
   env.setdefault("PYTHONUNBUFFERED", "1")
   if devices_per_proc is not None:
     env["FSDP_JAX_DEVICES_PER_PROC"] = str(devices_per_proc)
@@ -169,6 +193,8 @@ class WorkerGroup:
       ``exec``). Leave it off when calling from a multi-threaded process
       such as one running JAX, where running Python code between fork and
       exec is unsafe; then rely on :meth:`wait`'s timeout and :meth:`stop`.
+    log_header: with ``log_dir``, append to the log files (after this line)
+      instead of starting them afresh (the launcher's restarts).
 
   Example:
     >>> import sys
@@ -184,8 +210,9 @@ class WorkerGroup:
   def __init__(self, cmd: Sequence[str], envs: Sequence[dict],
                ranks: Optional[Sequence[int]] = None, *, log_dir: Optional[str] = None,
                stdout=None, stderr=None, cwd: Optional[str] = None,
-               die_with_parent: bool = True):
+               die_with_parent: bool = True, log_header: Optional[str] = None):
     self.cmd = list(cmd)
+    self.log_header = log_header
     self.envs = list(envs)
     self.ranks = list(ranks) if ranks is not None else [int(e.get("RANK", i)) for i, e in enumerate(envs)]
     self.log_dir = log_dir
@@ -203,7 +230,11 @@ class WorkerGroup:
       stdout, stderr = self.stdout, self.stderr
       if self.log_dir is not None:
         os.makedirs(self.log_dir, exist_ok=True)
-        f = open(os.path.join(self.log_dir, f"rank{self.ranks[local]}.log"), "wb")
+        f = open(os.path.join(self.log_dir, f"rank{self.ranks[local]}.log"),
+                 "wb" if self.log_header is None else "ab")
+        if self.log_header is not None:
+          f.write(f"\n{self.log_header}\n".encode())
+          f.flush()
         self._files.append(f)
         stdout, stderr = f, subprocess.STDOUT
       self.procs.append(subprocess.Popen(
@@ -321,6 +352,18 @@ def _positive_int(name):
   return parse
 
 
+def _non_negative_int(name):
+  def parse(text):
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{name} must be a whole number, got {text!r}") from None
+    if value < 0:
+      raise argparse.ArgumentTypeError(f"{name} must be 0 or more, got {value}")
+    return value
+  return parse
+
+
 def _positive_float(name):
   def parse(text):
     try:
@@ -353,8 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
           "      --master-port 29500 --nproc 8 train.py      # on node0\n"
           "  python -m fsdp_jax.launch --nnodes 2 --node-rank 1 --master-addr node0 \\\n"
           "      --master-port 29500 --nproc 8 train.py      # on node1\n\n"
-          "exit status: 0 if every worker exited 0; else the status of the first\n"
-          "worker that failed (128 + N for signal N); 2 for bad arguments."))
+          "  # restart all workers after a failure, up to 3 times:\n"
+          "  python -m fsdp_jax.launch --nproc 8 --max-restarts 3 train.py --resume\n\n"
+          "exit status: 0 if every worker exited 0; 75 (restart me) when the\n"
+          "workers saved and stopped after a SIGTERM (preemption), or a worker exited\n"
+          "75 with no restarts left; else the status of the last failed attempt's\n"
+          "first failed worker (128 + N for signal N); 2 for bad arguments."))
   p.add_argument("--nproc", "--nproc-per-node", "--nproc_per_node", dest="nproc",
                  type=_positive_int("--nproc"), metavar="N",
                  help="processes to start on this machine (required)")
@@ -382,8 +429,18 @@ def build_parser() -> argparse.ArgumentParser:
                  default=5.0, metavar="S",
                  help="when a worker fails, seconds between SIGTERM and SIGKILL for "
                       "the others (default 5)")
+  p.add_argument("--max-restarts", "--max_restarts", dest="max_restarts",
+                 type=_non_negative_int("--max-restarts"), default=0, metavar="K",
+                 help="after a worker fails, restart all workers, up to K times "
+                      "(torchrun's flag; default 0); the script resumes from its "
+                      "latest checkpoint")
+  p.add_argument("--term-timeout", dest="term_timeout",
+                 type=_positive_float("--term-timeout"), default=30.0, metavar="S",
+                 help="when the launcher gets SIGTERM (preemption), seconds the workers "
+                      "get to finish the step, save and exit before SIGKILL (default "
+                      "30; keep it below the scheduler's grace period)")
   p.add_argument("--log-dir", dest="log_dir", metavar="DIR",
-                 help="write each worker's output to DIR/rank<R>.log")
+                 help="write each worker's output to DIR/rank<R>.log (restarts append)")
   p.add_argument("-m", "--module", action="store_true",
                  help="run SCRIPT as a module (python -m SCRIPT)")
   p.add_argument("script", metavar="SCRIPT", nargs="?",
@@ -445,70 +502,195 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       parser.error(f"--nproc {args.nproc} x --devices-per-proc {devices} needs "
                    f"{args.nproc * devices} GPUs but nvidia-smi lists {n_gpu}.")
 
-  port = args.master_port
-  if port is None:
-    host = args.master_addr if args.master_addr not in ("localhost",) else "127.0.0.1"
-    try:
-      port = free_port(host)
-    except OSError as e:
-      parser.error(f"cannot find a free port on --master-addr {args.master_addr!r} "
-                   f"({e}); pass --master-port.")
   world = args.nnodes * args.nproc
   ranks = [args.node_rank * args.nproc + i for i in range(args.nproc)]
-  envs = [worker_env(rank=r, world_size=world, local_rank=i, local_world_size=args.nproc,
-                     node_rank=args.node_rank, master_addr=args.master_addr,
-                     master_port=port, devices_per_proc=devices, platform=platform,
-                     peer_timeout=args.peer_timeout)
-          for i, r in enumerate(ranks)]
   cmd = [sys.executable]
   cmd += ["-m", args.script] if args.module else [args.script]
   cmd += list(args.script_args)
 
-  print(f"fsdp_jax.launch: starting {args.nproc} worker(s) (RANK {ranks[0]}..{ranks[-1]} "
-        f"of {world}), platform {platform}, "
-        f"{devices if devices is not None else 'default'} device(s) each, coordinator "
-        f"{envs[0]['JAX_COORDINATOR_ADDRESS']}"
-        + (f", logs in {args.log_dir}" if args.log_dir else ""), file=sys.stderr, flush=True)
-  group = WorkerGroup(cmd, envs, ranks, log_dir=args.log_dir)
+  received: list[int] = []
 
-  received = []
-
-  def on_signal(signum, frame):
+  def on_signal(signum, frame):  # the supervision loop acts on it
     received.append(signum)
-    group.interrupt_signal = signum
-    raise KeyboardInterrupt
 
-  previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+  previous = {s: signal.signal(s, on_signal)
+              for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
   try:
-    group.start()
-    results = group.wait(grace=args.kill_grace)
-  except KeyboardInterrupt:
-    sig = received[0] if received else signal.SIGINT
-    print(f"fsdp_jax.launch: got {signal.Signals(sig).name}; stopping the workers.",
-          file=sys.stderr, flush=True)
-    group.stop(args.kill_grace, sig=sig)
-    return 128 + sig
+    restart = 0
+    while True:
+      port = args.master_port
+      if port is None:  # a fresh free port for every start
+        host = args.master_addr if args.master_addr not in ("localhost",) else "127.0.0.1"
+        try:
+          port = free_port(host)
+        except OSError as e:
+          parser.error(f"Fix: pass --master-port. Cannot find a free port on "
+                       f"--master-addr {args.master_addr!r} ({e}).")
+      envs = [worker_env(rank=r, world_size=world, local_rank=i, local_world_size=args.nproc,
+                         node_rank=args.node_rank, master_addr=args.master_addr,
+                         master_port=port, devices_per_proc=devices, platform=platform,
+                         peer_timeout=args.peer_timeout, restart_count=restart,
+                         max_restarts=args.max_restarts)
+              for i, r in enumerate(ranks)]
+      if args.node_rank == 0:
+        _check_coordinator_port(parser, args, envs[0]["JAX_COORDINATOR_ADDRESS"], port,
+                                world, distributed)
+      attempt = f" (restart {restart} of {args.max_restarts})" if restart else ""
+      print(f"fsdp_jax.launch: starting {args.nproc} worker(s) (RANK {ranks[0]}..{ranks[-1]} "
+            f"of {world}), platform {platform}, "
+            f"{devices if devices is not None else 'default'} device(s) each, coordinator "
+            f"{envs[0]['JAX_COORDINATOR_ADDRESS']}"
+            + (f", logs in {args.log_dir}" if args.log_dir else "") + attempt,
+            file=sys.stderr, flush=True)
+      header = (f"==== fsdp_jax.launch: restart {restart} of {args.max_restarts} ===="
+                if restart else None)
+      group = WorkerGroup(cmd, envs, ranks, log_dir=args.log_dir, log_header=header)
+      group.start()
+      outcome = _supervise(group, args, received)
+      if outcome == "signal":
+        return _after_signal(group, received[0])
+      failure = group.first_failure
+      if failure is None:
+        return 0
+      _report_failure(group, args, failure)
+      if restart >= args.max_restarts:
+        if args.max_restarts:
+          print(f"fsdp_jax.launch: no restarts left (--max-restarts {args.max_restarts} "
+                f"used up). Exiting with status {exit_status(failure.returncode)}.",
+                file=sys.stderr, flush=True)
+        return exit_status(failure.returncode)
+      if received:  # a signal came while the workers were being stopped
+        print(f"fsdp_jax.launch: got {signal.Signals(received[0]).name} before the "
+              f"restart; not restarting. Exiting with status {distributed.EXIT_RESTART} "
+              "(restart the job to resume from its latest checkpoint).",
+              file=sys.stderr, flush=True)
+        return distributed.EXIT_RESTART
+      restart += 1
+      print(f"fsdp_jax.launch: restarting all {args.nproc} worker(s) (restart {restart} of "
+            f"{args.max_restarts}); the script resumes from its latest checkpoint.",
+            file=sys.stderr, flush=True)
   finally:
-    for s, h in previous.items():
-      signal.signal(s, h)
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
 
-  failure = group.first_failure
-  if failure is None:
-    return 0
-  lines = [f"fsdp_jax.launch: {failure.describe()} failed first."]
+
+def _check_coordinator_port(parser, args, address: str, port: int, world: int,
+                            distributed) -> None:
+  """Process 0 runs on this machine: check now that its coordinator can
+  listen, rather than have the worker fail with gRPC's "Failed to start RPC
+  server"."""
+  bind = distributed.default_coordinator_bind_address(address)
+  try:
+    distributed._check_bind_address(bind, address, world, args.nproc)
+  except ValueError as e:
+    parser.error(str(e))
+  problem = distributed.port_problem(bind)
+  if problem:
+    how = ("pass another --master-port (the same on every machine)" if args.nnodes > 1
+           else "pass another --master-port, or leave it out to get a free port")
+    parser.error(
+        f"Fix: {how}, or stop the process that holds it (`ss -ltnp 'sport = :{port}'` "
+        f"names it). --master-port {port}: the coordinator cannot listen on {bind}: "
+        f"{problem}.")
+
+
+def _supervise(group: WorkerGroup, args, received: list) -> str:
+  """Waits for the workers: ``"done"`` when all exited (``group.first_failure``
+  tells whether one failed), ``"signal"`` when the launcher got a signal
+  (forwarded; the workers have exited or been killed)."""
+  from fsdp_jax.distributed import EXIT_RESTART
+  try:
+    while group.running():
+      if received:
+        _forward(group, args, received)
+        return "signal"
+      failure = group.poll()
+      if failure is not None:
+        if failure.returncode == EXIT_RESTART:
+          # The worker saved after a SIGTERM (or lost a peer): the others are
+          # saving and exiting too. Let them finish before stopping them.
+          deadline = time.monotonic() + args.term_timeout
+          while group.running() and time.monotonic() < deadline and not received:
+            time.sleep(0.05)
+          if received and group.running():
+            _forward(group, args, received)
+            return "signal"
+        group.stop(args.kill_grace)
+        break
+      time.sleep(0.05)
+    group.poll()
+    return "done"
+  finally:
+    if group.running():  # an unexpected exception got here
+      group.stop(args.kill_grace)
+    group.close()
+
+
+def _forward(group: WorkerGroup, args, received: list) -> None:
+  """Forwards the first signal to the workers and waits for them to exit:
+  ``--term-timeout`` for SIGTERM (they save), ``--kill-grace`` otherwise; a
+  second signal, or the end of the wait, kills the rest."""
+  sig = received[0]
+  grace = args.term_timeout if sig == signal.SIGTERM else args.kill_grace
+  print(f"fsdp_jax.launch: got {signal.Signals(sig).name}; forwarded it to the workers "
+        f"(up to {grace:g} s to exit"
+        + (", e.g. after saving a checkpoint" if sig == signal.SIGTERM else "") + ").",
+        file=sys.stderr, flush=True)
+  group.signal_all(sig)
+  deadline = time.monotonic() + grace
+  while group.running() and time.monotonic() < deadline and len(received) == 1:
+    time.sleep(0.05)
+  if group.running():
+    why = "a second signal" if len(received) > 1 else f"{grace:g} s"
+    print(f"fsdp_jax.launch: killing the workers still running after {why}.",
+          file=sys.stderr, flush=True)
+    group.stop(0.0, sig=signal.SIGKILL)
+
+
+def _after_signal(group: WorkerGroup, sig: int) -> int:
+  """The launcher's status after forwarding ``sig``: 0 if every worker
+  finished, 75 if they all saved and asked to be restarted, else 128+sig."""
+  from fsdp_jax.distributed import EXIT_RESTART
+  results = group.results()
+  codes = [r.returncode for r in results]
+  if all(c == 0 for c in codes):
+    status = 0
+  elif all(c in (0, EXIT_RESTART) for c in codes):
+    status = EXIT_RESTART
+  else:
+    status = 128 + sig
+  meaning = {0: "every worker finished",
+             EXIT_RESTART: "the workers saved and stopped: restart the job to resume"}
+  print("fsdp_jax.launch: after " + signal.Signals(sig).name + ": "
+        + "; ".join(f"RANK={r.rank} {describe_status(r.returncode)}" for r in results)
+        + f". Exiting with status {status}"
+        + (f" ({meaning[status]})." if status in meaning else "."),
+        file=sys.stderr, flush=True)
+  return status
+
+
+def _report_failure(group: WorkerGroup, args, failure: WorkerResult) -> None:
+  from fsdp_jax.distributed import EXIT_RESTART
+
+  def ended(r: WorkerResult) -> str:
+    return r.describe() + (" (restart me)" if r.returncode == EXIT_RESTART else "")
+
+  results = group.results()
+  lines = [f"fsdp_jax.launch: {ended(failure)} "
+           + ("stopped first." if failure.returncode == EXIT_RESTART else "failed first.")]
   stopped = [r for r in results if r.stopped]
   if stopped:
     lines.append("fsdp_jax.launch: stopped the other workers: "
                  + ", ".join(f"RANK={r.rank} ({describe_status(r.returncode)})" for r in stopped))
   others = [r for r in results if not r.stopped and r.rank != failure.rank and r.returncode]
   for r in others:
-    lines.append(f"fsdp_jax.launch: also failed: {r.describe()}")
+    lines.append(f"fsdp_jax.launch: also ended: {ended(r)}")
   where = (f"{args.log_dir}/rank{failure.rank}.log" if args.log_dir
            else "the output above")
-  lines.append(f"fsdp_jax.launch: see {where} for worker RANK={failure.rank}'s error. "
-               f"Exiting with status {exit_status(failure.returncode)}.")
+  lines.append(f"fsdp_jax.launch: see {where} for worker RANK={failure.rank}'s error."
+               + ("" if args.max_restarts else
+                  f" Exiting with status {exit_status(failure.returncode)}."))
   print("\n".join(lines), file=sys.stderr, flush=True)
-  return exit_status(failure.returncode)
 
 
 if __name__ == "__main__":

@@ -176,6 +176,26 @@ def _frozen_mask(abstract_params, requires_grad) -> list[bool]:
   return [not r for r in jax.tree_util.tree_leaves(full)]
 
 
+def _check_trainable_dtypes(paths, flat, frozen, requires_grad) -> None:
+  """Refuses trainable leaves JAX cannot differentiate (integers, bools,
+  PRNG keys): ``jax.grad`` would fail inside the step with a raw error."""
+  bad = [f"{'.'.join(p)!r} ({jnp.dtype(x.dtype).name}, shape {tuple(x.shape)})"
+         for p, x, f in zip(paths, flat, frozen)
+         if not f and not jnp.issubdtype(x.dtype, jnp.inexact)]
+  if not bad:
+    return
+  how = ("set those leaves to False in requires_grad" if requires_grad is not None else
+         "pass requires_grad=jax.tree.map(lambda x: jnp.issubdtype(x.dtype, "
+         "jnp.inexact), params)")
+  raise TypeError(
+      f"Fix: {how} (PyTorch's requires_grad=False), or move them out of the "
+      "parameters into model_state= (non-trainable state the step threads "
+      f"through): parameter(s) {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''} "
+      "are trainable but not floating-point, and JAX cannot differentiate with "
+      "respect to them (the step would fail in jax.grad: 'grad requires "
+      "real-valued inputs').")
+
+
 def _matches_class(cls, specs) -> bool:
   for spec in specs:
     if isinstance(spec, str):
@@ -246,6 +266,7 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
       full_precision_nodes=full_precision_nodes,
       ignored=sorted(ignored))
   frozen = _frozen_mask(abstract_params, requires_grad)
+  _check_trainable_dtypes(paths, flat, frozen, requires_grad)
   leaf_unit = {}
   units = []
   for idx, c in enumerate(choices):

@@ -351,13 +351,48 @@ def test_damaged_checkpoint_gives_clear_error(tmp_path):
       with pytest.raises(CheckpointError) as e:
         mngr.restore(state, step=s)
       msg = str(e.value)
-      assert f"step {s}" in msg and str(directory) in msg and "Fix:" in msg, (how, msg)
-      assert "finished steps: [1," in msg, msg
+      assert f"step {s}" in msg and str(directory) in msg, (how, msg)
+      # The fix comes first; a low-level error (a TensorStore spec, ...) last.
+      assert msg.startswith("Fix: restore another step with restore(target, step=S) "
+                            "(finished steps: [1,"), msg
+      if "Details:" in msg:
+        assert msg.index("Details:") > msg.index(f"step {s} of the checkpoint"), msg
+        assert "tensorstore_spec" not in msg.split("Details:")[0], msg
     assert int(mngr.restore(state, step=1).step) == 1
     with pytest.raises(FileNotFoundError, match=r"finished steps: \[1, 2, 3, 4, 5, 6\]"):
       mngr.restore(state, step=9)
   with pytest.raises(FileNotFoundError, match="No finished checkpoint"):
     CheckpointManager(tmp_path / "empty").restore(state)
+
+
+def test_writable_manager_does_not_create_a_mistyped_tree(tmp_path):
+  """A writable manager creates its directory but not missing parents (a
+  typo must not grow a new tree), unless create_parents=True."""
+  typo = tmp_path / "runz" / "exp1" / "ckpt"
+  with pytest.raises(FileNotFoundError) as e:
+    CheckpointManager(typo)
+  msg = str(e.value)
+  assert msg.startswith("Fix: check the path for a typo"), msg
+  assert f"os.makedirs({str(typo.parent)!r})" in msg and "create_parents=True" in msg
+  assert f"nearest existing directory is {tmp_path}" in msg, msg
+  assert not (tmp_path / "runz").exists()
+  # The last component alone is created, as before.
+  with CheckpointManager(tmp_path / "ckpt", enable_async_checkpointing=False) as mngr:
+    assert mngr.save(_small())
+  assert (tmp_path / "ckpt" / "0").is_dir()
+  with CheckpointManager(typo, create_parents=True, enable_async_checkpointing=False) as mngr:
+    assert mngr.save(_small())
+  assert (typo / "0").is_dir()
+  # Read-only managers never create anything.
+  missing = tmp_path / "nothing" / "here"
+  with pytest.raises(FileNotFoundError, match="No finished checkpoint"):
+    CheckpointManager(missing, read_only=True).restore(_small())
+  assert not (tmp_path / "nothing").exists()
+  (tmp_path / "a_file").write_text("x")
+  with pytest.raises(NotADirectoryError, match=r"^Fix: pass a directory path"):
+    CheckpointManager(tmp_path / "a_file")
+  with pytest.raises(NotADirectoryError, match=r"its ancestor .*a_file is a file"):
+    CheckpointManager(tmp_path / "a_file" / "ckpt")
 
 
 def test_loading_never_unpickles(run, tmp_path, monkeypatch):

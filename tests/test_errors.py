@@ -123,3 +123,104 @@ def test_params_or_init_fn():
   mesh = mesh_for(S.FULL_SHARD, 2)
   with pytest.raises(ValueError, match="exactly one of params= or init_fn="):
     fsdp_jax.init_train_state(optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+
+
+# --------------------------------------------------------------------------
+# Communication hooks that return the wrong thing
+
+
+def _hook_forgets_state(state, grad, spec):
+  return fsdp_jax.collectives.reduce_gradient(grad, spec)  # no state
+
+
+def _hook_returns_unreduced(state, grad, spec):
+  return grad, state  # the (N, S) buffer, not this device's shard
+
+
+class _StatefulForgetsState:
+  stateful = True
+
+  def init(self, shape, dtype):
+    return jnp.zeros(shape, jnp.float32)
+
+  def __call__(self, state, grad, spec):
+    return fsdp_jax.collectives.reduce_gradient(grad, spec)
+
+  def __repr__(self):
+    return "StatefulForgetsState()"
+
+
+class _StatefulDropsARow(_StatefulForgetsState):
+
+  def __call__(self, state, grad, spec):
+    return fsdp_jax.collectives.reduce_gradient(grad, spec), state[1:]
+
+  def __repr__(self):
+    return "StatefulDropsARow()"
+
+
+@pytest.mark.parametrize("hook, name, words", [
+    (_hook_forgets_state, "test_errors._hook_forgets_state",
+     ["Fix: return (reduced, state) from comm_hook", "it returned an array of shape (28,) float32",
+      "for a gradient of shape (8, 28)", "reduced shard (shape (28,))"]),
+    (_hook_returns_unreduced, "test_errors._hook_returns_unreduced",
+     ["Fix: return this device's reduced shard as the first value of comm_hook",
+      "it returned an array of shape (8, 28) float32", "has shape (28,)"]),
+    (_StatefulForgetsState(), "StatefulForgetsState()",
+     ["Fix: return (reduced, state) from comm_hook", "it returned an array of shape (28,) float32"]),
+    (_StatefulDropsARow(), "StatefulDropsARow()",
+     ["Fix: return a new state shaped like the one it was given", "got (8, 28)",
+      "returned (7, 28)"]),
+], ids=["stateless", "unreduced", "stateful", "stateful-state"])
+def test_comm_hook_return_value_is_checked(hook, name, words):
+  state, step = _state_and_step(n=8, comm_hook=hook)
+  with pytest.raises(TypeError) as e:
+    step(state, mlp_batch())
+  msg = str(e.value)
+  assert msg.startswith("Fix:"), msg
+  assert name in msg, msg
+  for w in words:
+    assert w in msg, (w, msg)
+
+
+# --------------------------------------------------------------------------
+# Integer leaves among the trainable parameters
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False], ids=["orig", "flat"])
+def test_integer_trainable_leaf_is_refused_at_init(use_orig_params):
+  params = {"w": jnp.ones((4, 3)), "count": jnp.arange(3, dtype=jnp.int32)}
+  mesh = mesh_for(S.FULL_SHARD, 2)
+  config = fsdp_jax.FSDPConfig(use_orig_params=use_orig_params)
+  with pytest.raises(TypeError) as e:
+    fsdp_jax.init_train_state(params=params, optimizer=optax.adam(1e-2), mesh=mesh,
+                              config=config)
+  msg = str(e.value)
+  assert msg.startswith("Fix: pass requires_grad=jax.tree.map(lambda x: "
+                        "jnp.issubdtype(x.dtype, jnp.inexact), params)"), msg
+  assert "model_state=" in msg and "'count' (int32, shape (3,))" in msg, msg
+  assert "'w'" not in msg
+  # A requires_grad that still marks it trainable: the fix names requires_grad.
+  with pytest.raises(TypeError, match=r"^Fix: set those leaves to False in requires_grad"):
+    fsdp_jax.init_train_state(params=params, optimizer=optax.adam(1e-2), mesh=mesh,
+                              config=config, requires_grad={"w": True, "count": True})
+
+
+def test_integer_leaf_trains_once_frozen_as_the_error_says():
+  params = {"w": jnp.ones((4, 3)), "count": jnp.arange(3, dtype=jnp.int32)}
+  mesh = mesh_for(S.FULL_SHARD, 2)
+  config = fsdp_jax.FSDPConfig(use_orig_params=True)
+  opt = optax.sgd(0.1)
+  state = fsdp_jax.init_train_state(
+      params=params, optimizer=opt, mesh=mesh, config=config,
+      requires_grad=jax.tree.map(lambda x: jnp.issubdtype(x.dtype, jnp.inexact), params))
+
+  def loss(p, b):
+    return jnp.sum(p["w"]) * jnp.mean(b) + jnp.sum(p["count"]).astype(jnp.float32)
+
+  step = fsdp_jax.shard_train_step(loss, opt, mesh=mesh, config=config)
+  state, metrics = step(state, jnp.ones((4, 3)))
+  assert float(metrics["loss"]) == 15.0
+  full = fsdp_jax.full_params(state)
+  np.testing.assert_array_equal(np.asarray(full["count"]), [0, 1, 2])
+  np.testing.assert_allclose(np.asarray(full["w"]), 0.9, rtol=1e-6)

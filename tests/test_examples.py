@@ -218,14 +218,51 @@ def test_train_gpt_two_processes(jobs):
 def test_train_gpt_resume_round_trip(jobs):
   full = step_lines(jobs.gpt.ok())
   out = jobs.resume().ok()
-  assert f"resumed from step 3 in {jobs.tmp / 'ckpt_resume'}" in out
+  assert f"resumed from step 3 in {jobs.tmp / 'ckpt_resume'}, next batch 4" in out
   resumed = step_lines(out)
   assert sorted(resumed) == [4, 5, 6]
-  # Same state, same batches (they depend on the step only), same schedule:
-  # the resumed steps print exactly the numbers of the uninterrupted run.
+  # Same state, same batches (the data position is in the checkpoint), same
+  # schedule: the resumed steps print exactly the numbers of the
+  # uninterrupted run.
   for s in resumed:
     assert resumed[s] == full[s], (s, resumed, full)
   assert f"checkpoint: saved steps [6] in {jobs.tmp / 'ckpt_resume'} (kept: [3, 6])" in out
+
+
+def test_train_gpt_preemption(jobs, tmp_path):
+  """SIGTERM mid-training: the example saves the step it stops after (with
+  the data position) and exits 75; the same command resumes there."""
+  import signal
+
+  from fsdp_jax.checkpoint import CheckpointManager
+
+  ckpt = tmp_path / "ckpt"
+  cmd = [sys.executable, GPT, "--platform", "cpu", "--steps", "40", "--log-every", "1",
+         "--layers", "1", "--d-model", "32", "--seq-len", "32", "--batch-size", "16",
+         "--sample-chars", "0", "--save-every", "100", "--checkpoint-dir", str(ckpt),
+         "--resume"]
+  job = Job("gpt_preempt", cmd, tmp_path)
+  try:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not re.search(r"^step\s+3\s", job.output, re.M):
+      assert job.proc.poll() is None and time.monotonic() < deadline, job.output[-4000:]
+      time.sleep(0.05)
+    os.kill(job.proc.pid, signal.SIGTERM)
+    job.wait()
+  finally:
+    job.kill()
+  out = job.output
+  assert job.returncode == 75, out[-4000:]
+  m = re.search(r"preempted \(SIGTERM\): saved step (\d+) in (\S+); exiting with status 75", out)
+  assert m and m.group(2) == str(ckpt), out[-4000:]
+  stopped = int(m.group(1))
+  assert 3 <= stopped < 40 and max(step_lines(out)) == stopped
+  with CheckpointManager(ckpt, read_only=True) as mngr:
+    assert mngr.all_steps() == [stopped]
+    assert mngr.data_state(stopped) == {"next_batch": stopped + 1}
+  again = Job("gpt_preempt_resume", cmd, tmp_path).ok()
+  assert f"resumed from step {stopped} in {ckpt}, next batch {stopped + 1}" in again
+  assert sorted(step_lines(again)) == list(range(stopped + 1, 41))
 
 
 def test_train_gpt_offload(jobs):

@@ -9,7 +9,9 @@
   which exits with fsdp_jax.distributed.EXIT_PEER_LOST in well under 60 s.
 * monitored_barrier names the process that did not arrive.
 * The launcher: --help, argument errors, environment, exit codes, stopping
-  the other workers when one fails.
+  the other workers when one fails, a busy --master-port.
+* Who can reach the job: the coordination service listens on loopback only
+  for a one-machine launch, on the interface of --master-addr otherwise.
 
 Every subprocess runs under a hard timeout and is killed (with its process
 group) on the way out; workers also die with their parent (PR_SET_PDEATHSIG).
@@ -17,9 +19,12 @@ group) on the way out; workers also die with their parent (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -357,6 +362,8 @@ def test_launcher_help(capsys):
     (["--nproc", "2", "--master-port", "70000", WORKER], "not a TCP port"),
     (["--nproc", "2", "--peer-timeout", "-1", WORKER], "--peer-timeout must be positive"),
     (["--nproc", "2", "--platform", "tpu", WORKER], "invalid choice: 'tpu'"),
+    (["--nproc", "2", "--max-restarts", "-1", WORKER], "--max-restarts must be 0 or more"),
+    (["--nproc", "2", "--term-timeout", "0", WORKER], "--term-timeout must be positive"),
 ])
 def test_launcher_rejects_bad_arguments(capsys, argv, message):
   with pytest.raises(SystemExit) as e:
@@ -420,6 +427,153 @@ def test_launcher_stops_others_and_forwards_failure(tmp_path, how, expected_stat
                    "failed first", proc.stderr), proc.stderr
   assert re.search(r"stopped the other workers: RANK=0 \(killed by signal SIGTERM \(15\)\), "
                    r"RANK=2 \(killed by signal SIGTERM \(15\)\)", proc.stderr), proc.stderr
+
+
+def test_launcher_max_restarts(tmp_path):
+  """--max-restarts K: after a worker fails, all workers start again (with
+  FSDP_JAX_RESTART_COUNT and a fresh coordinator port), up to K times; the
+  logs of every start follow each other."""
+  script = _script(tmp_path, """
+      import os, sys, time
+      n = int(os.environ["FSDP_JAX_RESTART_COUNT"])
+      print(f"start {n} of max {os.environ['FSDP_JAX_MAX_RESTARTS']} rank {os.environ['RANK']} "
+            f"port {os.environ['MASTER_PORT']}", flush=True)
+      if n < 2 and os.environ["RANK"] == "1":
+          sys.exit(3)
+      time.sleep(0 if n >= 2 else 60)  # rank 0 runs on until stopped
+  """)
+  logs = tmp_path / "logs"
+  proc = subprocess.run(_launcher("--nproc", "2", "--max-restarts", "2", "--kill-grace", "2",
+                                  "--log-dir", str(logs), script),
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=90)
+  assert proc.returncode == 0, proc.stderr
+  assert re.findall(r"restarting all 2 worker\(s\) \(restart (\d) of 2\)", proc.stderr) == \
+      ["1", "2"], proc.stderr
+  assert "worker RANK=1 (LOCAL_RANK=1, pid" in proc.stderr and "exit code 3 failed first" \
+      in proc.stderr
+  log0 = (logs / "rank0.log").read_text()
+  starts = re.findall(r"start (\d) of max 2 rank 0 port (\d+)", log0)
+  assert [n for n, _ in starts] == ["0", "1", "2"], log0
+  assert len({p for _, p in starts}) == 3, starts  # a fresh port each time
+  assert "==== fsdp_jax.launch: restart 2 of 2 ====" in log0
+  # One restart fewer than needed: the failure's status, and why.
+  proc = subprocess.run(_launcher("--nproc", "2", "--max-restarts", "1", "--kill-grace", "2",
+                                  script),
+                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=90)
+  assert proc.returncode == 3, proc.stderr
+  assert "no restarts left (--max-restarts 1 used up). Exiting with status 3." in proc.stderr
+
+
+@pytest.mark.parametrize("how, expected, words", [
+    # Workers that save and exit 75 on SIGTERM: the launcher asks to be
+    # restarted, and does not restart them itself (its machine goes away).
+    ("sys.exit(75)", 75, "RANK=0 exit code 75; RANK=1 exit code 75. Exiting with status 75 "
+                         "(the workers saved and stopped: restart the job to resume)"),
+    # Workers that ignore SIGTERM: killed after --term-timeout.
+    ("time.sleep(120)", 128 + 15, "killing the workers still running after 2 s"),
+])
+def test_launcher_forwards_sigterm(tmp_path, how, expected, words):
+  script = _script(tmp_path, f"""
+      import os, signal, sys, time
+      def on_term(signum, frame):
+          print("worker got SIGTERM", flush=True)
+          {how}
+      signal.signal(signal.SIGTERM, on_term)
+      open(os.path.join(os.path.dirname(__file__), "up" + os.environ["RANK"]), "w").close()
+      time.sleep(60)
+  """)
+  proc = subprocess.Popen(_launcher("--nproc", "2", "--max-restarts", "3", "--term-timeout", "2",
+                                    script),
+                          cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True)
+  try:
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"up{r}").exists() for r in (0, 1)):
+      assert time.monotonic() < deadline and proc.poll() is None
+      time.sleep(0.05)
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    took = time.monotonic() - start
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, 9)
+  assert proc.returncode == expected, err
+  assert out.count("worker got SIGTERM") == 2, out
+  assert "got SIGTERM; forwarded it to the workers (up to 2 s to exit" in err, err
+  assert words in err, err
+  assert "restarting" not in err
+  assert took < 20
+
+
+def _alive(pid: int) -> bool:
+  """Running (a zombie waiting to be reaped counts as dead)."""
+  try:
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+  except (OSError, IndexError):
+    return False
+  return state not in ("Z", "X")
+
+
+def test_workers_die_with_the_launcher(tmp_path):
+  """SIGKILL to the launcher (no chance to stop anything): the kernel kills
+  every worker (PR_SET_PDEATHSIG), so none is left running orphaned."""
+  script = _script(tmp_path, """
+      import os, time
+      with open(os.path.join(os.path.dirname(__file__), "pid" + os.environ["RANK"]), "w") as f:
+          f.write(str(os.getpid()))
+      time.sleep(120)
+  """)
+  proc = subprocess.Popen(_launcher("--nproc", "2", script), cwd=REPO, env=_env(),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                          start_new_session=True)
+  pids = []
+  try:
+    deadline = time.monotonic() + 30
+    while len(pids) < 2:
+      assert time.monotonic() < deadline and proc.poll() is None
+      pids = [int(p.read_text()) for p in sorted(tmp_path.glob("pid[01]")) if p.read_text()]
+      time.sleep(0.05)
+    assert all(_alive(p) for p in pids)
+    proc.kill()  # the launcher only: the workers run in their own sessions
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert not any(_alive(p) for p in pids), pids
+  finally:
+    for p in pids:
+      if _alive(p):
+        os.kill(p, 9)
+
+
+def test_exit_without_shutdown_is_clean(tmp_path):
+  """A script that never calls distributed.shutdown() exits 0: the watchdog
+  and jax.distributed are shut down at exit, in order (left to interpreter
+  teardown, about one exit in two aborted with SIGABRT). Four jobs side by
+  side."""
+  script = _script(tmp_path, """
+      from fsdp_jax import distributed
+      info = distributed.initialize()
+      import jax.numpy as jnp
+      from jax.experimental import multihost_utils
+      print("sum", float(multihost_utils.process_allgather(jnp.ones(())).sum()), flush=True)
+  """)
+  procs = [subprocess.Popen(_launcher("--nproc", "2", "--platform", "cpu", "--log-dir",
+                                      str(tmp_path / f"logs{i}"), script),
+                            cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+           for i in range(4)]
+  try:
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, 9)
+  for i, (p, out) in enumerate(zip(procs, outs)):
+    logs = [(tmp_path / f"logs{i}" / f"rank{r}.log").read_text() for r in (0, 1)]
+    assert p.returncode == 0, (out[-3000:], logs)
+    assert all("sum 2.0" in log for log in logs), logs
 
 
 def test_launcher_success_module_mode_and_log_dir(tmp_path):
@@ -491,3 +645,173 @@ def test_sync_module_states_starts_every_process_from_process_0(tmp_path):
   # Without the option, the processes' different host values are not
   # reconciled: process 1's own model state stays on its devices.
   assert seen[1]["False"]["stat"] == [1.0, 1.0, 1.0]
+
+
+# --------------------------------------------------------------------------
+# A busy --master-port, and who can reach the coordinator
+
+
+def test_launcher_refuses_busy_master_port(capsys):
+  with socket.socket() as squatter:
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    port = squatter.getsockname()[1]
+    with pytest.raises(SystemExit) as e:
+      launch.main(["--nproc", "2", "--master-port", str(port), WORKER])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert f"error: Fix: pass another --master-port, or leave it out to get a free port" in err
+  assert f"--master-port {port}: the coordinator cannot listen on 127.0.0.1:{port}: " \
+         "address already in use" in err, err
+
+
+def test_worker_names_busy_coordinator_port(tmp_path):
+  """Started without the launcher's check: process 0 says 'address already
+  in use' with the fix, at once, instead of JAX's 'Failed to start RPC
+  server' under a claim of a 300 s wait."""
+  script = _script(tmp_path, """
+      from fsdp_jax import distributed
+      distributed.initialize()
+  """)
+  with socket.socket() as squatter:
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    port = squatter.getsockname()[1]
+    env = worker_env(rank=0, world_size=2, local_rank=0, local_world_size=2,
+                     master_addr="127.0.0.1", master_port=port, devices_per_proc=1,
+                     platform="cpu", base=_env())
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+                          timeout=120)
+    took = time.monotonic() - start
+  assert proc.returncode == 1
+  err = proc.stderr
+  assert re.search(r"RuntimeError: Fix: choose another port .* Process 0 could not start "
+                   rf"JAX's coordination service on 127\.0\.0\.1:{port}: address already in use",
+                   err), err
+  assert "300 s" not in err and "raise FSDP_JAX_INIT_TIMEOUT" not in err, err
+  assert "The above exception was the direct cause" not in err  # no JAX traceback
+  assert took < 60
+
+
+def _local_ipv4() -> list[str]:
+  """This machine's own IPv4 addresses other than loopback (Linux)."""
+  try:
+    lines = Path("/proc/net/fib_trie").read_text().splitlines()
+  except OSError:
+    return []
+  out = []
+  for prev, line in zip(lines, lines[1:]):
+    if "/32 host LOCAL" in line:
+      ip = prev.split()[-1]
+      if not ipaddress.ip_address(ip).is_loopback and ip not in out:
+        out.append(ip)
+  return out
+
+
+def listening_sockets(pids) -> list[tuple[int, str, int]]:
+  """``(pid, ip, port)`` of every TCP socket in LISTEN state owned by
+  ``pids``, from /proc/net/tcp and tcp6 (IPv4-mapped IPv6 shown as IPv4)."""
+  owner = {}
+  for pid in pids:
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+      try:
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+      except OSError:
+        continue
+      if target.startswith("socket:["):
+        owner[target[len("socket:["):-1]] = pid
+  out = []
+  for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+    for line in Path(table).read_text().splitlines()[1:]:
+      fields = line.split()
+      local, state, inode = fields[1], fields[3], fields[9]
+      if state != "0A" or inode not in owner:  # 0A: LISTEN
+        continue
+      hex_ip, hex_port = local.split(":")
+      raw = bytes.fromhex(hex_ip)
+      # The kernel prints the address as 32-bit words in host (little-endian) order.
+      raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+      ip = ipaddress.ip_address(raw)
+      if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+      out.append((owner[inode], str(ip), int(hex_port, 16)))
+  return out
+
+
+@pytest.mark.parametrize("where", ["one-machine", "master-addr"])
+def test_coordinator_listens_only_where_it_must(tmp_path, where):
+  """A one-machine launch: JAX's coordination service (unauthenticated gRPC)
+  listens on 127.0.0.1 only, not on every interface as JAX's default
+  ``[::]:PORT`` would. With --master-addr set to one of this machine's
+  network addresses: on that address only."""
+  extra = []
+  expect = "127.0.0.1"
+  if where == "master-addr":
+    lan = _local_ipv4()
+    if not lan:
+      pytest.skip("this machine has no IPv4 address besides loopback")
+    expect = lan[0]
+    extra = ["--master-addr", expect]
+  go = tmp_path / "go"
+  script = _script(tmp_path, f"""
+      import json, os, time
+      from fsdp_jax import distributed
+      info = distributed.initialize()
+      import jax.numpy as jnp
+      from jax.experimental import multihost_utils
+      multihost_utils.process_allgather(jnp.ones(()))  # gloo connects its pairs
+      print("READY", json.dumps(dict(pid=os.getpid(), rank=info.rank,
+                                     address=info.coordinator_address,
+                                     bind=info.coordinator_bind_address)), flush=True)
+      deadline = time.monotonic() + 60
+      while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+      distributed.shutdown()
+  """)
+  log = tmp_path / "launcher.log"
+  run = _Background(_launcher("--nproc", "2", "--devices-per-proc", "1", "--platform", "cpu",
+                              *extra, script), log, timeout=120)
+  try:
+    ready = {}
+    deadline = time.monotonic() + 90
+    while len(ready) < 2 and time.monotonic() < deadline and run.proc.poll() is None:
+      for m in re.finditer(r"^READY (.*)$", run.output(), re.M):
+        seen = json.loads(m.group(1))
+        ready[seen["rank"]] = seen
+      time.sleep(0.1)
+    assert len(ready) == 2, run.output()[-3000:]
+    port = int(ready[0]["address"].rsplit(":", 1)[1])
+    assert ready[0]["address"] == f"{expect}:{port}"
+    assert ready[0]["bind"] == f"{expect}:{port}"
+    sockets = listening_sockets([ready[0]["pid"], ready[1]["pid"]])
+  finally:
+    go.write_text("")
+  assert run.wait() == 0, run.output()[-3000:]
+  on_port = [(pid, ip) for pid, ip, p in sockets if p == port]
+  assert on_port == [(ready[0]["pid"], expect)], (port, sockets)
+  # Nothing of the job listens on every interface (gloo, CPU collectives,
+  # listens on the address of this machine's host name).
+  host_ip = socket.gethostbyname(socket.gethostname())
+  for pid, ip, p in sockets:
+    assert ip not in ("0.0.0.0", "::"), sockets
+    assert ip in (expect, host_ip, "127.0.0.1"), sockets
+  print(f"\nlistening: {sockets}")
+
+
+def test_bind_address_rules(monkeypatch):
+  monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
+  assert distributed.default_coordinator_bind_address("localhost:29500") == "127.0.0.1:29500"
+  assert distributed.default_coordinator_bind_address("[::1]:29500") == "[::1]:29500"
+  # A host name that resolves to loopback (Debian maps the host name to
+  # 127.0.1.1) while other machines must connect: refused with the fix.
+  with pytest.raises(ValueError, match=(
+      r"^Fix: give the coordinator this machine's network address .* 'node0' resolves to "
+      r"127\.0\.1\.1 on this machine, a loopback address, but 2 of the 4 processes run on "
+      r"other machines")):
+    distributed._check_bind_address("127.0.1.1:29500", "node0:29500", 4, 2)
+  distributed._check_bind_address("127.0.1.1:29500", "node0:29500", 2, 2)  # one machine
+  distributed._check_bind_address("127.0.0.1:29500", "127.0.0.1:29500", 4, 2)  # meant
+  monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "0.0.0.0:29500")
+  assert distributed.default_coordinator_bind_address("node0:29500") == "0.0.0.0:29500"
+  distributed._check_bind_address("127.0.1.1:29500", "node0:29500", 4, 2)  # user's choice
