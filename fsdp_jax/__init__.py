@@ -74,7 +74,11 @@ from fsdp_jax.state_dict import (
     shard_full_optim_state_dict as shard_full_optim_state_dict,
     state_dict as state_dict,
 )
-from fsdp_jax.step import TrainStep as TrainStep, shard_train_step as shard_train_step
+from fsdp_jax.step import (
+    NonFiniteError as NonFiniteError,
+    TrainStep as TrainStep,
+    shard_train_step as shard_train_step,
+)
 from fsdp_jax.wrap import (
     CustomPolicy as CustomPolicy,
     ModuleWrapPolicy as ModuleWrapPolicy,
@@ -88,7 +92,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackwardPrefetch", "CPUOffload", "CPU_XLA_FLAGS", "CheckpointError",
     "CheckpointManager", "CustomPolicy", "DistributedInfo",
-    "MonitoredBarrierError", "OptimStateKeyType", "distributed",
+    "MonitoredBarrierError", "NonFiniteError", "OptimStateKeyType", "distributed",
     "monitored_barrier", "hlo",
     "export_params", "full_optim_state_dict", "import_params",
     "load_state_dict", "optim_state_dict", "optim_state_dict_to_load",

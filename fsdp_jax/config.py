@@ -183,6 +183,17 @@ class FSDPConfig:
       that needs a whole parameter gathers it); ``"global"`` runs it on the
       logical tree outside ``shard_map`` and lets the compiler partition it
       from the state's shardings; ``"auto"`` (default) picks per optimizer.
+    nonfinite: what a step does when its gradient norm or loss is not finite
+      (NaN or Inf; ``metrics["nonfinite"]`` reports it every step, decided
+      the same way on every device and process): ``"propagate"`` (default:
+      the update is applied, as unsharded training and PyTorch's
+      ``clip_grad_norm_(error_if_nonfinite=False)`` do), ``"skip"`` (params,
+      optimizer state, model state, hook state and ``state.step`` stay
+      bitwise unchanged, and ``state.nonfinite_steps`` counts the skip) or
+      ``"raise"`` (the same, then the step raises
+      :class:`~fsdp_jax.NonFiniteError` naming the step and the first
+      parameter whose gradient is not finite; the unchanged state is on the
+      error).
     stacked_layers: dotted-name glob patterns (as in ``ModuleWrapPolicy``) of
       subtrees whose leaves carry a
       leading layer axis (models that ``lax.scan`` over stacked layers). Each
@@ -211,6 +222,7 @@ class FSDPConfig:
   stacked_layers: Sequence[str] = ()
   comm_hook: Optional[Any] = None
   optimizer_update: str = "auto"
+  nonfinite: str = "propagate"
 
   def __post_init__(self):
     if not isinstance(self.sharding_strategy, ShardingStrategy):
@@ -234,6 +246,9 @@ class FSDPConfig:
       raise TypeError(
           f"backward_prefetch={self.backward_prefetch!r}: pass "
           "fsdp_jax.BackwardPrefetch.BACKWARD_PRE, .BACKWARD_POST or None.")
+    if self.nonfinite not in ("propagate", "skip", "raise"):
+      raise ValueError(
+          f"nonfinite={self.nonfinite!r}: pass 'propagate' (default), 'skip' or 'raise'.")
     if self.optimizer_update not in ("auto", "sharded", "global"):
       raise ValueError(
           f"optimizer_update={self.optimizer_update!r}: pass 'auto' (default), 'sharded' "

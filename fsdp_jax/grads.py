@@ -559,6 +559,44 @@ def _grad_dtypes(plan: Plan):
   return out
 
 
+def grad_norm(grads, *, plan: Plan, norm_type: float = 2.0):
+  """The total norm of the reduced gradient shards (inside ``jax.shard_map``):
+  the norm of all gradients viewed as one vector, as
+  :func:`clip_grad_norm` computes it, in the promoted dtype of the
+  gradients. One scalar all-reduce over the shard axes."""
+  total = _total_norm(grads, plan, float(norm_type))
+  return total.astype(_norm_dtype(plan))
+
+
+def _total_norm(grads, plan: Plan, norm_type: float):
+  if not (norm_type > 0):
+    raise ValueError(f"clip_grad_norm: norm_type={norm_type} must be > 0 or inf.")
+  leaves = jax.tree.leaves(grads)
+  is_ignored = jax.tree.leaves(split_trainable(plan, _ignored_flags(plan))[0])
+  sharded = [x for x, ign in zip(leaves, is_ignored) if not ign]
+  own = [x for x, ign in zip(leaves, is_ignored) if ign]
+  axes = plan.axes.shard_axes
+  zero = jnp.zeros((), jnp.float32)
+  # Sharded gradients are summed over the shard axes; ignored parameters'
+  # gradients are this device's own and count once (PyTorch adds the local
+  # non-sharded norm after the all-reduce).
+  if math.isinf(norm_type):
+    amax = lambda xs: jnp.max(jnp.stack([zero] + [jnp.max(jnp.abs(x.astype(jnp.float32))) for x in xs]))
+    local = amax(sharded)
+    return jnp.maximum(lax.pmax(local, axes) if axes else local, amax(own))
+  psum_ = lambda xs: sum((jnp.sum(jnp.abs(x.astype(jnp.float32)) ** norm_type) for x in xs), zero)
+  local = psum_(sharded)
+  return ((lax.psum(local, axes) if axes else local) + psum_(own)) ** (1.0 / norm_type)
+
+
+def _norm_dtype(plan: Plan):
+  dtypes = _grad_dtypes(plan) or [jnp.dtype(jnp.float32)]
+  out_dtype = dtypes[0]
+  for d in dtypes[1:]:
+    out_dtype = jnp.promote_types(out_dtype, d)
+  return out_dtype
+
+
 def clip_grad_norm(grads, *, plan: Plan, max_norm: float, norm_type: float = 2.0):
   """PyTorch's ``FullyShardedDataParallel.clip_grad_norm_`` on local shards.
 
@@ -577,29 +615,31 @@ def clip_grad_norm(grads, *, plan: Plan, max_norm: float, norm_type: float = 2.0
   if not max_norm > 0:
     raise ValueError(f"clip_grad_norm: max_norm={max_norm} must be positive "
                      "(PyTorch clips to a norm > 0).")
-  if not (norm_type > 0):
-    raise ValueError(f"clip_grad_norm: norm_type={norm_type} must be > 0 or inf.")
-  leaves = jax.tree.leaves(grads)
-  is_ignored = jax.tree.leaves(split_trainable(plan, _ignored_flags(plan))[0])
-  sharded = [x for x, ign in zip(leaves, is_ignored) if not ign]
-  own = [x for x, ign in zip(leaves, is_ignored) if ign]
-  axes = plan.axes.shard_axes
-  zero = jnp.zeros((), jnp.float32)
-  # Sharded gradients are summed over the shard axes; ignored parameters'
-  # gradients are this device's own and count once (PyTorch adds the local
-  # non-sharded norm after the all-reduce).
-  if math.isinf(norm_type):
-    amax = lambda xs: jnp.max(jnp.stack([zero] + [jnp.max(jnp.abs(x.astype(jnp.float32))) for x in xs]))
-    local = amax(sharded)
-    total = jnp.maximum(lax.pmax(local, axes) if axes else local, amax(own))
-  else:
-    psum_ = lambda xs: sum((jnp.sum(jnp.abs(x.astype(jnp.float32)) ** norm_type) for x in xs), zero)
-    local = psum_(sharded)
-    total = ((lax.psum(local, axes) if axes else local) + psum_(own)) ** (1.0 / norm_type)
+  total = _total_norm(grads, plan, norm_type)
   coef = jnp.minimum(max_norm / (total + 1e-6), 1.0)
   clipped = jax.tree.map(lambda x: (x * coef.astype(x.dtype)).astype(x.dtype), grads)
-  dtypes = _grad_dtypes(plan) or [jnp.dtype(jnp.float32)]
-  out_dtype = dtypes[0]
-  for d in dtypes[1:]:
-    out_dtype = jnp.promote_types(out_dtype, d)
-  return clipped, total.astype(out_dtype)
+  return clipped, total.astype(_norm_dtype(plan))
+
+
+def nonfinite_leaves(grads, *, plan: Plan):
+  """Per trainable parameter (in ``tree_leaves`` order), whether any element
+  of its reduced gradient is non-finite, agreed over the data axes (inside
+  ``jax.shard_map``; one small all-reduce)."""
+  from fsdp_jax.optim import _Geometry  # pylint: disable=import-outside-toplevel
+  geo = _Geometry(plan)
+  flags = []
+  stored = (jax.tree_util.tree_leaves(grads) if plan.use_orig_params else grads)
+  it = iter(stored) if plan.use_orig_params else None
+  for l in plan.leaves:
+    if l.frozen:
+      continue
+    if plan.use_orig_params:
+      x = next(it)
+    else:
+      x = grads[plan.ignored_key(l)] if l.ignored else grads[plan.units[l.unit].flat_key]
+    bad = ~jnp.isfinite(x)
+    if not l.ignored and not plan.use_orig_params and geo.has_padding(l.index):
+      bad = bad & geo.valid(l.index)
+    flags.append(jnp.any(bad))
+  vec = jnp.stack(flags).astype(jnp.int32)
+  return lax.pmax(vec, plan.axes.data_axes).astype(bool)

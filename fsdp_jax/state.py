@@ -38,6 +38,9 @@ class ShardedTrainState:
       Kept in device memory, with or without CPU offload.
     comm_hook_state: the per-device state of a stateful communication hook,
       or None (device memory, like ``step``).
+    nonfinite_steps: with ``FSDPConfig(nonfinite="skip")``, the number of
+      steps skipped because their gradients were not finite (int32 scalar);
+      None otherwise.
     plan: the :class:`~fsdp_jax.plan.Plan` (units, layout, mesh, config).
   """
 
@@ -46,6 +49,7 @@ class ShardedTrainState:
   opt_state: Any
   model_state: Any = None
   comm_hook_state: Any = None
+  nonfinite_steps: Any = None
   plan: Plan = dataclasses.field(default=None, metadata=dict(static=True))
 
   def replace(self, **changes) -> "ShardedTrainState":
@@ -459,9 +463,12 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
     # on the first device even with may_alias=False; a jitted copy does not.)
     model_state = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
                           out_shardings=replicated)(model_state)
+  skipped = (jax.device_put(jnp.zeros((), jnp.int32), replicated)
+             if config.nonfinite == "skip" else None)
   return ShardedTrainState(step=step, params=storage, opt_state=opt_state,
                            model_state=model_state,
-                           comm_hook_state=_init_hook_state(plan), plan=plan)
+                           comm_hook_state=_init_hook_state(plan), nonfinite_steps=skipped,
+                           plan=plan)
 
 
 def _off_other_devices(params, mesh: Mesh):

@@ -140,7 +140,8 @@ def shard_train_step(loss_fn: Callable[..., Any],
     A :class:`TrainStep`, called as ``step(state, batch) -> (state, metrics)``;
     ``metrics["loss"]`` is the global mean loss, ``metrics["aux"]`` the aux
     output averaged over the data-parallel world, ``metrics["grad_norm"]`` the
-    pre-clip total gradient norm when ``max_norm`` is set.
+    global (pre-clip) gradient norm, ``metrics["nonfinite"]`` whether it or
+    the loss is NaN/Inf (see ``FSDPConfig.nonfinite``).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax
@@ -196,6 +197,8 @@ def shard_train_step(loss_fn: Callable[..., Any],
     offloaded = offload.offloads(config)
 
     mode = plan.opt_update.mode if plan.opt_update is not None else "sharded"
+    policy = config.nonfinite
+    own_grads = any(l.ignored and not l.frozen for l in plan.leaves)
 
     def body(params, opt_state, model_state, hook_state, batch_local):
       # With CPU offload the stored shards are in host memory: the gathers
@@ -208,7 +211,16 @@ def shard_train_step(loss_fn: Callable[..., Any],
         # Clipping sums over the shards (a collective): it runs on the device.
         grads, norm = grads_lib.clip_grad_norm(grads, plan=plan, max_norm=max_norm,
                                                norm_type=norm_type)
-        metrics["grad_norm"] = norm
+      else:
+        norm = grads_lib.grad_norm(grads, plan=plan)
+      metrics["grad_norm"] = norm
+      bad = ~(jnp.isfinite(norm.astype(jnp.float32)) & jnp.isfinite(loss))
+      if own_grads:
+        # Ignored parameters' gradients are per device: agree on the flag.
+        bad = jax.lax.pmax(bad.astype(jnp.int32), data_axes).astype(bool)
+      metrics["nonfinite"] = bad
+      if policy == "raise":
+        metrics["nonfinite_leaves"] = grads_lib.nonfinite_leaves(grads, plan=plan)
       trainable, frozen = grads_lib.split_trainable(plan, params)
       if mode == "global":
         # The optimizer runs after shard_map, on the global view.
@@ -217,19 +229,26 @@ def shard_train_step(loss_fn: Callable[..., Any],
         # The gradient shards go to the host and the optimizer runs there,
         # writing the new params and optimizer state in host memory.
         grads = offload.to_host(grads)
-        index, value = offload.to_host((optim.shard_index(plan), loss))
+        index, value, keep = offload.to_host((optim.shard_index(plan), loss, bad))
 
-        def host_update(g, s, t, i, v):
-          return optim.update_local(plan, optimizer, g, s, t, value=v, index=i, host=True)
+        def host_update(g, s, t, i, v, k):
+          new_t, new_s = optim.update_local(plan, optimizer, g, s, t, value=v, index=i,
+                                            host=True)
+          if policy != "propagate":
+            new_t, new_s = _keep_if(k, (t, s), (new_t, new_s))
+          return new_t, new_s
 
         new_trainable, new_opt_state = compute_on("device_host")(jax.jit(host_update))(
-            grads, opt_state, trainable, index, value)
+            grads, opt_state, trainable, index, value, keep)
         # Leaves the host computation may leave in device memory (a step
         # count made from a constant) are stored on the host too.
         new_trainable, new_opt_state = offload.to_host((new_trainable, new_opt_state))
       else:
         new_trainable, new_opt_state = optim.update_local(plan, optimizer, grads, opt_state,
                                                           trainable, value=loss)
+        if policy != "propagate":
+          new_trainable, new_opt_state = _keep_if(bad, (trainable, opt_state),
+                                                  (new_trainable, new_opt_state))
       new_params = grads_lib.merge_trainable(plan, new_trainable, frozen)
       if out.aux is not None:
         metrics["aux"] = jax.tree.map(
@@ -242,6 +261,9 @@ def shard_train_step(loss_fn: Callable[..., Any],
             lambda new, old: (jax.lax.pmean(new, data_axes).astype(old.dtype)
                               if is_float_dtype(old.dtype) else new.astype(old.dtype)),
             out.model_state, model_state)
+      if policy != "propagate":
+        new_ms, new_hook_state = _keep_if(bad, (model_state, hook_state),
+                                          (new_ms, new_hook_state))
       return new_params, new_opt_state, new_ms, new_hook_state, metrics
 
     fn = jax.shard_map(body, mesh=mesh,
@@ -250,18 +272,65 @@ def shard_train_step(loss_fn: Callable[..., Any],
                        check_vma=False)
     new_params, new_opt_state, new_ms, new_hook, metrics = fn(
         state.params, state.opt_state, state.model_state, state.comm_hook_state, batch)
+    bad = metrics["nonfinite"]
     if mode == "global":
       grads = grads_lib.split_trainable(plan, new_params)[0]
       trainable, frozen = grads_lib.split_trainable(plan, state.params)
       new_trainable, new_opt_state = optim.update_global(
           plan, optimizer, grads, state.opt_state, trainable, value=metrics["loss"])
+      if policy != "propagate":
+        new_trainable, new_opt_state = _keep_if(bad, (trainable, state.opt_state),
+                                                (new_trainable, new_opt_state))
       new_params = grads_lib.merge_trainable(plan, new_trainable, frozen)
-    new_state = state.replace(step=state.step + 1, params=new_params,
-                              opt_state=new_opt_state, model_state=new_ms,
-                              comm_hook_state=new_hook)
-    return new_state, metrics
+    changes = dict(step=state.step + 1, params=new_params, opt_state=new_opt_state,
+                   model_state=new_ms, comm_hook_state=new_hook)
+    if policy != "propagate":
+      changes["step"] = state.step + jnp.where(bad, 0, 1).astype(state.step.dtype)
+    if state.nonfinite_steps is not None:
+      changes["nonfinite_steps"] = state.nonfinite_steps + bad.astype(state.nonfinite_steps.dtype)
+    return state.replace(**changes), metrics
 
   return TrainStep(jax.jit(step, donate_argnums=(0,) if donate else ()), mesh, config)
+
+
+def _keep_if(flag, old, new):
+  """``old`` where the scalar ``flag`` is set, else ``new`` (bitwise, leaf by
+  leaf; a scalar predicate, so nothing is broadcast)."""
+  return jax.tree.map(lambda o, n: jax.lax.select(flag, o, n), old, new)
+
+
+class NonFiniteError(FloatingPointError):
+  """A step's gradient norm or loss was not finite under
+  ``FSDPConfig(nonfinite="raise")``. ``error.state`` is the train state as
+  it was before the step (the update was not applied); ``error.step`` the
+  step's index; ``error.parameters`` the names of the parameters whose
+  gradients were not finite."""
+
+  def __init__(self, message, *, state, step, parameters):
+    super().__init__(message)
+    self.state = state
+    self.step = step
+    self.parameters = parameters
+
+
+def _raise_nonfinite(state, metrics):
+  plan = state.plan
+  names = [l.name for l in plan.leaves if not l.frozen]
+  flags = np.asarray(jax.device_get(metrics.pop("nonfinite_leaves")))
+  bad = [n for n, f in zip(names, flags) if f]
+  step = int(jax.device_get(state.step))
+  where = (f"the first parameter whose gradient is not finite is {bad[0]!r}"
+           + (f" (of {len(bad)}: {', '.join(bad[:6])}{', ...' if len(bad) > 6 else ''})"
+              if len(bad) > 1 else "")) if bad else (
+               "every parameter's gradient is finite, so the loss "
+               f"({float(jax.device_get(metrics['loss']))}) or the norm overflowed")
+  raise NonFiniteError(
+      f"Step {step}: non-finite gradients (grad_norm "
+      f"{float(jax.device_get(metrics['grad_norm']))}); {where}. The update was not applied: "
+      "error.state is the train state as it was before this step. Fix: check the batch "
+      "and the loss for NaN/Inf, lower the learning rate, or pass "
+      "FSDPConfig(nonfinite='skip') to skip such steps and count them "
+      "(state.nonfinite_steps).", state=state, step=step, parameters=bad)
 
 
 def check_local_batch(plan: Plan, batch) -> None:
@@ -345,7 +414,14 @@ class TrainStep:
     return place_batch(state.plan, batch)
 
   def __call__(self, state, batch):
-    return self.jitted(state, self._place(state, batch))
+    new_state, metrics = self.jitted(state, self._place(state, batch))
+    if self.config.nonfinite == "raise":
+      # One host read of a replicated flag per step: every process decides
+      # the same way.
+      if bool(jax.device_get(metrics["nonfinite"])):
+        _raise_nonfinite(new_state, metrics)
+      metrics.pop("nonfinite_leaves")
+    return new_state, metrics
 
   def lower(self, state, batch):
     return self.jitted.lower(state, self._place(state, batch))

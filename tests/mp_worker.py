@@ -64,7 +64,7 @@ def dotted(tree):
   return {name(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def setup(strategy: str = "FULL_SHARD", lr: float = 1e-2):
+def setup(strategy: str = "FULL_SHARD", lr: float = 1e-2, nonfinite: str = "propagate"):
   """The state and step of the helpers' uneven MLP with Adam: FULL_SHARD on
   a ``("shard",)`` mesh of all devices, HYBRID on ``replicate=2 x shard=N/2``.
   Returns ``(state, step, mesh)``."""
@@ -76,7 +76,7 @@ def setup(strategy: str = "FULL_SHARD", lr: float = 1e-2):
 
   S = fsdp_jax.ShardingStrategy
   strategy = S[strategy]
-  config = fsdp_jax.FSDPConfig(sharding_strategy=strategy)
+  config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, nonfinite=nonfinite)
   if strategy in (S.HYBRID_SHARD, S._HYBRID_SHARD_ZERO2):
     mesh = fsdp_jax.make_mesh(replicate=2, shard=jax.device_count() // 2)
   else:
@@ -88,19 +88,24 @@ def setup(strategy: str = "FULL_SHARD", lr: float = 1e-2):
   return state, step, mesh
 
 
-def run_steps(state, step, first: int, last: int):
+def run_steps(state, step, first: int, last: int, bad_step=None, flags=None):
   """Steps ``first .. last-1`` on batches ``np_batch(100 + i)``; process p
-  feeds rows ``p*B/P .. (p+1)*B/P`` of each global batch. Returns
-  ``(state, losses)``."""
+  feeds rows ``p*B/P .. (p+1)*B/P`` of each global batch. At ``bad_step``
+  the last row (the last process's) holds a NaN; ``flags`` collects each
+  step's ``metrics["nonfinite"]``. Returns ``(state, losses)``."""
   import jax
   nproc, me = jax.process_count(), jax.process_index()
   per = GLOBAL_BATCH // nproc
   losses = []
   for i in range(first, last):
     batch = np_batch(seed=100 + i)
+    if i == bad_step:
+      batch["x"][-1, 0] = np.nan
     local = jax.tree.map(lambda x: x[me * per:(me + 1) * per], batch)
     state, metrics = step(state, local)
     losses.append(float(metrics["loss"]))
+    if flags is not None:
+      flags.append(bool(metrics["nonfinite"]))
   return state, losses
 
 
@@ -116,6 +121,19 @@ def train(strategy: str, steps: int = STEPS):
   layout = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices).tolist()
   state, losses = run_steps(state, step, 0, steps)
   return losses, flat(fsdp_jax.full_params(state)), layout
+
+
+def train_skipping(strategy: str, steps: int = STEPS, bad_step: int = 2):
+  """``train`` with ``FSDPConfig(nonfinite="skip")`` and a NaN in the last
+  process's rows at ``bad_step``: returns (flags per step, skipped steps,
+  step count, params)."""
+  import jax
+  import fsdp_jax
+  state, step, _ = setup(strategy, nonfinite="skip")
+  flags: list = []
+  state, _ = run_steps(state, step, 0, steps, bad_step=bad_step, flags=flags)
+  return (flags, int(jax.device_get(state.nonfinite_steps)), int(jax.device_get(state.step)),
+          flat(fsdp_jax.full_params(state)))
 
 
 def checkpoint_round(directory: str, steps: int = 3):
@@ -155,6 +173,9 @@ def main_train(args, info):
     losses, params, layout = train(strategy, args.steps)
     out[strategy] = {"losses": losses, "params": {k: v.tolist() for k, v in params.items()}, "layout": layout,
                      "seconds": time.perf_counter() - t}
+    flags, skipped, count, params = train_skipping(strategy, args.steps)
+    out[strategy]["skipping"] = {"flags": flags, "skipped": skipped, "step": count,
+                                 "params": {k: v.tolist() for k, v in params.items()}}
   if info.rank == 0:
     with open(args.out, "w") as f:
       json.dump(out, f)

@@ -102,8 +102,10 @@ def test_collectives_per_unit(strategy, n, replicate, use_orig_params):
     assert max(int(np.prod(s)) for s, _ in gathers) == largest < total
     assert sorted(int(np.prod(s)) for s, _ in scatters) == sorted(
         plan.padded_numel(u) // plan.n for u in plan.units)
-  # The only scalar collective is the loss mean.
-  assert len(_operands(colls, "all-reduce", scalar=True)) == 1
+  # The only scalar collectives are the step's metrics: the loss mean, and
+  # the gradient norm's sum over the shard axes (none without shard axes).
+  expected = 1 + bool(plan.axes.shard_axes)
+  assert len(_operands(colls, "all-reduce", scalar=True)) == expected
 
 
 def test_bf16_gather_fp32_reduce_scatter():

@@ -141,6 +141,14 @@ def test_two_processes_train_like_one(two_process_run, strategy):
   for name, ref in ref_params.items():
     np.testing.assert_allclose(np.asarray(run["params"][name], np.float32), ref,
                                rtol=2e-4, atol=1e-6, err_msg=name)
+  # A NaN in the second process's rows at step 2: every process skips it.
+  flags, skipped, count, params = mp_worker.train_skipping(strategy)
+  skip = run["skipping"]
+  assert skip["flags"] == flags == [False, False, True, False, False]
+  assert skip["skipped"] == skipped == 1 and skip["step"] == count == 4
+  for name, ref in params.items():
+    np.testing.assert_allclose(np.asarray(skip["params"][name], np.float32), ref,
+                               rtol=2e-4, atol=1e-6, err_msg=name)
   print(f"\n{strategy}: 2x4 launcher run {got['launcher_seconds']:.1f} s, "
         f"losses {np.round(run['losses'], 6).tolist()}")
 
