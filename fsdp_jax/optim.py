@@ -1408,7 +1408,15 @@ def update_global(plan: Plan, optimizer, grads, opt_state: ShardedOptState, para
       leaves[e.path] = _cast(x, e.dtype, e.shape)
   new_slots = {slot: slot_tree(plan, _pack_units(plan, *per_slot[slot]))
                for slot in lay.slot_names}
-  return _trainable_tree(plan, stored), ShardedOptState(new_slots, leaves, lay)
+  new_state = ShardedOptState(new_slots, leaves, lay)
+  # The compiler would choose its own layouts for these results: keep the
+  # state's (the next step is compiled for them).
+  new_state = jax.lax.with_sharding_constraint(
+      new_state, jax.tree.map(lambda s: s.sharding, stored_shapes(plan, lay)))
+  from fsdp_jax.grads import split_trainable  # pylint: disable=import-outside-toplevel
+  p_sh = split_trainable(plan, plan.storage_shardings())[0]
+  new_params = jax.lax.with_sharding_constraint(_trainable_tree(plan, stored), p_sh)
+  return new_params, new_state
 
 
 # ---------------------------------------------------------------------------

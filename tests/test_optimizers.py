@@ -273,11 +273,17 @@ def _global_run(opt, use_orig_params, case=(S.FULL_SHARD, 3, None)):
     return sum(jnp.sum(a * b) for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(g)))
 
   step = fsdp_jax.shard_train_step(loss_fn, opt, mesh=mesh, config=config)
+  layout0 = _shardings(state)
   for t in range(STEPS):
     g = _grads(params, t)
     batch = jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n * (r or 1),) + x.shape), g)
     state, _ = step(state, batch)
+    assert _shardings(state) == layout0  # the step keeps the state's layout
   return fsdp_jax.full_params(state)
+
+
+def _shardings(state):
+  return jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), (state.params, state.opt_state))
 
 
 # ---------------------------------------------------------------------------
@@ -381,9 +387,11 @@ def test_training_matches_single_device(name, case, use_orig_params):
                                use_orig_params=use_orig_params)
   state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=config)
   step = fsdp_jax.shard_train_step(_mlp_loss, opt, mesh=mesh, config=config)
+  layout0 = _shardings(state)
   ref_p, ref_s = params, opt.init(params)
   for batch in batches:
     state, metrics = step(state, batch)
+    assert _shardings(state) == layout0
     loss, g = jax.value_and_grad(_mlp_loss)(ref_p, batch)
     u, ref_s = opt.update(g, ref_s, ref_p)
     ref_p = optax.apply_updates(ref_p, u)
