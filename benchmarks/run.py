@@ -239,14 +239,9 @@ def memory_stats(compiled) -> dict:
   return d
 
 
-def _group_size(replica_groups: str, default: int) -> int:
-  s = replica_groups.strip()
-  if s.startswith("{{"):
-    return len(s[2:].split("}")[0].split(","))
-  m = re.match(r"\[([\d,]+)\]<=", s)
-  if m:
-    return int(m.group(1).split(",")[-1])
-  return default
+def _group_size(c: hlo.Collective, default: int) -> int:
+  groups = c.groups  # every format XLA prints (explicit, iota, mesh axes)
+  return len(groups[0]) if groups else default
 
 
 _COMP_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s")
@@ -324,7 +319,7 @@ def collective_stats(hlo_text: str, world: int) -> dict:
   out: dict = {}
   counts, known = execution_counts(hlo_text)
   for c in hlo.collectives(hlo_text):
-    g = _group_size(c.replica_groups, world)
+    g = _group_size(c, world)
     runs = counts.get(c.computation, 1)
     for shape, dtype in zip(c.shapes, c.dtypes):
       nbytes = runs * int(np.prod(shape, dtype=np.int64)) * hlo._DTYPE_BYTES[dtype]
@@ -743,7 +738,7 @@ class Bench:
     use the fp32 activation bytes (an over-estimate of bf16 activations,
     so a lenient floor).
     """
-    from jax._src.ad_checkpoint import saved_residuals
+    from fsdp_jax._compat import saved_residuals
     b = self.args.batch_per_device
     local = {k: v[:b] for k, v in self.batch.items()}
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -98,6 +98,8 @@ from typing import Optional, Sequence
 
 import jax
 
+from fsdp_jax import _compat
+
 # Exit status of a process that stops because another process was lost
 # (sysexits' EX_TEMPFAIL: "try again later", i.e. restart from a checkpoint).
 EXIT_PEER_LOST = 75
@@ -223,17 +225,12 @@ def detect_platform() -> str:
 
 
 def _backends_started() -> bool:
-  try:
-    from jax._src import xla_bridge
-    return bool(xla_bridge.backends_are_initialized())
-  except Exception:  # pragma: no cover - private API moved
-    return False
+  return _compat.backends_initialized()
 
 
 def _jax_client():
   """JAX's coordination-service client, or None without jax.distributed."""
-  from jax._src import distributed as jax_distributed
-  return jax_distributed.global_state.client
+  return _compat.distributed_state().client
 
 
 def _cluster_env() -> Optional[str]:
@@ -473,8 +470,7 @@ def initialize(*, coordinator_address: Optional[str] = None,
           "all processes (python -m fsdp_jax.launch does), check that process 0 "
           "can listen on that port and the others can reach it, or raise "
           "FSDP_JAX_INIT_TIMEOUT.") from e
-    from jax._src import distributed as jax_distributed
-    state = jax_distributed.global_state
+    state = _compat.distributed_state()
     rank, world, address = state.process_id, state.num_processes, state.coordinator_address
 
   _info = DistributedInfo(rank=rank, world_size=world, local_rank=local_rank,
@@ -492,8 +488,7 @@ def initialize(*, coordinator_address: Optional[str] = None,
 def _adopt_jax_distributed(peer_timeout, watchdog) -> DistributedInfo:
   """``jax.distributed.initialize`` was called directly: take its set-up."""
   global _info
-  from jax._src import distributed as jax_distributed
-  state = jax_distributed.global_state
+  state = _compat.distributed_state()
   local_rank = _env_int("LOCAL_RANK", 0)
   _info = DistributedInfo(
       rank=state.process_id, world_size=state.num_processes, local_rank=local_rank,

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from fsdp_jax import _compat
 from fsdp_jax import collectives, hooks, layout, schedule
 from fsdp_jax.config import is_float_dtype
 from fsdp_jax.plan import Plan
@@ -492,7 +493,13 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
       return out, grads, new_hook
     return out, acc, hook_state
 
-  return f
+  # The rewrite reads classic jax.checkpoint / lax.scan equations, whatever
+  # implementation the user's config selects (see fsdp_jax._compat).
+  def traced_classically(*args, **kwargs):
+    with _compat.classic_tracing():
+      return f(*args, **kwargs)
+
+  return traced_classically
 
 
 # --------------------------------------------------------------------------

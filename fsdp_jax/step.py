@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from fsdp_jax import _compat
 from fsdp_jax import grads as grads_lib
 from fsdp_jax import offload
 from fsdp_jax.config import FSDPConfig, is_float_dtype
@@ -220,8 +220,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
         # The gradient shards go to the host and the optimizer runs there,
         # writing the new params and optimizer state in host memory.
         grads = offload.to_host(grads)
-        new_trainable, new_opt_state = compute_on("device_host")(jax.jit(update))(
-            grads, opt_state, trainable)
+        new_trainable, new_opt_state = _compat.on_host(update)(grads, opt_state, trainable)
         # Leaves the host computation may leave in device memory (a step
         # count made from a constant) are stored on the host too.
         new_trainable, new_opt_state = offload.to_host((new_trainable, new_opt_state))
