@@ -285,7 +285,9 @@ def _maybe_remat(local, plan: Plan):
   if any(plan.reshard(u) for u in plan.units):
     policy = collectives.remat_policy if _recomputes_cheap_ops(plan) else (
         collectives.save_all_but_gathers)
-    return jax.checkpoint(local, policy=policy, prevent_cse=True, static_argnums=())
+    # jax.checkpoint picks its implementation when it wraps (jax 0.10).
+    with _compat.classic_tracing():
+      return jax.checkpoint(local, policy=policy, prevent_cse=True, static_argnums=())
   return local
 
 
