@@ -278,6 +278,12 @@ def classic_tracing():
   Numbers are the same under either implementation; only the representation
   differs. When a jax release makes a new implementation the only one, this
   helper and :func:`scan_params` / :func:`remat_params` are what changes.
+
+  On jax 0.10 ``jax.checkpoint`` picks its implementation when it wraps a
+  function (0.12: when the wrapped function is called), so a model
+  checkpoint wrapped before the step traces, under a global ``jax_remat3``,
+  stays a ``call_hi_primitive``: the rewrite binds it as one equation (the
+  numbers and the gathers per unit hold, tests/test_jax_versions.py).
   """
   with contextlib.ExitStack() as stack:
     for name in ("jax_remat3", "jax_scan3"):
