@@ -1068,8 +1068,12 @@ def render_markdown(R: dict) -> str:
   w(f"| timing | {a['warmup']} warm-up step(s) per variant, then {a['rounds']} round-robin "
     "rounds over all variants (order rotated each round); median per variant |")
   torch_py = a.get("torch_python")
-  torch_py = ("" if not torch_py or torch_py == a.get("_python_executable")
-              else f"; run by `{torch_py}`")
+  if not R["machine"].get("torch"):
+    torch_py = "; not run: torch is not installed"
+  elif not torch_py or torch_py == a.get("_python_executable"):
+    torch_py = ""
+  else:
+    torch_py = f"; run by `{torch_py}`"
   w(f"| PyTorch | {a['torch_threads']} intra-op thread(s) per process, "
     f"{R['devices']} processes, gloo{torch_py} |")
   w("")
