@@ -1429,9 +1429,21 @@ def choose_mode(plan: Plan, optimizer) -> UpdateMode:
         "host, where collectives are not available. Fix: keep whole-tensor steps out of the "
         "optimizer (e.g. clip with shard_train_step(max_norm=...) instead of "
         "optax.clip_by_global_norm), or drop cpu_offload.")
+  if requested == "auto":
+    # Measured (benchmarks/OPTIMIZERS.md): an update that needs no gather is
+    # fastest on the shards in both layouts; one that gathers whole matrices
+    # (Muon, factored Adafactor) is as fast or faster when the compiler
+    # partitions it, because every device would otherwise redo the whole
+    # computation. The global form cannot hold per-device (ignored) values
+    # or run on the host (offload).
+    global_ok = not offload.offloads(plan.config) and not any(
+        l.ignored and not l.frozen for l in plan.leaves)
+    requested = "global" if report.gathers and global_ok else "sharded"
   if requested == "global":
     _check_global(plan)
-    return UpdateMode("global", "the compiler partitions the update of the logical tree")
+    return UpdateMode("global", "the compiler partitions the update of the logical tree"
+                      + (f" (on the shards it would need: {report.summary()})"
+                         if not report.elementwise else ""))
   return UpdateMode("sharded", report.summary())
 
 
