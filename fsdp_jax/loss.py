@@ -25,7 +25,9 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
+import jax.extend.core
 from jax.extend.core import Literal
+from jax.extend.core import primitives as core_primitives
 
 __all__ = ["WeightedLoss"]
 
@@ -153,10 +155,25 @@ def bind_axis_names(closed, mapping: dict):
       return type(value)(sub(v) for v in value)
     return value
 
+  def eqn_(e):
+    if e.primitive.name == "axis_index":
+      new, changed = names(e.params["axis_name"])
+      axes = new if isinstance(new, tuple) else (new,)
+      if changed and len(axes) > 1:
+        # The primitive lowers for one axis only: lax.axis_index(axes)
+        # combines one per axis, called in place of the equation.
+        sub = jax.make_jaxpr(lambda: lax.axis_index(axes))()
+        return jax.extend.core.new_jaxpr_eqn(
+            [], e.outvars, core_primitives.closed_call_p, {"call_jaxpr": sub},
+            sub.effects, e.source_info, e.ctx)
+      if changed:
+        return e.replace(params={**e.params, "axis_name": axes[0]})
+      return e
+    return e.replace(params={k: param(k, v) for k, v in e.params.items()})
+
   def jaxpr_(jaxpr):
     if id(jaxpr) not in memo:
-      eqns = [e.replace(params={k: param(k, v) for k, v in e.params.items()})
-              for e in jaxpr.eqns]
+      eqns = [eqn_(e) for e in jaxpr.eqns]
       memo[id(jaxpr)] = (jaxpr, jaxpr.replace(eqns=eqns))
     return memo[id(jaxpr)][1]
 
