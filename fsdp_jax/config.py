@@ -218,6 +218,9 @@ class FSDPConfig:
     ...     use_orig_params=True)
     >>> cfg.limit_all_gathers
     True
+    >>> # flax's nn.BatchNorm(axis_name="batch") then reduces over all devices:
+    >>> fsdp_jax.FSDPConfig(data_axis_name="batch").data_axis_name
+    'batch'
   """
 
   sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD

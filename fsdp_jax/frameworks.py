@@ -133,8 +133,8 @@ def per_device_batch_norm_message(paths, plan) -> str:
   axes = plan.axes.data_axes
   return (
       f"fsdp_jax: nn.BatchNorm at {', '.join(sorted(set(paths)))} normalises with "
-      "axis_name=None: each device uses the statistics of its own "
-      f"{plan.axes.world_size}-th of the batch (PyTorch's BatchNorm without "
+      "axis_name=None: each device uses the statistics of its own rows (1/"
+      f"{plan.axes.world_size} of the batch; PyTorch's BatchNorm without "
       "SyncBatchNorm), which differs from one jax.jit over the global batch. For "
       "global-batch statistics give the BatchNorm an axis name and bind it: "
       "nn.BatchNorm(axis_name='batch') with FSDPConfig(data_axis_name='batch') "

@@ -323,7 +323,7 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
         raise
       if per_device_bn and plan.axes.world_size > 1:
         warnings.warn(frameworks.per_device_batch_norm_message(per_device_bn, plan),
-                      stacklevel=5)
+                      stacklevel=2)
       closed = loss_lib.bind_axis_names(closed, axis_map)
       traces[cache_key] = (closed, out_shape, check_loss_output(out_shape, with_model_state))
     closed, out_shape, kind = traces[cache_key]
@@ -442,7 +442,7 @@ def _check_rng(rng) -> None:
         "each step then passes fold_in(fold_in(rng, step), device_index).")
   for x in jax.tree_util.tree_leaves(rng):
     dtype = getattr(x, "dtype", None)
-    if not (is_key_dtype(dtype) or (dtype == jnp.uint32 and x.shape[-1:] == (2,))):
+    if not (is_key_dtype(dtype) or (dtype == jnp.uint32 and x.ndim >= 1)):  # typed or raw
       raise TypeError(
           f"loss_fn takes rng=, but the state's rng is not a PRNG key (a leaf of dtype "
           f"{dtype} and shape {getattr(x, 'shape', None)}). Fix: pass "
@@ -492,7 +492,7 @@ def _warn_unstacked_scan(plan: Plan, leaf_ids, length: int) -> None:
     by_unit.setdefault(plan.units[plan.leaves[i].unit].display_name, []).append(
         plan.leaves[i].name)
   for unit, names in by_unit.items():
-    warnings.warn(frameworks.scan_over_unit_message(names, length, unit), stacklevel=6)
+    warnings.warn(frameworks.scan_over_unit_message(names, length, unit), stacklevel=2)
 
 
 def _recomputes_cheap_ops(plan: Plan) -> bool:

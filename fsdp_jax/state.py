@@ -431,6 +431,19 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
     ...     config=fsdp_jax.FSDPConfig())
     >>> state.params["_flat_param"].shape   # 33 elements padded to 4 x 9
     (36,)
+
+    A Flax model's collections besides ``"params"`` become the model state,
+    and ``rng`` is kept as the state's key:
+
+    >>> import flax.linen as nn
+    >>> model = nn.Sequential([nn.Dense(4), nn.BatchNorm(use_running_average=False)])
+    >>> state = fsdp_jax.init_train_state(
+    ...     init_fn=lambda k: model.init(k, jnp.ones((2, 3))), rng=jax.random.key(0),
+    ...     optimizer=optax.adam(1e-3), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> sorted(state.model_state), [l.name for l in state.plan.leaves][:2]
+    (['batch_stats'], ['params.layers_0.bias', 'params.layers_0.kernel'])
+    >>> state.rng.dtype
+    key<fry>
   """
   if (params is None) == (init_fn is None):
     raise ValueError("init_train_state: pass exactly one of params= or init_fn=.")
