@@ -538,9 +538,13 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
 
 
 def _dtype(x):
-  """A leaf's dtype, PRNG key dtypes included (``jnp.result_type`` refuses
-  them)."""
-  return x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+  """A leaf's dtype as JAX will hold it (``jnp.result_type``: float64 NumPy
+  arrays are float32 without x64), PRNG key dtypes included (which
+  ``jnp.result_type`` refuses)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is not None and is_key_dtype(dtype):
+    return dtype
+  return jnp.result_type(x)
 
 
 def _check_one_model_state(model_state, what: str, where: str) -> None:
