@@ -154,7 +154,7 @@ def main(argv=None):
     f"({time.perf_counter() - t_start:.0f} s). Machine: {os.cpu_count()}-core "
     f"{platform.machine()} CPU, {world} simulated CPU devices "
     f"(`fsdp_jax.simulate_cpu_devices({world})`: every \"device\" and the \"host\" are the "
-    f"same RAM and cores), jax {jax.__version__}.\n")
+    f"same RAM and cores), jax {jax.__version__}, Python {platform.python_version()}.\n")
   w(f"Model: the benchmark GPT (`benchmarks/models.py`), {n_params:,} fp32 parameters, "
     f"one FSDP unit per `Block`; FULL_SHARD, fp32, `optax.adam`; global batch "
     f"{batch_np['inputs'].shape[0]} x {cfg.seq_len} tokens. Bytes are per device. Device/host "

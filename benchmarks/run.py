@@ -166,7 +166,7 @@ def select_settings(only: Optional[str], include_all: bool) -> list[Setting]:
 # Machine description
 
 
-def machine_info() -> dict:
+def machine_info(torch_python: str = sys.executable) -> dict:
   cpu = "unknown"
   isa = []
   try:
@@ -193,11 +193,7 @@ def machine_info() -> dict:
     jaxlib_v = jaxlib.__version__
   except Exception:  # pragma: no cover
     jaxlib_v = "?"
-  try:
-    import importlib.metadata as md
-    torch_v = md.version("torch")
-  except Exception:
-    torch_v = None
+  torch_v = torch_version(torch_python)
   return {
       "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
       "cpu": cpu,
@@ -239,14 +235,9 @@ def memory_stats(compiled) -> dict:
   return d
 
 
-def _group_size(replica_groups: str, default: int) -> int:
-  s = replica_groups.strip()
-  if s.startswith("{{"):
-    return len(s[2:].split("}")[0].split(","))
-  m = re.match(r"\[([\d,]+)\]<=", s)
-  if m:
-    return int(m.group(1).split(",")[-1])
-  return default
+def _group_size(c: hlo.Collective, default: int) -> int:
+  groups = c.groups  # every format XLA prints (explicit, iota, mesh axes)
+  return len(groups[0]) if groups else default
 
 
 _COMP_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s")
@@ -324,7 +315,7 @@ def collective_stats(hlo_text: str, world: int) -> dict:
   out: dict = {}
   counts, known = execution_counts(hlo_text)
   for c in hlo.collectives(hlo_text):
-    g = _group_size(c.replica_groups, world)
+    g = _group_size(c, world)
     runs = counts.get(c.computation, 1)
     for shape, dtype in zip(c.shapes, c.dtypes):
       nbytes = runs * int(np.prod(shape, dtype=np.int64)) * hlo._DTYPE_BYTES[dtype]
@@ -743,7 +734,7 @@ class Bench:
     use the fp32 activation bytes (an over-estimate of bf16 activations,
     so a lenient floor).
     """
-    from jax._src.ad_checkpoint import saved_residuals
+    from fsdp_jax._compat import saved_residuals
     b = self.args.batch_per_device
     local = {k: v[:b] for k, v in self.batch.items()}
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -819,7 +810,7 @@ class TorchVariant:
 
   def __init__(self, s: Setting, bench: Bench, weights: str):
     a = bench.args
-    cmd = [sys.executable, os.path.join(HERE, "torch_fsdp.py"), "--serve",
+    cmd = [a.torch_python, os.path.join(HERE, "torch_fsdp.py"), "--serve",
            "--world", str(bench.world), "--strategy", s.strategy, "--precision", s.precision,
            "--threads", str(a.torch_threads), "--global-batch", str(bench.global_batch),
            "--seq-len", str(a.seq_len), "--d-model", str(a.d_model), "--layers", str(a.layers),
@@ -864,9 +855,24 @@ class TorchVariant:
         self.proc.terminate()
 
 
-def torch_available() -> bool:
-  import importlib.util
-  return importlib.util.find_spec("torch") is not None
+def torch_available(python: str = sys.executable) -> bool:
+  if python == sys.executable:
+    import importlib.util
+    return importlib.util.find_spec("torch") is not None
+  return subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0
+
+
+def torch_version(python: str = sys.executable):
+  """The torch version the PyTorch baseline runs with (None: not installed)."""
+  if python == sys.executable:
+    try:
+      import importlib.metadata as md
+      return md.version("torch")
+    except Exception:  # pylint: disable=broad-except
+      return None
+  out = subprocess.run([python, "-c", "import torch; print(torch.__version__)"],
+                       capture_output=True, text=True)
+  return out.stdout.strip() if out.returncode == 0 else None
 
 
 def save_weights(params, path):
@@ -1061,8 +1067,15 @@ def render_markdown(R: dict) -> str:
   w(f"| optimizer | optax.adam({a['lr']}) (torch.optim.Adam for PyTorch) |")
   w(f"| timing | {a['warmup']} warm-up step(s) per variant, then {a['rounds']} round-robin "
     "rounds over all variants (order rotated each round); median per variant |")
+  torch_py = a.get("torch_python")
+  if not R["machine"].get("torch"):
+    torch_py = "; not run: torch is not installed"
+  elif not torch_py or torch_py == a.get("_python_executable"):
+    torch_py = ""
+  else:
+    torch_py = f"; run by `{torch_py}`"
   w(f"| PyTorch | {a['torch_threads']} intra-op thread(s) per process, "
-    f"{R['devices']} processes, gloo |")
+    f"{R['devices']} processes, gloo{torch_py} |")
   w("")
 
   F = R["settings"]
@@ -1422,6 +1435,9 @@ def parse_args(argv=None):
                  help="timed round-robin rounds (steps per variant); default 5, --quick 2")
   p.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (default 1)")
   p.add_argument("--no-torch", action="store_true", help="skip the PyTorch FSDP baseline")
+  p.add_argument("--torch-python", default=sys.executable, metavar="PYTHON",
+                 help="the Python that runs the PyTorch FSDP ranks (default: this one); "
+                      "e.g. a Python 3.11 with torch when JAX runs in a 3.13 venv")
   p.add_argument("--torch-threads", type=int, default=1,
                  help="intra-op threads per PyTorch process")
   p.add_argument("--no-state-scaling", action="store_true")
@@ -1480,7 +1496,7 @@ def main(argv=None):
   def log(msg):
     print(f"[{time.perf_counter() - t_start:6.0f}s] {msg}", flush=True)
 
-  machine = machine_info()
+  machine = machine_info(args.torch_python)
   log(f"{machine['cpu']}, {machine['cores']} cores, load {machine['loadavg_start'][0]:.1f}; "
       f"jax {machine['jax']}; XLA_FLAGS={machine['XLA_FLAGS']}")
   bench = Bench(args)
@@ -1494,7 +1510,7 @@ def main(argv=None):
   torch_variants: list = []
   tmpdir = tempfile.mkdtemp(prefix="fsdp_bench_")
   if torch_settings and not args.no_torch:
-    if not torch_available():
+    if not torch_available(args.torch_python):
       log("torch is not installed: skipping the PyTorch FSDP baseline")
     else:
       weights = os.path.join(tmpdir, "weights.npz")
@@ -1551,7 +1567,8 @@ def main(argv=None):
   R: dict = {
       "command": "python benchmarks/run.py" + ("" if argv is None and len(sys.argv) == 1
                                                 else " " + " ".join(sys.argv[1:] if argv is None else argv)),
-      "machine": machine, "args": vars(args), "devices": args.devices,
+      "machine": machine, "args": {**vars(args), "_python_executable": sys.executable},
+      "devices": args.devices,
       "global_batch": bench.global_batch,
       "model": {"d_model": cfg.d_model, "layers": cfg.num_layers, "heads": cfg.num_heads,
                 "vocab": cfg.vocab_size, "seq_len": cfg.seq_len, "num_params": bench.num_params,

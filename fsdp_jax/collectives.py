@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import core as jax_core
-from jax.extend.core import Primitive
-from jax.interpreters import ad, mlir
+
+from fsdp_jax import _compat
+from fsdp_jax._compat import Primitive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +146,7 @@ def _gather_impl(buf, *, spec: GatherSpec):
 
 def _gather_abstract_eval(buf, *, spec: GatherSpec):
   prefix = buf.shape[:-1]
-  return [jax_core.ShapedArray(prefix + tuple(layer_shape), spec.compute_dtype)
+  return [_compat.ShapedArray(prefix + tuple(layer_shape), spec.compute_dtype)
           for layer_shape, _, _, _ in spec.leaves]
 
 
@@ -172,7 +172,7 @@ def reduce_gradient(g, spec: GatherSpec, *, tiled: bool = False):
 
 def _gather_transpose(cts, buf, *, spec: GatherSpec):
   prefix = tuple(buf.aval.shape[:-1])
-  cts = [jnp.zeros(prefix + tuple(ls), spec.compute_dtype) if type(c) is ad.Zero else c
+  cts = [jnp.zeros(prefix + tuple(ls), spec.compute_dtype) if _compat.is_symbolic_zero(c) else c
          for c, (ls, _, _, _) in zip(cts, spec.leaves)]
   with jax.named_scope(f"fsdp_reduce_scatter[{spec.label}]"):
     return [fsdp_reduce_p.bind(*cts, spec=spec, stored_dtype=np.dtype(buf.aval.dtype))]
@@ -208,7 +208,7 @@ def _reduce_impl(*cts, spec: GatherSpec, stored_dtype):
 
 def _reduce_abstract_eval(*cts, spec: GatherSpec, stored_dtype):
   prefix = cts[0].shape[:len(cts[0].shape) - len(spec.leaves[0][0])]
-  return jax_core.ShapedArray(tuple(prefix) + (spec.chunk,), stored_dtype)
+  return _compat.ShapedArray(tuple(prefix) + (spec.chunk,), stored_dtype)
 
 
 def finish_gradient(r, spec: GatherSpec, stored_dtype):
@@ -222,9 +222,8 @@ def finish_gradient(r, spec: GatherSpec, stored_dtype):
 fsdp_all_gather_p = Primitive("fsdp_all_gather")
 fsdp_all_gather_p.multiple_results = True
 fsdp_all_gather_p.def_abstract_eval(_gather_abstract_eval)
-mlir.register_lowering(
-    fsdp_all_gather_p, mlir.lower_fun(_gather_impl, multiple_results=True))
-ad.deflinear2(fsdp_all_gather_p, _gather_transpose)
+_compat.register_lowering(fsdp_all_gather_p, _gather_impl, multiple_results=True)
+_compat.deflinear(fsdp_all_gather_p, _gather_transpose)
 
 
 # The transpose of the gather: one equation per unit (and dtype group) in the
@@ -232,7 +231,7 @@ ad.deflinear2(fsdp_all_gather_p, _gather_transpose)
 # against gathers and compute.
 fsdp_reduce_p = Primitive("fsdp_reduce")
 fsdp_reduce_p.def_abstract_eval(_reduce_abstract_eval)
-mlir.register_lowering(fsdp_reduce_p, mlir.lower_fun(_reduce_impl, multiple_results=False))
+_compat.register_lowering(fsdp_reduce_p, _reduce_impl, multiple_results=False)
 
 
 def _no_eager(*args, **kwargs):
@@ -241,6 +240,12 @@ def _no_eager(*args, **kwargs):
 
 fsdp_all_gather_p.def_impl(_no_eager)
 fsdp_reduce_p.def_impl(_no_eager)
+
+
+def spec_of(eqn) -> GatherSpec:
+  """The :class:`GatherSpec` of an ``fsdp_all_gather`` / ``fsdp_reduce``
+  equation (a parameter of fsdp_jax's own primitives)."""
+  return eqn.params["spec"]
 
 
 def gather(buf, spec: GatherSpec):

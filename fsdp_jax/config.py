@@ -183,7 +183,9 @@ class FSDPConfig:
       whole-parameter reduction costs one scalar all-reduce, an operation
       that needs a whole parameter gathers it); ``"global"`` runs it on the
       logical tree outside ``shard_map`` and lets the compiler partition it
-      from the state's shardings; ``"auto"`` (default) picks per optimizer.
+      from the state's shardings; ``"auto"`` (default) runs it sharded unless
+      it would gather whole parameters (Muon, factored Adafactor), which the
+      compiler partitions faster (``benchmarks/OPTIMIZERS.md``).
     nonfinite: what a step does when its gradient norm or loss is not finite
       (NaN or Inf; ``metrics["nonfinite"]`` reports it every step, decided
       the same way on every device and process): ``"propagate"`` (default:

@@ -101,6 +101,8 @@ from typing import Optional, Sequence
 
 import jax
 
+from fsdp_jax import _compat
+
 # "Restart me": the job stopped in a state it can resume from the latest
 # checkpoint (sysexits' EX_TEMPFAIL, "try again later"). A process exits with
 # it after saving on preemption (should_stop), and when the watchdog stops it
@@ -237,17 +239,12 @@ def detect_platform() -> str:
 
 
 def _backends_started() -> bool:
-  try:
-    from jax._src import xla_bridge
-    return bool(xla_bridge.backends_are_initialized())
-  except Exception:  # pragma: no cover - private API moved
-    return False
+  return _compat.backends_initialized()
 
 
 def _jax_client():
   """JAX's coordination-service client, or None without jax.distributed."""
-  from jax._src import distributed as jax_distributed
-  return jax_distributed.global_state.client
+  return _compat.distributed_state().client
 
 
 def _cluster_env() -> Optional[str]:
@@ -623,8 +620,7 @@ def initialize(*, coordinator_address: Optional[str] = None,
           f"FSDP_JAX_INIT_TIMEOUT (now {initialization_timeout} s). "
           f"fsdp_jax.distributed.initialize(): process {rank} of {world} could not "
           f"join {what} (gave up after {waited:.0f} s): {_first_line(e)}") from e
-    from jax._src import distributed as jax_distributed
-    state = jax_distributed.global_state
+    state = _compat.distributed_state()
     rank, world, address = state.process_id, state.num_processes, state.coordinator_address
 
   _info = DistributedInfo(rank=rank, world_size=world, local_rank=local_rank,
@@ -645,8 +641,7 @@ def initialize(*, coordinator_address: Optional[str] = None,
 def _adopt_jax_distributed(peer_timeout, watchdog) -> DistributedInfo:
   """``jax.distributed.initialize`` was called directly: take its set-up."""
   global _info
-  from jax._src import distributed as jax_distributed
-  state = jax_distributed.global_state
+  state = _compat.distributed_state()
   local_rank = _env_int("LOCAL_RANK", 0)
   _info = DistributedInfo(
       rank=state.process_id, world_size=state.num_processes, local_rank=local_rank,

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from fsdp_jax import _compat
 from fsdp_jax import collectives, frameworks, hooks, layout, optim, schedule
 from fsdp_jax import loss as loss_lib
 from fsdp_jax.config import is_float_dtype, is_key_dtype
@@ -510,7 +511,9 @@ def _maybe_remat(local, plan: Plan):
   if any(plan.reshard(u) for u in plan.units):
     policy = collectives.remat_policy if _recomputes_cheap_ops(plan) else (
         collectives.save_all_but_gathers)
-    return jax.checkpoint(local, policy=policy, prevent_cse=True, static_argnums=())
+    # jax.checkpoint picks its implementation when it wraps (jax 0.10).
+    with _compat.classic_tracing():
+      return jax.checkpoint(local, policy=policy, prevent_cse=True, static_argnums=())
   return local
 
 
@@ -762,7 +765,13 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
       return out, grads, new_hook
     return out, acc, hook_state
 
-  return f
+  # The rewrite reads classic jax.checkpoint / lax.scan equations, whatever
+  # implementation the user's config selects (see fsdp_jax._compat).
+  def traced_classically(*args, **kwargs):
+    with _compat.classic_tracing():
+      return f(*args, **kwargs)
+
+  return traced_classically
 
 
 def _micro_key(rng, m):

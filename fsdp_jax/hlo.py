@@ -27,7 +27,8 @@ class Collective:
   ``shapes`` are the result shapes (one per operand; XLA may combine several
   collectives into one instruction), ``dtypes`` their element types,
   ``computation`` the HLO computation holding it (a loop body for gathers
-  inside ``scan``).
+  inside ``scan``), ``replica_groups`` the groups as XLA printed them (its
+  format changed between releases: :attr:`groups` reads every one).
   """
 
   kind: str
@@ -45,6 +46,60 @@ class Collective:
   @property
   def numel(self) -> int:
     return int(sum(np.prod(s, dtype=np.int64) for s in self.shapes))
+
+  @property
+  def groups(self) -> tuple[tuple[int, ...], ...]:
+    """The device groups of the collective (see :func:`replica_groups`)."""
+    return replica_groups(self.replica_groups)
+
+
+_IOTA = re.compile(r"^\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?$")
+_MESH = re.compile(r"^mesh\[([^\]]*)\]\s*\{([^}]*)\}$")
+
+
+def replica_groups(text: str) -> tuple[tuple[int, ...], ...]:
+  """Device groups from an HLO ``replica_groups=`` value, in any of the
+  formats XLA prints: explicit ``{{0,1},{2,3}}``; iota ``[2,2]<=[4]`` or
+  ``[4,2]<=[2,4]T(1,0)``;
+  mesh axes ``mesh['replicate'=2,'shard'=4] {'shard'}`` (jax 0.12's XLA: the
+  groups run along the named axes of a row-major mesh of device ids). ``()``
+  for an empty value (one group of every device).
+
+  Example:
+    >>> from fsdp_jax.hlo import replica_groups
+    >>> replica_groups("{{0,2},{1,3}}")
+    ((0, 2), (1, 3))
+    >>> replica_groups("[2,2]<=[2,2]T(1,0)")
+    ((0, 2), (1, 3))
+    >>> replica_groups("mesh['replicate'=2,'shard'=2] {'replicate'}")
+    ((0, 2), (1, 3))
+  """
+  s = text.strip()
+  if not s or s == "{}":
+    return ()
+  if s.startswith("{"):
+    return tuple(tuple(int(x) for x in g.split(",") if x.strip())
+                 for g in re.findall(r"\{([\d,\s]*)\}", s[1:-1]))
+  m = _IOTA.match(s)
+  if m:
+    shape = [int(x) for x in m.group(1).split(",")]
+    dims = [int(x) for x in m.group(2).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(3):
+      ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    return tuple(tuple(int(x) for x in row) for row in ids.reshape(shape[0], -1))
+  m = _MESH.match(s)
+  if m:
+    axes = [(name, int(size)) for name, size in re.findall(r"'([^']*)'=(\d+)", m.group(1))]
+    names = [a for a, _ in axes]
+    grouped = [names.index(a) for a in re.findall(r"'([^']*)'", m.group(2))]
+    ids = np.arange(int(np.prod([n for _, n in axes]))).reshape([n for _, n in axes])
+    rest = [i for i in range(len(axes)) if i not in grouped]
+    ids = ids.transpose(rest + grouped)
+    size = int(np.prod([axes[i][1] for i in grouped]))
+    return tuple(tuple(int(x) for x in row) for row in ids.reshape(-1, size))
+  raise ValueError(f"Cannot read replica groups {text!r}: not an explicit, iota or mesh "
+                   "format that fsdp_jax.hlo knows.")
 
 
 def collectives(hlo_text: str) -> list[Collective]:
@@ -66,7 +121,8 @@ def collectives(hlo_text: str) -> list[Collective]:
     shapes = [(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _SHAPE.findall(result)]
     if m.group(4) and len(shapes) >= 2:
       shapes = shapes[len(shapes) // 2:]
-    groups = re.search(r"replica_groups=(\{[^ ]*\}|\[[^ ]*\][^ ,]*)", line)
+    groups = re.search(
+        r"replica_groups=(\{[^ ]*\}|\[[^ ]*\][^ ,]*|mesh\[[^\]]*\]\s*\{[^}]*\})", line)
     out.append(Collective(kind, name, tuple(s for _, s in shapes),
                           tuple(d for d, _ in shapes), comp,
                           groups.group(1) if groups else ""))

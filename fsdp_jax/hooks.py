@@ -51,6 +51,12 @@ class DefaultHook:
   stateful = False
 
   def __call__(self, state, grad, spec: GatherSpec):
+    if spec.flat:
+      # The same program as fsdp_jax's own reduction of a flat parameter:
+      # one (N * S) vector, reduce-scattered tiled (XLA may sum an (N, S)
+      # buffer in another order, one ulp apart).
+      tiled = grad.reshape(grad.shape[:-2] + (grad.shape[-2] * grad.shape[-1],))
+      return reduce_gradient(tiled, spec, tiled=True), state
     return reduce_gradient(grad, spec), state
 
 

@@ -25,9 +25,9 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 from jax import lax
-import jax.extend.core
-from jax.extend.core import Literal
-from jax.extend.core import primitives as core_primitives
+
+from fsdp_jax import _compat
+from fsdp_jax._compat import Literal
 
 __all__ = ["WeightedLoss"]
 
@@ -123,61 +123,7 @@ def bind_axis_names(closed, mapping: dict):
   """
   if not mapping:
     return closed
-  memo: dict = {}
-
-  def names(value):
-    if isinstance(value, str):
-      return mapping.get(value, (value,)), value in mapping
-    if isinstance(value, tuple) and any(isinstance(v, str) and v in mapping for v in value):
-      out = []
-      for v in value:
-        for n in (mapping.get(v, (v,)) if isinstance(v, str) else (v,)):
-          if n not in out:
-            out.append(n)
-      return tuple(out), True
-    return value, False
-
-  def param(key, value):
-    if key in ("axes", "axis_name"):
-      new, changed = names(value)
-      if changed:
-        return new
-      return value
-    return sub(value)
-
-  def sub(value):
-    if isinstance(value, jax.extend.core.ClosedJaxpr):
-      return value.replace(jaxpr=jaxpr_(value.jaxpr))
-    if isinstance(value, jax.extend.core.Jaxpr):
-      return jaxpr_(value)
-    if isinstance(value, (tuple, list)) and any(
-        isinstance(v, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)) for v in value):
-      return type(value)(sub(v) for v in value)
-    return value
-
-  def eqn_(e):
-    if e.primitive.name == "axis_index":
-      new, changed = names(e.params["axis_name"])
-      axes = new if isinstance(new, tuple) else (new,)
-      if changed and len(axes) > 1:
-        # The primitive lowers for one axis only: lax.axis_index(axes)
-        # combines one per axis, called in place of the equation.
-        sub = jax.make_jaxpr(lambda: lax.axis_index(axes))()
-        return jax.extend.core.new_jaxpr_eqn(
-            [], e.outvars, core_primitives.closed_call_p, {"call_jaxpr": sub},
-            sub.effects, e.source_info, e.ctx)
-      if changed:
-        return e.replace(params={**e.params, "axis_name": axes[0]})
-      return e
-    return e.replace(params={k: param(k, v) for k, v in e.params.items()})
-
-  def jaxpr_(jaxpr):
-    if id(jaxpr) not in memo:
-      eqns = [eqn_(e) for e in jaxpr.eqns]
-      memo[id(jaxpr)] = (jaxpr, jaxpr.replace(eqns=eqns))
-    return memo[id(jaxpr)][1]
-
-  return closed.replace(jaxpr=jaxpr_(closed.jaxpr))
+  return _compat.rename_axis_names(closed, mapping)
 
 
 _UNBOUND = re.compile(r"unbound axis name: ([^\s.]+)")
@@ -231,16 +177,11 @@ def axis_mapping(plan) -> dict:
 # --------------------------------------------------------------------------
 # Reading the traced loss
 
-_CALLS = ("pjit", "jit", "closed_call", "core_call")
-
-
 def _call_body(eqn):
-  """The jaxpr of a call equation (``jit``), which is followed output by
-  output; other equations count as depending on all their inputs."""
-  if eqn.primitive.name not in _CALLS:
-    return None
-  inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-  return inner
+  """The (open jaxpr, consts) of a call equation (``jit``), which is followed
+  output by output; other equations count as depending on all their
+  inputs."""
+  return _compat.call_body(eqn) if _compat.is_call(eqn) else None
 
 
 def _needed(jaxpr, outs) -> tuple[list, set]:
@@ -255,8 +196,7 @@ def _needed(jaxpr, outs) -> tuple[list, set]:
     needed.append((eqn, hits))
     inner = _call_body(eqn)
     if inner is not None:
-      ij = getattr(inner, "jaxpr", inner)
-      for i in needed_inputs(ij, hits):
+      for i in needed_inputs(inner[0], hits):
         if not isinstance(eqn.invars[i], Literal):
           live.add(eqn.invars[i])
     else:
@@ -276,7 +216,6 @@ def needed_inputs(jaxpr, outs) -> set:
 def eval_outputs(jaxpr, consts, args, outs) -> list:
   """Evaluates only what ``jaxpr``'s outputs at ``outs`` need. ``args`` holds
   values for the inputs they depend on (``None`` for the others)."""
-  from fsdp_jax.schedule import _bind  # pylint: disable=import-outside-toplevel
   needed, _ = _needed(jaxpr, outs)
   env = dict(zip(jaxpr.constvars, consts))
   env.update({v: a for v, a in zip(jaxpr.invars, args) if a is not None})
@@ -284,15 +223,15 @@ def eval_outputs(jaxpr, consts, args, outs) -> list:
   for eqn, hits in needed:
     inner = _call_body(eqn)
     if inner is not None:
-      ij = getattr(inner, "jaxpr", inner)
+      ij, consts = inner
       use = needed_inputs(ij, hits)
-      vals = eval_outputs(ij, getattr(inner, "consts", ()),
+      vals = eval_outputs(ij, consts,
                           [read(v) if i in use else None for i, v in enumerate(eqn.invars)],
                           hits)
       for i, x in zip(hits, vals):
         env[eqn.outvars[i]] = x
     else:
-      for v, x in zip(eqn.outvars, _bind(eqn, [read(v) for v in eqn.invars])):
+      for v, x in zip(eqn.outvars, _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])):
         env[v] = x
   return [read(jaxpr.outvars[i]) for i in outs]
 

@@ -42,10 +42,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import Literal
 from jax.sharding import PartitionSpec as P
 
-from fsdp_jax import offload
+from fsdp_jax import _compat, offload
 from fsdp_jax.plan import Plan
 
 __all__ = ["ShardedOptState", "OptLayout", "OptEntry", "UpdateReport"]
@@ -610,21 +610,6 @@ ELEMENTWISE = frozenset({
 _PASSTHROUGH = ("optimization_barrier", "reshard", "sharding_constraint", "mesh_cast")
 _REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min",
                "reduce_and": "and", "reduce_or": "or"}
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-          "custom_vjp_call_jaxpr", "remat", "checkpoint", "custom_lin")
-_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-
-
-def _call_jaxpr(eqn):
-  for name in _CALL_PARAMS:
-    j = eqn.params.get(name)
-    if isinstance(j, ClosedJaxpr):
-      return j.jaxpr, j.consts
-    if isinstance(j, Jaxpr):
-      return j, ()
-  return None
-
-
 def _identity(op: str, dtype):
   dtype = jnp.dtype(dtype)
   if op == "sum":
@@ -641,11 +626,7 @@ def _identity(op: str, dtype):
 
 def _source(eqn) -> str:
   """Where the equation comes from (``file:line (function)``), for reports."""
-  try:
-    from jax._src import source_info_util  # pylint: disable=import-outside-toplevel
-    return source_info_util.summarize(eqn.source_info)
-  except Exception:  # pylint: disable=broad-except
-    return "?"
+  return _compat.source_summary(eqn)
 
 
 @dataclasses.dataclass
@@ -805,16 +786,15 @@ class ShardedEvaluator:
     return [read(v) for v in jaxpr.outvars]
 
   def _bind_rep(self, eqn, vals):
-    from fsdp_jax.schedule import _bind  # pylint: disable=import-outside-toplevel
     own = any(getattr(v, "own", False) for v in vals)
-    outs = _bind(eqn, [v.value for v in vals])
+    outs = _compat.bind_eqn(eqn, [v.value for v in vals])
     return [Rep(o, own) for o in outs]
 
   def apply(self, eqn, invals):
     name = eqn.primitive.name
     if all(isinstance(v, Rep) for v in invals):
       return self._bind_rep(eqn, invals)
-    call = _call_jaxpr(eqn) if name in _CALLS else None
+    call = _compat.inlinable_body(eqn)
     if call is not None:
       jaxpr, consts = call
       return self.run(jaxpr, [Rep(c) for c in consts], invals[len(invals) - len(jaxpr.invars):])
@@ -849,7 +829,7 @@ class ShardedEvaluator:
         return [x]
     if name in _REDUCTIONS:
       x = invals[0]
-      axes = tuple(eqn.params.get("axes", ()))
+      axes = _compat.reduction_axes(eqn)
       ndim = len(eqn.invars[0].aval.shape)
       if sorted(axes) == list(range(ndim)):
         if isinstance(x, Splat):
@@ -883,8 +863,7 @@ class ShardedEvaluator:
         vals.append(v.value if isinstance(v, (Splat, Rep)) else v)
       own = any(getattr(v, "own", False) for v in invals)
       if all(isinstance(v, Splat) or np.ndim(v.value) == 0 for v in invals):
-        from fsdp_jax.schedule import _bind  # pylint: disable=import-outside-toplevel
-        (out,) = _bind(eqn, [jnp.asarray(v) for v in vals])
+        (out,) = _compat.bind_eqn(eqn, [jnp.asarray(v) for v in vals])
         return Splat(out, tuple(out_aval.shape), own)
       return self._bind_rep(eqn, [self.to_rep(v) for v in invals])[0]
     i = shards[0].leaf
@@ -911,8 +890,7 @@ class ShardedEvaluator:
     key = tuple(key)
     if self.geo.flat() and key in self.memo:
       return Shard(i, self.memo[key])
-    from fsdp_jax.schedule import _bind  # pylint: disable=import-outside-toplevel
-    (out,) = _bind(eqn, args)
+    (out,) = _compat.bind_eqn(eqn, args)
     if self.geo.flat():
       self.keep.extend(args)
       self.memo[key] = out
@@ -942,8 +920,10 @@ class ShardedEvaluator:
 
   def _cond(self, eqn, invals):
     index = self.to_rep(invals[0])
-    branches = eqn.params["branches"]
-    outs = [self.run(b.jaxpr, [Rep(c) for c in b.consts], invals[1:]) for b in branches]
+    outs = []
+    for branch in _compat.cond_branches(eqn):
+      body, consts = _compat.split_closed(branch)
+      outs.append(self.run(body, [Rep(c) for c in consts], invals[1:]))
     result = []
     for k, var in enumerate(eqn.outvars):
       cases = [self.force(o[k]) for o in outs]
@@ -1408,7 +1388,15 @@ def update_global(plan: Plan, optimizer, grads, opt_state: ShardedOptState, para
       leaves[e.path] = _cast(x, e.dtype, e.shape)
   new_slots = {slot: slot_tree(plan, _pack_units(plan, *per_slot[slot]))
                for slot in lay.slot_names}
-  return _trainable_tree(plan, stored), ShardedOptState(new_slots, leaves, lay)
+  new_state = ShardedOptState(new_slots, leaves, lay)
+  # The compiler would choose its own layouts for these results: keep the
+  # state's (the next step is compiled for them).
+  new_state = jax.lax.with_sharding_constraint(
+      new_state, jax.tree.map(lambda s: s.sharding, stored_shapes(plan, lay)))
+  from fsdp_jax.grads import split_trainable  # pylint: disable=import-outside-toplevel
+  p_sh = split_trainable(plan, plan.storage_shardings())[0]
+  new_params = jax.lax.with_sharding_constraint(_trainable_tree(plan, stored), p_sh)
+  return new_params, new_state
 
 
 # ---------------------------------------------------------------------------
@@ -1441,9 +1429,21 @@ def choose_mode(plan: Plan, optimizer) -> UpdateMode:
         "host, where collectives are not available. Fix: keep whole-tensor steps out of the "
         "optimizer (e.g. clip with shard_train_step(max_norm=...) instead of "
         "optax.clip_by_global_norm), or drop cpu_offload.")
+  if requested == "auto":
+    # Measured (benchmarks/OPTIMIZERS.md): an update that needs no gather is
+    # fastest on the shards in both layouts; one that gathers whole matrices
+    # (Muon, factored Adafactor) is as fast or faster when the compiler
+    # partitions it, because every device would otherwise redo the whole
+    # computation. The global form cannot hold per-device (ignored) values
+    # or run on the host (offload).
+    global_ok = not offload.offloads(plan.config) and not any(
+        l.ignored and not l.frozen for l in plan.leaves)
+    requested = "global" if report.gathers and global_ok else "sharded"
   if requested == "global":
     _check_global(plan)
-    return UpdateMode("global", "the compiler partitions the update of the logical tree")
+    return UpdateMode("global", "the compiler partitions the update of the logical tree"
+                      + (f" (on the shards it would need: {report.summary()})"
+                         if not report.elementwise else ""))
   return UpdateMode("sharded", report.summary())
 
 

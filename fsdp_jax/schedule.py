@@ -28,25 +28,14 @@ from typing import Callable, Optional
 
 import jax
 from jax import lax
-from jax._src import ad_checkpoint
-from jax._src import core as jax_core
-from jax._src import source_info_util
-from jax.extend.core import Literal
 
+from fsdp_jax import _compat
 from fsdp_jax import collectives
+from fsdp_jax._compat import DropVar, Jaxpr, Literal
 
-_INLINE = ("pjit", "jit", "closed_call", "core_call")
-
-
-def _bind(eqn, invals):
-  """Binds ``eqn`` to ``invals`` keeping its name scope and source location
-  (profiler labels survive the re-evaluation), as ``jax.core.eval_jaxpr``."""
-  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-  params = eqn.primitive.get_bind_params(eqn.params)
-  with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-        eqn.ctx.manager):
-    ans = eqn.primitive.bind(*invals, **params)
-  return ans if eqn.primitive.multiple_results else [ans]
+# Binds an equation again, keeping its name scope and source location
+# (profiler labels survive the re-evaluation), as ``jax.core.eval_jaxpr``.
+_bind = _compat.bind_eqn
 
 
 class Gatherer:
@@ -117,7 +106,7 @@ def _saved_if_mixed(eqn, in_classes, outs, enabled: bool = True):
   return outs, _class_of(in_classes)
 
 
-def eval_with_gathers(jaxpr: jax_core.Jaxpr, consts, args, lazy: dict,
+def eval_with_gathers(jaxpr: Jaxpr, consts, args, lazy: dict,
                       g: Gatherer, param_invars=()) -> list:
   """Evaluates ``jaxpr`` where ``lazy`` maps invars to parameter leaf ids.
 
@@ -157,32 +146,30 @@ def eval_with_gathers(jaxpr: jax_core.Jaxpr, consts, args, lazy: dict,
   for eqn in jaxpr.eqns:
     reads_params = any((not isinstance(v, Literal)) and v in lazy for v in eqn.invars)
     in_classes = [klass(v) for v in eqn.invars]
-    name = eqn.primitive.name
-    if reads_params and name == "scan" and _scan_pushdown(eqn, lazy, g, read, write, klass):
+    if reads_params and _compat.is_scan(eqn) and _scan_pushdown(eqn, lazy, g, read, write, klass):
       continue
-    if eqn.primitive is ad_checkpoint.remat_p:
+    if _compat.is_remat(eqn):
       for v, o in zip(eqn.outvars, _user_checkpoint(eqn, [read(v) for v in eqn.invars])):
         write(v, o)
       continue
-    if name == "scan" and _has_user_checkpoint(eqn.params["jaxpr"]):
+    if _compat.is_scan(eqn) and _has_user_checkpoint(_compat.scan_params(eqn).body):
       _scan_rebuild(eqn, read, write, g, klass)
       continue
-    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    inner = _compat.call_body(eqn) if _compat.is_call(eqn) else None
     reads_param_values = _PARAM in in_classes
-    if name in _INLINE and (reads_params or reads_param_values or _has_user_checkpoint(inner)):
-      if inner is not None:
-        inner_jaxpr = getattr(inner, "jaxpr", inner)
-        inner_consts = getattr(inner, "consts", ())
-        inner_lazy = {iv: lazy[ov] for iv, ov in zip(inner_jaxpr.invars, eqn.invars)
-                      if not isinstance(ov, Literal) and ov in lazy}
-        inner_args = [None if (not isinstance(ov, Literal) and ov in lazy) else read(ov)
-                      for ov in eqn.invars]
-        inner_params = [iv for iv, c in zip(inner_jaxpr.invars, in_classes) if c == _PARAM]
-        outs = eval_with_gathers(inner_jaxpr, inner_consts, inner_args, inner_lazy, g,
-                                 inner_params)
-        for v, o in zip(eqn.outvars, outs):
-          write(v, o)
-        continue
+    if inner is not None and (reads_params or reads_param_values
+                              or _has_user_checkpoint(inner[0])):
+      inner_jaxpr, inner_consts = inner
+      inner_lazy = {iv: lazy[ov] for iv, ov in zip(inner_jaxpr.invars, eqn.invars)
+                    if not isinstance(ov, Literal) and ov in lazy}
+      inner_args = [None if (not isinstance(ov, Literal) and ov in lazy) else read(ov)
+                    for ov in eqn.invars]
+      inner_params = [iv for iv, c in zip(inner_jaxpr.invars, in_classes) if c == _PARAM]
+      outs = eval_with_gathers(inner_jaxpr, inner_consts, inner_args, inner_lazy, g,
+                               inner_params)
+      for v, o in zip(eqn.outvars, outs):
+        write(v, o)
+      continue
     outs, c = _saved_if_mixed(eqn, in_classes, _bind(eqn, [read(v) for v in eqn.invars]),
                               g.save_mixed)
     for v, a in zip(eqn.outvars, outs):
@@ -192,9 +179,9 @@ def eval_with_gathers(jaxpr: jax_core.Jaxpr, consts, args, lazy: dict,
 
 def _scan_pushdown(eqn, lazy, g: Gatherer, read, write, klass) -> bool:
   """Rebuilds a scan over a stacked unit so each iteration gathers one layer."""
-  p = eqn.params
-  num_consts, num_carry = p["num_consts"], p["num_carry"]
-  length = p["length"]
+  p = _compat.scan_params(eqn)
+  num_consts, num_carry = p.num_consts, p.num_carry
+  length = p.length
   invars = list(eqn.invars)
   xs_vars = invars[num_consts + num_carry:]
   pushed: dict[int, tuple[int, int]] = {}  # xs position -> (unit, leaf_id)
@@ -217,8 +204,7 @@ def _scan_pushdown(eqn, lazy, g: Gatherer, read, write, klass) -> bool:
   init = [read(v) for v in invars[num_consts:num_consts + num_carry]]
   xs_plain = [None if k in pushed else read(v) for k, v in enumerate(xs_vars)]
   unit_locals = {u: g.unit_storage(u) for u in units}
-  body_closed = p["jaxpr"]
-  body_jaxpr, body_consts = body_closed.jaxpr, body_closed.consts
+  body_jaxpr, body_consts = p.body, p.body_consts
   # Parameters in the body: the gathered layer, and consts made of parameters.
   body_params = [bv for k, bv in enumerate(body_jaxpr.invars[num_consts + num_carry:])
                  if k in pushed]
@@ -241,7 +227,7 @@ def _scan_pushdown(eqn, lazy, g: Gatherer, read, write, klass) -> bool:
   # policy saves its gathers).
   body = jax.checkpoint(body, policy=collectives.save_all_but_gathers, prevent_cse=False)
   carry_out, ys = lax.scan(body, init, (xs_plain, unit_locals), length=length,
-                           reverse=p["reverse"], unroll=p["unroll"])
+                           reverse=p.reverse, unroll=p.unroll)
   for v, o in zip(eqn.outvars, [*carry_out, *ys]):
     write(v, o)
   return True
@@ -253,19 +239,20 @@ def _scan_pushdown(eqn, lazy, g: Gatherer, read, write, klass) -> bool:
 
 def _has_user_checkpoint(jaxpr) -> bool:
   """Whether ``jaxpr`` (or one nested in it) calls ``jax.checkpoint``."""
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-  if not isinstance(jaxpr, jax_core.Jaxpr):
+  jaxpr = _compat.split_closed(jaxpr)[0] if jaxpr is not None else None
+  if not isinstance(jaxpr, Jaxpr):
     return False
-  return any(e.primitive is ad_checkpoint.remat_p for e in jaxpr.eqns) or any(
-      _has_user_checkpoint(sub) for sub in jax_core.subjaxprs(jaxpr))
+  return any(_compat.is_remat(e) for e in jaxpr.eqns) or any(
+      _has_user_checkpoint(sub) for sub in _compat.subjaxprs(jaxpr))
 
 
 def _user_checkpoint(eqn, invals) -> list:
   """Binds the user's ``jax.checkpoint`` equation so that its policy holds
   inside the step's own remat (see the module docstring)."""
-  body = eqn.params["jaxpr"]
-  fn = jax.checkpoint(lambda *args: jax_core.eval_jaxpr(body, (), *args),
-                      policy=eqn.params["policy"], prevent_cse=eqn.params["prevent_cse"])
+  p = _compat.remat_params(eqn)
+  body = p.jaxpr
+  fn = jax.checkpoint(lambda *args: _compat.eval_jaxpr(body, (), *args),
+                      policy=p.policy, prevent_cse=p.prevent_cse)
 
   @jax.custom_vjp
   def call(*args):
@@ -278,31 +265,27 @@ def _user_checkpoint(eqn, invals) -> list:
     return pullback(cts)
 
   call.defvjp(fwd, bwd)
-  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-  with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+  with _compat.user_context(eqn):
     return call(*invals)
 
 
 def _scan_rebuild(eqn, read, write, g: Gatherer, klass) -> None:
   """Re-evaluates a scan whose body calls ``jax.checkpoint`` (a scan that is
   not over a stacked unit), so those checkpoints keep their policy too."""
-  p = eqn.params
-  num_consts, num_carry = p["num_consts"], p["num_carry"]
+  p = _compat.scan_params(eqn)
+  num_consts, num_carry = p.num_consts, p.num_carry
   invals = [read(v) for v in eqn.invars]
   consts = invals[:num_consts]
   init = invals[num_consts:num_consts + num_carry]
   xs = invals[num_consts + num_carry:]
-  body_closed = p["jaxpr"]
-  body_params = [bv for bv, ov in zip(body_closed.jaxpr.invars, eqn.invars)
-                 if klass(ov) == _PARAM]
+  body_params = [bv for bv, ov in zip(p.body.invars, eqn.invars) if klass(ov) == _PARAM]
 
   def body(carry, x):
-    outs = eval_with_gathers(body_closed.jaxpr, body_closed.consts, [*consts, *carry, *x], {}, g,
-                             body_params)
+    outs = eval_with_gathers(p.body, p.body_consts, [*consts, *carry, *x], {}, g, body_params)
     return outs[:num_carry], outs[num_carry:]
 
-  carry_out, ys = lax.scan(body, init, xs, length=p["length"], reverse=p["reverse"],
-                           unroll=p["unroll"])
+  carry_out, ys = lax.scan(body, init, xs, length=p.length, reverse=p.reverse,
+                           unroll=p.unroll)
   for v, o in zip(eqn.outvars, [*carry_out, *ys]):
     write(v, o)
 
@@ -372,15 +355,15 @@ def ordered(fn: Callable, ordering: Ordering) -> Callable:
   return wrapped
 
 
-def _fresh_vars(jaxpr: jax_core.Jaxpr) -> jax_core.Jaxpr:
+def _fresh_vars(jaxpr: Jaxpr) -> Jaxpr:
   """A copy of ``jaxpr`` with new variables (nested jaxprs are kept)."""
   new: dict = {}
 
   def sub(v):
-    if isinstance(v, (Literal, jax_core.DropVar)):
+    if isinstance(v, (Literal, DropVar)):
       return v
     if v not in new:
-      new[v] = jax_core.Var(v.aval)
+      new[v] = _compat.new_var(v.aval)
     return new[v]
 
   return jaxpr.replace(
@@ -393,7 +376,7 @@ def _fresh_vars(jaxpr: jax_core.Jaxpr) -> jax_core.Jaxpr:
 class _Sequence:
   """A step's equations as one sequence, with ``remat`` bodies inlined."""
 
-  def __init__(self, jaxpr: jax_core.Jaxpr, ordering: Ordering):
+  def __init__(self, jaxpr: Jaxpr, ordering: Ordering):
     self.jaxpr = jaxpr
     self.ordering = ordering
     self.items: list = []  # ("eqn", eqn) | ("enter", eqn) | ("exit", eqn)
@@ -403,12 +386,12 @@ class _Sequence:
     self.alias: dict = {}
     for kind, eqn in self.items:
       if kind == "enter":
-        for iv, ov in zip(eqn.params["jaxpr"].invars, eqn.invars):
+        for iv, ov in zip(_compat.remat_params(eqn).jaxpr.invars, eqn.invars):
           if not isinstance(ov, Literal):
             self.alias[iv] = self.resolve(ov)
       elif kind == "exit":
-        for ov, iv in zip(eqn.outvars, eqn.params["jaxpr"].outvars):
-          if not isinstance(ov, jax_core.DropVar):
+        for ov, iv in zip(eqn.outvars, _compat.remat_params(eqn).jaxpr.outvars):
+          if not isinstance(ov, DropVar):
             self.alias[ov] = iv if isinstance(iv, Literal) else self.resolve(iv)
     self.uses: dict = {}
     self.producer: dict = {}
@@ -441,16 +424,17 @@ class _Sequence:
   def _flatten(self, jaxpr, seen=None):
     seen = set() if seen is None else seen
     for eqn in jaxpr.eqns:
-      if eqn.primitive is ad_checkpoint.remat_p:
-        body = eqn.params["jaxpr"]
+      if _compat.is_remat(eqn):
+        body = _compat.remat_params(eqn).jaxpr
         if id(body) in seen:
           # jax.checkpoint caches its trace: calls of one function on the same
           # shapes share one body jaxpr. Inlined bodies are told apart by
           # their variables, so each further copy gets new ones.
-          eqn = eqn.replace(params={**eqn.params, "jaxpr": _fresh_vars(body)})
-        seen.add(id(eqn.params["jaxpr"]))
+          body = _fresh_vars(body)
+          eqn = _compat.replace_remat_body(eqn, body)
+        seen.add(id(body))
         self.items.append(("enter", eqn))
-        self._flatten(eqn.params["jaxpr"], seen)
+        self._flatten(body, seen)
         self.items.append(("exit", eqn))
       else:
         self.items.append(("eqn", eqn))
@@ -464,8 +448,8 @@ class _Sequence:
 
   def _outs(self, i) -> list:
     kind, eqn = self.items[i]
-    vs = eqn.params["jaxpr"].invars if kind == "enter" else eqn.outvars
-    return [v for v in vs if not isinstance(v, jax_core.DropVar)]
+    vs = _compat.remat_params(eqn).jaxpr.invars if kind == "enter" else eqn.outvars
+    return [v for v in vs if not isinstance(v, DropVar)]
 
   def _readers(self, idxs) -> list:
     """Positions of the equations reading these gathers' results (directly or
@@ -508,11 +492,11 @@ class _Sequence:
       if kind != "eqn":
         continue
       if eqn.primitive is collectives.fsdp_all_gather_p:
-        spec = eqn.params["spec"]
+        spec = collectives.spec_of(eqn)
         n = seen[spec] = seen.get(spec, 0) + 1
         (fwd if n == 1 else bwd).setdefault(spec.label, []).append(i)
       elif eqn.primitive is collectives.fsdp_reduce_p:
-        red.setdefault(eqn.params["spec"].label, []).append(i)
+        red.setdefault(collectives.spec_of(eqn).label, []).append(i)
 
     def order(d):
       """Units in the order their gathered parameters are first read."""
@@ -617,11 +601,12 @@ class _Sequence:
       env[v] = a
     for i, (kind, eqn) in enumerate(self.items):
       if kind == "enter":
-        inner = eqn.params["jaxpr"]
+        rp = _compat.remat_params(eqn)
+        inner = rp.jaxpr
         vals = [read(v) for v in eqn.invars]
-        pc = eqn.params["prevent_cse"]
+        pc = rp.prevent_cse
         pc = (pc,) * len(vals) if isinstance(pc, bool) else pc
-        if eqn.params["differentiated"] and any(pc):
+        if rp.differentiated and any(pc):
           idx = [j for j, p in enumerate(pc) if p]
           barred = lax.optimization_barrier([vals[j] for j in idx])
           for j, b in zip(idx, barred):

@@ -575,10 +575,13 @@ def _off_other_devices(params, mesh: Mesh):
   devices = set(mesh.devices.flat)
 
   def move(x):
-    if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-        and x.committed and x.sharding.device_set != devices):
-      return np.asarray(jax.device_get(x))
-    return x
+    if not isinstance(x, jax.Array):
+      return x
+    try:
+      elsewhere = x.committed and x.sharding.device_set != devices
+    except Exception:  # pylint: disable=broad-except  # a tracer (abstract init)
+      return x
+    return np.asarray(jax.device_get(x)) if elsewhere else x
 
   return jax.tree.map(move, params)
 

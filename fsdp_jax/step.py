@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental.compute_on import compute_on
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from fsdp_jax import _compat
 from fsdp_jax import grads as grads_lib
 from fsdp_jax import loss as loss_lib
 from fsdp_jax import offload, optim
@@ -262,7 +262,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
             new_t, new_s = _keep_if(k, (t, s), (new_t, new_s))
           return new_t, new_s
 
-        new_trainable, new_opt_state = compute_on("device_host")(jax.jit(host_update))(
+        new_trainable, new_opt_state = _compat.on_host(host_update)(
             grads, opt_state, trainable, index, value, keep)
         # Leaves the host computation may leave in device memory (a step
         # count made from a constant) are stored on the host too.

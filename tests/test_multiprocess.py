@@ -769,9 +769,11 @@ def test_coordinator_listens_only_where_it_must(tmp_path, where):
       import jax.numpy as jnp
       from jax.experimental import multihost_utils
       multihost_utils.process_allgather(jnp.ones(()))  # gloo connects its pairs
-      print("READY", json.dumps(dict(pid=os.getpid(), rank=info.rank,
-                                     address=info.coordinator_address,
-                                     bind=info.coordinator_bind_address)), flush=True)
+      # One write per line: both workers share the launcher's stdout.
+      os.write(1, ("READY " + json.dumps(dict(pid=os.getpid(), rank=info.rank,
+                                              address=info.coordinator_address,
+                                              bind=info.coordinator_bind_address))
+                   + "\n").encode())
       deadline = time.monotonic() + 60
       while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -784,7 +786,7 @@ def test_coordinator_listens_only_where_it_must(tmp_path, where):
     ready = {}
     deadline = time.monotonic() + 90
     while len(ready) < 2 and time.monotonic() < deadline and run.proc.poll() is None:
-      for m in re.finditer(r"^READY (.*)$", run.output(), re.M):
+      for m in re.finditer(r"READY (\{[^{}]*\})", run.output()):
         seen = json.loads(m.group(1))
         ready[seen["rank"]] = seen
       time.sleep(0.1)

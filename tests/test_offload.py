@@ -205,9 +205,9 @@ def test_compiled_step_keeps_params_and_opt_state_on_host(strategy, n, r):
   assert len(mem.arguments) == 1 + n_params + n_opt + 2
   assert [b.host for b in mem.arguments] == (
       [False] + [True] * (n_params + n_opt) + [False, False])
-  # Outputs: the new state (same layout), then the metrics (loss, grad_norm).
+  # Outputs: the new state (same layout), then the metrics (grad_norm, loss, nonfinite).
   assert [b.host for b in mem.outputs] == (
-      [False] + [True] * (n_params + n_opt) + [False, False])
+      [False] + [True] * (n_params + n_opt) + [False, False, False])
   assert not any(b.host for b in base.arguments + base.outputs)
   state_bytes = _shard_bytes(off_state.params) + _shard_bytes(off_state.opt_state)
   assert mem.argument_host_bytes == state_bytes

@@ -1,0 +1,487 @@
+"""The one place fsdp_jax touches JAX internals.
+
+fsdp_jax supports jax 0.10 to 0.12 (``pyproject.toml`` pins
+``jax>=0.10,<0.13``). Everything below is either not public in JAX or changed
+shape between those releases: the rest of the package calls these helpers and
+never imports ``jax._src``, reads a jaxpr equation's params by name, or looks
+for ``remat_p`` itself. A new jax release is a change to this file only.
+
+Each touchpoint says what it needs, from which jax version, and the public
+alternative where one exists. What is public and stable (``jax.extend.core``'s
+``Jaxpr``/``Var``/``Literal``/``DropVar``/``subjaxprs``, ``jax.core.eval_jaxpr``,
+``jax.core.ShapedArray``, ``jax.extend.source_info_util``) is re-exported
+from here too, so the modules that rewrite jaxprs have one import.
+
+Implementation switches (see :func:`classic_tracing`): jax 0.10 to 0.12 carry
+opt-in flags that trace ``jax.checkpoint`` and ``lax.scan`` to new
+primitives: ``jax_remat3`` (named in the 0.11 CHANGELOG with
+``jax.custom_remat``; present from 0.10), ``jax_scan3`` (present from 0.10),
+and ``jax_remat_barrier_no_cotangents`` (from 0.11; changes the barriers of
+``jax_remat3`` only). fsdp_jax traces its own step with the classic
+implementations, whose jaxprs it rewrites; ``tests/test_jax_versions.py``
+runs the rewrite's tests with each flag on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+from jax.extend import core as _ext_core
+from jax.extend.core import primitives as _ext_primitives
+from jax.extend import source_info_util  # public: jax.extend.source_info_util (0.10+)
+
+JAX_VERSION: tuple[int, ...] = tuple(
+    int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+
+# -- public, re-exported -----------------------------------------------------
+# jax.extend.core (0.10+): the jaxpr data structures.
+Jaxpr = _ext_core.Jaxpr
+ClosedJaxpr = _ext_core.ClosedJaxpr
+Literal = _ext_core.Literal
+DropVar = _ext_core.DropVar
+Primitive = _ext_core.Primitive
+subjaxprs = _ext_core.subjaxprs
+# jax.core (0.10+): still public.
+ShapedArray = jax.core.ShapedArray
+eval_jaxpr = jax.core.eval_jaxpr
+
+
+def new_var(aval) -> Any:
+  """A fresh jaxpr variable of type ``aval``.
+
+  ``jax.extend.core.Var(aval)``: 0.10 also takes ``initial_qdd`` /
+  ``final_qdd`` (dropped in 0.11); the one-argument form works on both."""
+  return _ext_core.Var(aval)
+
+
+# -- defining primitives -------------------------------------------------------
+# jax.interpreters.ad / jax.interpreters.mlir (public modules, 0.10 to 0.12).
+
+def register_lowering(prim, impl: Callable, *, multiple_results: bool) -> None:
+  """Lowers ``prim`` as the JAX function ``impl`` (``mlir.lower_fun``)."""
+  from jax.interpreters import mlir  # pylint: disable=import-outside-toplevel
+  mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=multiple_results))
+
+
+def deflinear(prim, transpose: Callable) -> None:
+  """Declares ``prim`` linear with ``transpose(cts, *args, **params)``
+  (``ad.deflinear2``: its JVP applies ``prim`` to the tangents)."""
+  from jax.interpreters import ad  # pylint: disable=import-outside-toplevel
+  ad.deflinear2(prim, transpose)
+
+
+def is_symbolic_zero(ct) -> bool:
+  """Whether a cotangent passed to a transpose rule is ``ad.Zero``."""
+  from jax.interpreters import ad  # pylint: disable=import-outside-toplevel
+  return type(ct) is ad.Zero  # pylint: disable=unidiomatic-typecheck
+
+
+# -- binding an equation again -----------------------------------------------
+
+def bind_eqn(eqn, invals) -> list:
+  """Binds ``eqn``'s primitive to ``invals`` with its params, inside the
+  equation's context (``eqn.ctx.manager``: compute type, thread-local
+  settings) and source location, as ``jax.core.eval_jaxpr`` does. Always
+  returns a list of outputs.
+
+  Needs ``Primitive.get_bind_params`` (turns stored params, e.g. a call's
+  ``jaxpr``, back into bind arguments) and ``JaxprEqn.ctx.manager``: internal
+  API, unchanged 0.10 to 0.12. No public alternative binds one equation
+  (``jax.core.eval_jaxpr`` evaluates a whole jaxpr)."""
+  params = eqn.primitive.get_bind_params(eqn.params)
+  with user_context(eqn), eqn.ctx.manager:
+    ans = eqn.primitive.bind(*invals, **params)
+  return ans if eqn.primitive.multiple_results else [ans]
+
+
+def user_context(eqn):
+  """The source location and name scope of ``eqn`` (profiler labels and
+  error messages keep them when the equation is re-traced).
+
+  ``jax.extend.source_info_util`` (public, 0.10+) with the equation's
+  ``source_info`` (``traceback``, ``name_stack``)."""
+  name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+  return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
+def source_summary(eqn) -> str:
+  """``file:line (function)`` of the user code an equation came from, for
+  error messages and reports.
+
+  ``source_info_util.summarize`` (internal, 0.10 to 0.12; the same module as
+  :func:`user_context`)."""
+  try:
+    return source_info_util.summarize(eqn.source_info)
+  except Exception:  # pylint: disable=broad-except  # a change of form: no location
+    return "?"
+
+
+# Call-like equations whose body an interpreter can inline: nested jit, and
+# custom derivative rules (their primal body; the rule only matters when
+# differentiating, which fsdp_jax's optimizer evaluation never does).
+INLINABLE = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                                "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint",
+                                "custom_lin")
+
+
+def inlinable_body(eqn):
+  """The primal body of a call-like equation (``params["jaxpr"]``,
+  ``["call_jaxpr"]`` or ``["fun_jaxpr"]``: the name depends on the primitive
+  and the jax version), as ``(open jaxpr, consts)``, or None."""
+  if eqn.primitive.name not in INLINABLE:
+    return None
+  for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    j = eqn.params.get(name)
+    if isinstance(j, (ClosedJaxpr, Jaxpr)):
+      return split_closed(j)
+  return None
+
+
+def reduction_axes(eqn) -> tuple:
+  """The reduced axes of a ``reduce_*`` equation (``params["axes"]``)."""
+  return tuple(eqn.params.get("axes", ()))
+
+
+def cond_branches(eqn) -> tuple:
+  """The branches of a ``cond`` equation (``params["branches"]``: closed
+  jaxprs on 0.10, jaxprs carrying ``.consts`` from 0.11; see
+  :func:`split_closed`)."""
+  return tuple(eqn.params["branches"])
+
+
+# -- jax.checkpoint (remat) equations ------------------------------------------
+
+def _remat_primitive():
+  # ``remat_p`` (named "remat2" since jax 0.3.17, still in 0.12) lives in
+  # jax._src.ad_checkpoint; no public name (jax.ad_checkpoint exports the
+  # policies and checkpoint_name only).
+  try:
+    from jax._src.ad_checkpoint import remat_p  # pylint: disable=import-outside-toplevel
+    return remat_p
+  except ImportError:  # pragma: no cover - moved in a later jax
+    return None
+
+
+_REMAT_P = _remat_primitive()
+
+
+def is_remat(eqn) -> bool:
+  """Whether ``eqn`` is a ``jax.checkpoint`` (classic implementation)."""
+  if _REMAT_P is not None:
+    return eqn.primitive is _REMAT_P
+  return eqn.primitive.name in ("remat2", "checkpoint")  # pragma: no cover
+
+
+class RematParams(NamedTuple):
+  """A ``jax.checkpoint`` equation's params (0.10 to 0.12: ``jaxpr`` (an open
+  ``Jaxpr``), ``policy``, ``prevent_cse`` (bool or one per input),
+  ``differentiated``)."""
+
+  jaxpr: Any
+  policy: Optional[Callable]
+  prevent_cse: Any
+  differentiated: bool
+
+
+def remat_params(eqn) -> RematParams:
+  p = eqn.params
+  return RematParams(p["jaxpr"], p.get("policy"), p.get("prevent_cse", True),
+                     bool(p.get("differentiated", False)))
+
+
+def replace_remat_body(eqn, body):
+  """``eqn`` with its body jaxpr replaced."""
+  return eqn.replace(params={**eqn.params, "jaxpr": body})
+
+
+# -- lax.scan equations --------------------------------------------------------
+
+class ScanParams(NamedTuple):
+  """What fsdp_jax reads of a ``scan`` equation.
+
+  ``body``/``body_consts``: the body as an open jaxpr and the constants it
+  closes over. Inputs are ``consts, carry, xs`` (``num_consts``,
+  ``num_carry``, rest); outputs ``carry, ys``.
+  """
+
+  num_consts: int
+  num_carry: int
+  length: int
+  reverse: bool
+  unroll: Any
+  body: Any
+  body_consts: tuple
+
+
+def is_scan(eqn) -> bool:
+  return eqn.primitive.name == "scan"
+
+
+def scan_params(eqn) -> ScanParams:
+  """Reads a ``scan`` equation on every supported jax.
+
+  * jax 0.10: ``num_consts`` / ``num_carry`` ints, ``jaxpr`` a ``ClosedJaxpr``.
+  * jax 0.11+: ``ft_in`` / ``ft_out`` flat trees (``ft_in.unpack()`` ->
+    ``(consts, carry, xs)``, each ``len()``-able) replace the two counts, and
+    ``jaxpr`` is an open ``Jaxpr`` whose constants travel with it (``.consts``).
+    ``ft_out`` drops the ``ys`` forwarded straight from ``xs``: the equation's
+    outputs are ``carry`` and the ``ys`` that remain, as the body's.
+  """
+  p = eqn.params
+  if "num_consts" in p:
+    num_consts, num_carry = p["num_consts"], p["num_carry"]
+  else:
+    consts, carry, _ = p["ft_in"].unpack()
+    num_consts, num_carry = len(consts), len(carry)
+  body, body_consts = split_closed(p["jaxpr"])
+  return ScanParams(num_consts, num_carry, p["length"], p["reverse"], p.get("unroll", 1),
+                    body, tuple(body_consts))
+
+
+# -- calls (jit inside the traced function, closed_call) -----------------------
+
+# Call primitives whose body is inlined when it reads parameters: a nested
+# jax.jit is "pjit" up to 0.10 and "jit" from 0.11.
+CALL_PRIMITIVES = ("pjit", "jit", "closed_call", "core_call")
+
+
+def is_call(eqn) -> bool:
+  return eqn.primitive.name in CALL_PRIMITIVES
+
+
+def call_body(eqn):
+  """The body of a call equation (``params["jaxpr"]``, or ``call_jaxpr`` for
+  ``core_call``), as (open jaxpr, consts), or None."""
+  inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+  if inner is None:
+    return None
+  return split_closed(inner)
+
+
+def split_closed(jaxpr) -> tuple[Any, list]:
+  """(open ``Jaxpr``, its constants) from a ``ClosedJaxpr`` (0.10) or a
+  ``Jaxpr`` carrying its constants as ``.consts`` (0.11+ in ``jit`` and
+  ``scan`` params)."""
+  if isinstance(jaxpr, ClosedJaxpr):
+    return jaxpr.jaxpr, list(jaxpr.consts)
+  return jaxpr, list(getattr(jaxpr, "consts", ()) or ())
+
+
+def nested_jaxprs(eqn):
+  """The jaxprs held in ``eqn``'s params (scan and call bodies, cond
+  branches...), as open jaxprs."""
+  out = []
+  for v in eqn.params.values():
+    for x in (v if isinstance(v, (tuple, list)) else (v,)):
+      if isinstance(x, (Jaxpr, ClosedJaxpr)):
+        out.append(split_closed(x)[0])
+  return out
+
+
+# -- axis names ----------------------------------------------------------------
+
+
+def rename_axis_names(closed, mapping: dict):
+  """``closed`` with every collective over a name in ``mapping`` rewritten
+  to run over the mesh axes it maps to, nested jaxprs included.
+
+  Needs (0.10-0.12): collectives carry their names in the params ``axes``
+  (psum, pmax, pmin) or ``axis_name`` (ppermute, all_gather, axis_index,
+  ...); ``Jaxpr.replace`` / ``JaxprEqn.replace``; ``axis_index`` lowers for
+  one axis only, so one over several axes becomes a ``closed_call`` of
+  ``lax.axis_index(axes)``. No public API renames an axis in a traced
+  program.
+  """
+  from jax import lax  # pylint: disable=import-outside-toplevel
+  memo: dict = {}
+
+  def names(value):
+    if isinstance(value, str):
+      return mapping.get(value, (value,)), value in mapping
+    if isinstance(value, tuple) and any(isinstance(v, str) and v in mapping for v in value):
+      out = []
+      for v in value:
+        for n in (mapping.get(v, (v,)) if isinstance(v, str) else (v,)):
+          if n not in out:
+            out.append(n)
+      return tuple(out), True
+    return value, False
+
+  def param(key, value):
+    if key in ("axes", "axis_name"):
+      new, changed = names(value)
+      if changed:
+        return new
+      return value
+    return sub(value)
+
+  def sub(value):
+    if isinstance(value, ClosedJaxpr):
+      return value.replace(jaxpr=jaxpr_(value.jaxpr))
+    if isinstance(value, Jaxpr):
+      return jaxpr_(value)
+    if isinstance(value, (tuple, list)) and any(
+        isinstance(v, (ClosedJaxpr, Jaxpr)) for v in value):
+      return type(value)(sub(v) for v in value)
+    return value
+
+  def eqn_(e):
+    if e.primitive.name == "axis_index":
+      new, changed = names(e.params["axis_name"])
+      axes = new if isinstance(new, tuple) else (new,)
+      if changed and len(axes) > 1:
+        # The primitive lowers for one axis only: lax.axis_index(axes)
+        # combines one per axis, called in place of the equation.
+        call = jax.make_jaxpr(lambda: lax.axis_index(axes))()
+        return _ext_core.new_jaxpr_eqn(
+            [], e.outvars, _ext_primitives.closed_call_p, {"call_jaxpr": call},
+            call.effects, e.source_info, e.ctx)
+      if changed:
+        return e.replace(params={**e.params, "axis_name": axes[0]})
+      return e
+    return e.replace(params={k: param(k, v) for k, v in e.params.items()})
+
+  def jaxpr_(jaxpr):
+    if id(jaxpr) not in memo:
+      eqns = [eqn_(e) for e in jaxpr.eqns]
+      memo[id(jaxpr)] = (jaxpr, jaxpr.replace(eqns=eqns))
+    return memo[id(jaxpr)][1]
+
+  return closed.replace(jaxpr=jaxpr_(closed.jaxpr))
+
+
+# -- implementation switches ---------------------------------------------------
+
+# Config flags that trace jax.checkpoint / lax.scan to another implementation,
+# with the version each appeared in (all default False up to 0.12):
+#   jax_remat3   (0.10; 0.11 adds jax.custom_remat for it): jax.checkpoint
+#                traces to a "call_hi_primitive" (RematTraced) and consults
+#                its policy only for dots, convolutions, loops and names;
+#   jax_scan3    (0.10): lax.scan traces to a "call_hi_primitive" (Scan3)
+#                whose carry is a mutable Ref;
+#   jax_remat_barrier_no_cotangents (0.11): changes jax_remat3's CSE barriers.
+IMPLEMENTATION_FLAGS = ("jax_remat3", "jax_scan3", "jax_remat_barrier_no_cotangents")
+
+
+def _config_state(name: str):
+  # The context-manager form of a config flag is jax._src.config.<name
+  # without "jax_">; jax.config.update only sets it globally.
+  try:
+    from jax._src import config as jax_config  # pylint: disable=import-outside-toplevel
+  except ImportError:  # pragma: no cover
+    return None
+  state = getattr(jax_config, name[len("jax_"):], None)
+  return state if callable(state) and hasattr(state, "value") else None
+
+
+def has_flag(name: str) -> bool:
+  """Whether this jax has the config flag ``name`` (``jax.config.values``)."""
+  return name in jax.config.values
+
+
+@contextlib.contextmanager
+def classic_tracing():
+  """Traces ``jax.checkpoint`` and ``lax.scan`` to the classic ``remat2`` /
+  ``scan`` equations while it is active, whatever the user set globally.
+
+  fsdp_jax's rewrite (:mod:`fsdp_jax.schedule`) reads those equations: it
+  pushes a stacked unit's gather into the scan body, keeps a model's own
+  checkpoint policies, and orders collectives across the step's remat. Its
+  remat policy (:func:`fsdp_jax.collectives.remat_policy`) decides for every
+  primitive, which ``jax_remat3`` does not ask it for (it always recomputes
+  primitives without a remat rule, so SHARD_GRAD_OP would re-gather).
+  Numbers are the same under either implementation; only the representation
+  differs. When a jax release makes a new implementation the only one, this
+  helper and :func:`scan_params` / :func:`remat_params` are what changes.
+
+  On jax 0.10 ``jax.checkpoint`` picks its implementation when it wraps a
+  function (0.12: when the wrapped function is called), so a model
+  checkpoint wrapped before the step traces, under a global ``jax_remat3``,
+  stays a ``call_hi_primitive``: the rewrite binds it as one equation (the
+  numbers and the gathers per unit hold, tests/test_jax_versions.py).
+  """
+  with contextlib.ExitStack() as stack:
+    for name in ("jax_remat3", "jax_scan3"):
+      state = _config_state(name)
+      if state is not None and state.value:
+        stack.enter_context(state(False))
+    yield
+
+
+# -- compute_on ----------------------------------------------------------------
+
+def _compute_on_api():
+  from jax.experimental import compute_on as mod  # pylint: disable=import-outside-toplevel
+  return mod
+
+
+def on_host(fn: Callable) -> Callable:
+  """``fn`` (a pure function of arrays) run on the host (``compute_type=
+  "device_host"``), its outputs in host memory.
+
+  ``jax.experimental.compute_on`` (public, experimental):
+  * jax 0.10: ``compute_on("device_host")`` is a context manager/decorator;
+    the function is wrapped in ``jax.jit`` so it becomes one host
+    computation, and its outputs are placed by the caller.
+  * jax 0.11+: ``compute_on(f, compute_type=..., out_memory_spaces=...)``
+    (0.10's ``compute_on2``) needs the outputs' memory spaces: all host.
+  """
+  mod = _compute_on_api()
+  params = inspect.signature(mod.compute_on).parameters
+  if "out_memory_spaces" in params:
+    return mod.compute_on(fn, compute_type="device_host",
+                          out_memory_spaces=jax.memory.Space.Host)
+  return mod.compute_on("device_host")(jax.jit(fn))
+
+
+# -- backends and jax.distributed ---------------------------------------------
+
+def backends_initialized() -> bool:
+  """Whether JAX has started its backends in this process (after which
+  ``jax.distributed.initialize`` and device flags are too late).
+
+  ``jax._src.xla_bridge.backends_are_initialized`` (0.10 to 0.12). No public
+  alternative: ``jax.devices()`` would start them."""
+  try:
+    from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+    return bool(xla_bridge.backends_are_initialized())
+  except Exception:  # pylint: disable=broad-except  # pragma: no cover - moved
+    return False
+
+
+class DistributedState(NamedTuple):
+  """What ``jax.distributed.initialize`` set up (None fields: not started)."""
+
+  client: Any
+  process_id: int
+  num_processes: int
+  coordinator_address: Optional[str]
+
+
+def distributed_state() -> DistributedState:
+  """``jax._src.distributed.global_state`` (0.10 to 0.12): the coordination
+  service client (None without ``jax.distributed``), this process's id, the
+  number of processes and the coordinator's address.
+
+  Public alternatives cover part of it: ``jax.process_index()`` /
+  ``jax.process_count()`` (after the backends start) and
+  ``jax.distributed.is_initialized()``; the client (for the key-value store
+  and barriers) and the coordinator address have none."""
+  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+  s = jax_distributed.global_state
+  return DistributedState(getattr(s, "client", None), getattr(s, "process_id", 0),
+                          getattr(s, "num_processes", 1),
+                          getattr(s, "coordinator_address", None))
+
+
+# -- residuals (benchmarks) ----------------------------------------------------
+
+def saved_residuals(fn, *args):
+  """``[(aval, source description)]`` of what ``jax.grad(fn)`` saves from its
+  forward pass. ``jax._src.ad_checkpoint.saved_residuals`` (0.10 to 0.12);
+  the public ``jax.ad_checkpoint.print_saved_residuals`` only prints them."""
+  from jax._src.ad_checkpoint import saved_residuals as impl  # pylint: disable=import-outside-toplevel
+  return impl(fn, *args)
