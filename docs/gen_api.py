@@ -37,7 +37,7 @@ import fsdp_jax  # noqa: E402  (after the path set-up, so the checkout is docume
 # Sections in this order; a module not listed here comes after them.
 MODULE_ORDER = [
     "fsdp_jax.config", "fsdp_jax.mesh", "fsdp_jax.state", "fsdp_jax.step",
-    "fsdp_jax.wrap", "fsdp_jax.full", "fsdp_jax.grads", "fsdp_jax.plan",
+    "fsdp_jax.loss", "fsdp_jax.wrap", "fsdp_jax.full", "fsdp_jax.grads", "fsdp_jax.plan",
     "fsdp_jax.state_dict", "fsdp_jax.checkpoint", "fsdp_jax.hooks",
 ]
 # Section titles of the defining modules (else the module's first docstring line).
@@ -46,6 +46,7 @@ TITLES = {
     "fsdp_jax.mesh": "Devices and meshes",
     "fsdp_jax.state": "The sharded train state",
     "fsdp_jax.step": "The train step",
+    "fsdp_jax.loss": "The loss function",
     "fsdp_jax.wrap": "Wrap policies",
     "fsdp_jax.full": "Full parameters",
     "fsdp_jax.grads": "Building blocks for custom steps",

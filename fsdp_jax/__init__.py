@@ -55,6 +55,7 @@ from fsdp_jax.grads import (
     split_trainable as split_trainable,
     value_and_grad as value_and_grad,
 )
+from fsdp_jax.loss import WeightedLoss as WeightedLoss
 from fsdp_jax.plan import Plan as Plan
 from fsdp_jax.state import (
     ShardedTrainState as ShardedTrainState,
@@ -99,7 +100,7 @@ __all__ = [
     "rekey_optim_state_dict", "scatter_full_optim_state_dict",
     "shard_full_optim_state_dict", "state_dict",
     "FSDPConfig", "MixedPrecision", "ModuleWrapPolicy", "Node", "Plan",
-    "ShardedTrainState", "ShardingStrategy", "StateDictType", "TrainStep",
+    "ShardedTrainState", "ShardingStrategy", "StateDictType", "TrainStep", "WeightedLoss",
     "apply", "batch_spec", "clip_grad_norm", "full_params",
     "gradient_divide_factors", "hooks", "init_train_state",
     "lambda_auto_wrap_policy", "make_mesh", "merge_trainable",

@@ -30,6 +30,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 from jax.extend import core as _ext_core
+from jax.extend.core import primitives as _ext_primitives
 from jax.extend import source_info_util  # public: jax.extend.source_info_util (0.10+)
 
 JAX_VERSION: tuple[int, ...] = tuple(
@@ -278,6 +279,78 @@ def nested_jaxprs(eqn):
       if isinstance(x, (Jaxpr, ClosedJaxpr)):
         out.append(split_closed(x)[0])
   return out
+
+
+# -- axis names ----------------------------------------------------------------
+
+
+def rename_axis_names(closed, mapping: dict):
+  """``closed`` with every collective over a name in ``mapping`` rewritten
+  to run over the mesh axes it maps to, nested jaxprs included.
+
+  Needs (0.10-0.12): collectives carry their names in the params ``axes``
+  (psum, pmax, pmin) or ``axis_name`` (ppermute, all_gather, axis_index,
+  ...); ``Jaxpr.replace`` / ``JaxprEqn.replace``; ``axis_index`` lowers for
+  one axis only, so one over several axes becomes a ``closed_call`` of
+  ``lax.axis_index(axes)``. No public API renames an axis in a traced
+  program.
+  """
+  from jax import lax  # pylint: disable=import-outside-toplevel
+  memo: dict = {}
+
+  def names(value):
+    if isinstance(value, str):
+      return mapping.get(value, (value,)), value in mapping
+    if isinstance(value, tuple) and any(isinstance(v, str) and v in mapping for v in value):
+      out = []
+      for v in value:
+        for n in (mapping.get(v, (v,)) if isinstance(v, str) else (v,)):
+          if n not in out:
+            out.append(n)
+      return tuple(out), True
+    return value, False
+
+  def param(key, value):
+    if key in ("axes", "axis_name"):
+      new, changed = names(value)
+      if changed:
+        return new
+      return value
+    return sub(value)
+
+  def sub(value):
+    if isinstance(value, ClosedJaxpr):
+      return value.replace(jaxpr=jaxpr_(value.jaxpr))
+    if isinstance(value, Jaxpr):
+      return jaxpr_(value)
+    if isinstance(value, (tuple, list)) and any(
+        isinstance(v, (ClosedJaxpr, Jaxpr)) for v in value):
+      return type(value)(sub(v) for v in value)
+    return value
+
+  def eqn_(e):
+    if e.primitive.name == "axis_index":
+      new, changed = names(e.params["axis_name"])
+      axes = new if isinstance(new, tuple) else (new,)
+      if changed and len(axes) > 1:
+        # The primitive lowers for one axis only: lax.axis_index(axes)
+        # combines one per axis, called in place of the equation.
+        call = jax.make_jaxpr(lambda: lax.axis_index(axes))()
+        return _ext_core.new_jaxpr_eqn(
+            [], e.outvars, _ext_primitives.closed_call_p, {"call_jaxpr": call},
+            call.effects, e.source_info, e.ctx)
+      if changed:
+        return e.replace(params={**e.params, "axis_name": axes[0]})
+      return e
+    return e.replace(params={k: param(k, v) for k, v in e.params.items()})
+
+  def jaxpr_(jaxpr):
+    if id(jaxpr) not in memo:
+      eqns = [eqn_(e) for e in jaxpr.eqns]
+      memo[id(jaxpr)] = (jaxpr, jaxpr.replace(eqns=eqns))
+    return memo[id(jaxpr)][1]
+
+  return closed.replace(jaxpr=jaxpr_(closed.jaxpr))
 
 
 # -- implementation switches ---------------------------------------------------

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 from typing import Any, Callable, Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -201,6 +202,16 @@ class FSDPConfig:
       leading layer axis (models that ``lax.scan`` over stacked layers). Each
       such subtree is its own unit, sharded layer by layer, and is gathered one
       layer per scan iteration.
+    data_axis_name: the axis name (a string, or a tuple of alias names) the
+      model's own collectives use for the data-parallel world, e.g.
+      ``"batch"`` for ``nn.BatchNorm(axis_name="batch")`` or
+      ``lax.pmean(x, "batch")``. Inside the step each such name means all
+      data-parallel mesh axes together (``("shard",)``, or
+      ``("replicate", "shard")`` on a 2-D mesh): a synchronised BatchNorm
+      computes the statistics of the global batch, as one ``jax.jit`` over
+      that batch would. ``None`` (default): only the mesh axis names are
+      bound. The names must differ from the mesh's (``"shard"``,
+      ``"replicate"``).
 
   Example:
     >>> import fsdp_jax
@@ -209,6 +220,9 @@ class FSDPConfig:
     ...     use_orig_params=True)
     >>> cfg.limit_all_gathers
     True
+    >>> # flax's nn.BatchNorm(axis_name="batch") then reduces over all devices:
+    >>> fsdp_jax.FSDPConfig(data_axis_name="batch").data_axis_name
+    'batch'
   """
 
   sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
@@ -225,6 +239,7 @@ class FSDPConfig:
   comm_hook: Optional[Any] = None
   optimizer_update: str = "auto"
   nonfinite: str = "propagate"
+  data_axis_name: Optional[Any] = None
 
   def __post_init__(self):
     if not isinstance(self.sharding_strategy, ShardingStrategy):
@@ -258,6 +273,22 @@ class FSDPConfig:
     for name in ("forward_prefetch", "limit_all_gathers"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name}={getattr(self, name)!r} must be True or False.")
+    if self.data_axis_name is not None:
+      names = ((self.data_axis_name,) if isinstance(self.data_axis_name, str)
+               else tuple(self.data_axis_name)
+               if isinstance(self.data_axis_name, (tuple, list)) else ())
+      if not names or not all(isinstance(n, str) and n for n in names):
+        raise TypeError(
+            f"data_axis_name={self.data_axis_name!r}: pass the axis name the model's "
+            "collectives use, e.g. 'batch', or a tuple of such names.")
+      taken = [n for n in names if n in ("shard", "replicate")]
+      if taken:
+        raise ValueError(
+            f"data_axis_name={self.data_axis_name!r}: {taken[0]!r} is a mesh axis name, "
+            "already bound inside the step to that mesh axis alone. Pass the name the "
+            "model uses for the whole data-parallel world (e.g. 'batch'), or leave "
+            "data_axis_name=None if the model reduces over the mesh axes themselves.")
+      object.__setattr__(self, "data_axis_name", names[0] if len(names) == 1 else names)
 
   @property
   def is_hybrid(self) -> bool:
@@ -287,4 +318,24 @@ def gradient_divide_factors(world_size: int) -> tuple[float, float]:
 
 
 def is_float_dtype(dtype) -> bool:
+  """Whether ``dtype`` is a floating-point dtype (``False`` for PRNG key
+  dtypes such as ``key<fry>``, which NumPy cannot interpret)."""
+  if is_key_dtype(dtype):
+    return False
   return jnp.issubdtype(np.dtype(dtype), jnp.floating)
+
+
+def is_key_dtype(dtype) -> bool:
+  """Whether ``dtype`` is a typed PRNG key dtype (``jax.random.key``)."""
+  try:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  except TypeError:
+    return False
+
+
+def data_axis_names(config: "FSDPConfig") -> tuple[str, ...]:
+  """``config.data_axis_name`` as a tuple of names (empty when unset)."""
+  names = config.data_axis_name
+  if names is None:
+    return ()
+  return (names,) if isinstance(names, str) else tuple(names)

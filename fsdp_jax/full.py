@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fsdp_jax import grads as grads_lib
 from fsdp_jax import layout, offload
+from fsdp_jax import loss as loss_lib
 from fsdp_jax.state import (ShardedTrainState, assemble_storage, ignored_storage,
                             pack_ignored, unpack_all)
 
@@ -213,11 +214,16 @@ def sharded_grads(loss_fn: Callable, state: ShardedTrainState, batch):
   t_specs = grads_lib.split_trainable(plan, p_specs)[0]
   b_specs = jax.tree.map(lambda _: grads_lib.batch_spec(plan), batch)
   ms_specs = jax.tree.map(lambda _: P(), state.model_state)
+  rng_specs = jax.tree.map(lambda _: P(), state.rng)
 
-  def body(params, model_state, batch_local):
-    _, g, _ = vg(offload.to_device(params), batch_local, model_state, None)
+  def body(params, model_state, batch_local, rng, step):
+    # The key the step would pass at this step (see shard_train_step).
+    key = None if rng is None else jax.tree.map(
+        lambda r: loss_lib.device_key(r, step, plan.axes.data_axes), rng)
+    _, g, _ = vg(offload.to_device(params), batch_local, model_state, None, key)
     return g
 
-  fn = jax.jit(jax.shard_map(body, mesh=plan.mesh, in_specs=(p_specs, ms_specs, b_specs),
+  fn = jax.jit(jax.shard_map(body, mesh=plan.mesh,
+                             in_specs=(p_specs, ms_specs, b_specs, rng_specs, P()),
                              out_specs=t_specs, check_vma=False))
-  return fn(state.params, state.model_state, place_batch(plan, batch))
+  return fn(state.params, state.model_state, place_batch(plan, batch), state.rng, state.step)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -29,8 +30,9 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fsdp_jax import _compat
-from fsdp_jax import collectives, hooks, layout, optim, schedule
-from fsdp_jax.config import is_float_dtype
+from fsdp_jax import collectives, frameworks, hooks, layout, optim, schedule
+from fsdp_jax import loss as loss_lib
+from fsdp_jax.config import is_float_dtype, is_key_dtype
 from fsdp_jax.plan import Plan
 
 
@@ -162,37 +164,67 @@ def _compute_dtype(plan: Plan, leaf):
 @dataclasses.dataclass(frozen=True)
 class LossOutput:
   """What the loss returned on this device: ``loss``, ``aux`` (or None) and
-  the new ``model_state`` (or None)."""
+  the new ``model_state`` (or None).
+
+  For a :class:`~fsdp_jax.WeightedLoss`, ``weight`` is its weight: from
+  :func:`make_local_loss`, ``loss`` and ``weight`` are this device's
+  ``total`` and ``weight``; from :func:`value_and_grad`, ``loss`` is the
+  global ratio ``psum(total) / psum(weight)`` and ``weight`` the global
+  ``psum(weight)`` (float32), the same on every device. ``weight`` is None
+  for a mean loss."""
 
   loss: Any
   aux: Any
   model_state: Any
+  weight: Any = None
 
 
-def check_loss_output(out_shape, with_model_state: bool):
-  """Splits ``loss_fn``'s output structure: returns ``(has_aux, ok)``."""
+@dataclasses.dataclass(frozen=True)
+class _OutputKind:
+  has_aux: bool
+  weighted: bool
+
+
+def check_loss_output(out_shape, with_model_state: bool) -> _OutputKind:
+  """Reads ``loss_fn``'s output structure: whether it has aux and whether
+  the loss is a :class:`~fsdp_jax.WeightedLoss`; raises for anything else."""
 
   def is_scalar(s):
     return hasattr(s, "shape") and s.shape == () and is_float_dtype(s.dtype)
 
+  def is_loss(s):
+    if isinstance(s, loss_lib.WeightedLoss):
+      for field in ("total", "weight"):
+        v = getattr(s, field)
+        if not (hasattr(v, "shape") and v.shape == ()):
+          raise ValueError(
+              f"WeightedLoss.{field} must be a scalar (the sum over the device's "
+              f"batch); got shape {getattr(v, 'shape', type(v).__name__)}. Fix: "
+              "WeightedLoss(total=jnp.sum(loss * w), weight=jnp.sum(w)).")
+      if not is_float_dtype(s.total.dtype):
+        raise ValueError(f"WeightedLoss.total must be floating point; got {s.total.dtype}.")
+      return True
+    return is_scalar(s)
+
+  show = lambda t: jax.tree.map(lambda s: f"{s.dtype}{list(s.shape)}", t)
   head = out_shape
   if with_model_state:
     if not (isinstance(out_shape, (tuple, list)) and len(out_shape) == 2):
       raise ValueError(
           "With model state, loss_fn(params, batch, model_state) must return "
           "(loss, new_model_state) or ((loss, aux), new_model_state); it returned "
-          f"{jax.tree.map(lambda s: f'{s.dtype}{list(s.shape)}', out_shape)}.")
+          f"{show(out_shape)}.")
     head = out_shape[0]
-  if is_scalar(head):
-    return False
-  if isinstance(head, (tuple, list)) and len(head) == 2 and is_scalar(head[0]):
-    return True
+  if is_loss(head):
+    return _OutputKind(False, isinstance(head, loss_lib.WeightedLoss))
+  if isinstance(head, (tuple, list)) and len(head) == 2 and is_loss(head[0]):
+    return _OutputKind(True, isinstance(head[0], loss_lib.WeightedLoss))
   first = head[0] if isinstance(head, (tuple, list)) and head else head
   shape = getattr(first, "shape", None)
   raise ValueError(
       f"loss_fn must return a scalar floating-point loss (the mean over the "
-      f"device's batch) or a (loss, aux) pair; it returned "
-      f"{jax.tree.map(lambda s: f'{s.dtype}{list(s.shape)}', head)}"
+      f"device's batch), a fsdp_jax.WeightedLoss(total=, weight=), or a (loss, aux) "
+      f"pair; it returned {show(head)}"
       + (f" (loss of shape {shape})" if shape else "")
       + ". Fix: reduce it, e.g. `return jnp.mean(per_example_loss)`.")
 
@@ -225,7 +257,7 @@ def _cast_unit_inputs(plan: Plan):
 
 
 def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
-  """``local(params, batch, model_state, probes) -> LossOutput``.
+  """``local(params, batch, model_state, probes, rng) -> LossOutput``.
 
   With mixed precision and ``cast_root_forward_inputs``, floating batch
   leaves are cast to ``param_dtype`` before the loss runs: all of them, or
@@ -235,7 +267,20 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
   Evaluates ``loss_fn`` on this device's batch with every unit gathered right
   before its first use. ``probes`` (``{leaf_id: zeros}`` or None) are added to
   the gathered leaves: their gradient is the leaf's full, unreduced local
-  gradient (used by ``no_sync`` accumulation and stateful hooks).
+  gradient (used by ``no_sync`` accumulation and stateful hooks). ``rng`` is
+  passed as ``loss_fn(..., rng=rng)`` when ``loss_fn`` accepts it.
+
+  The trace binds ``config.data_axis_name`` with the data-parallel world's
+  size and rewrites the model's collectives over it to the mesh's data axes.
+  Typed PRNG keys in the model state reach ``loss_fn`` as ``fold_in(key,
+  device_index)`` and are stored unchanged (``loss_fn`` must return them as
+  it got them).
+
+  ``local.weight(batch, model_state, rng, model_state_changes=False)``
+  evaluates only the weight of a :class:`~fsdp_jax.WeightedLoss` (no
+  gathers; the weight must not depend on the parameters, nor, with
+  ``model_state_changes=True``, on the model state), or returns None for a
+  mean loss.
   """
   mp_root = plan.config.mixed_precision
   full_structs = jax.tree_util.tree_unflatten(
@@ -244,15 +289,57 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
                  and mp_root.cast_root_forward_inputs)
   specs_per_unit = {u.index: layout.gather_specs(plan, u) for u in plan.units}
   with_model_state = plan.model_state_dtypes is not None
+  takes_rng = loss_lib.takes_rng(loss_fn)
+  data_axes = plan.axes.data_axes
+  axis_map = loss_lib.axis_mapping(plan)
+  axis_env = [(name, plan.axes.world_size) for name in axis_map]
+  n_params = len(plan.leaves)
+  traces: dict = {}  # loss_fn traced per input structure; see local.reset
 
-  def local(params, batch, model_state=None, probes=None):
+  def call(params, batch, model_state, rng):
+    args = (params, batch) + ((model_state,) if with_model_state else ())
+    return loss_fn(*args, **({"rng": rng} if takes_rng else {}))
+
+  def prepare(batch, model_state, rng):
+    """Traces ``loss_fn`` for this batch; returns ``(closed, out_shape,
+    kind, the flat non-parameter arguments, key positions)``."""
     if cast_inputs:
       batch = _cast_floats(batch, mp_root.param_dtype, forward_inputs)
+    if takes_rng:
+      _check_rng(rng)
+    key = rng if takes_rng else None
+    ms = model_state if with_model_state else None
     structs = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
-    args = (full_structs, structs(batch)) + ((structs(model_state),) if with_model_state else ())
-    with _cast_unit_inputs(plan):
-      closed, out_shape = jax.make_jaxpr(loss_fn, return_shape=True)(*args)
-    has_aux = check_loss_output(out_shape, with_model_state)
+    args = (structs(batch), structs(ms), structs(key))
+    cache_key = (jax.tree.structure(args),
+                 tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args)))
+    if cache_key not in traces:
+      per_device_bn: list = []
+      try:
+        with _cast_unit_inputs(plan), frameworks.watch_batch_norm(per_device_bn):
+          closed, out_shape = jax.make_jaxpr(call, return_shape=True, axis_env=axis_env)(
+              full_structs, *args)
+      except NameError as e:
+        _explain_axis_error(e, plan)
+        raise
+      if per_device_bn and plan.axes.world_size > 1:
+        warnings.warn(frameworks.per_device_batch_norm_message(per_device_bn, plan),
+                      stacklevel=2)
+      closed = loss_lib.bind_axis_names(closed, axis_map)
+      traces[cache_key] = (closed, out_shape, check_loss_output(out_shape, with_model_state))
+    closed, out_shape, kind = traces[cache_key]
+    # Typed keys in the model state: each device draws with its own.
+    ms_leaves = jax.tree_util.tree_leaves(ms)
+    key_pos = [j for j, x in enumerate(ms_leaves) if is_key_dtype(x.dtype)]
+    if key_pos:
+      index = loss_lib.device_index(data_axes)
+      ms_leaves = [jax.random.fold_in(x, index) if j in key_pos else x
+                   for j, x in enumerate(ms_leaves)]
+    rest = jax.tree_util.tree_leaves(batch) + ms_leaves + jax.tree_util.tree_leaves(key)
+    return closed, out_shape, kind, rest, key_pos
+
+  def local(params, batch, model_state=None, probes=None, rng=None):
+    closed, out_shape, kind, rest, key_pos = prepare(batch, model_state, rng)
     storage = jax.tree_util.tree_leaves(params) if plan.use_orig_params else params
 
     def unit_locals(u):
@@ -290,22 +377,123 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
         stacked_units={u.index for u in plan.units if u.stacked},
         unit_layers={u.index: u.num_layers for u in plan.units},
         unit_storage=unit_locals,
-        save_mixed=_recomputes_cheap_ops(plan))
+        save_mixed=_recomputes_cheap_ops(plan),
+        on_unstacked_scan=lambda ids, length: _warn_unstacked_scan(plan, ids, length))
     jaxpr = closed.jaxpr
-    n_params = len(plan.leaves)
     lazy = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
-    flat_args = [None] * n_params + jax.tree_util.tree_leaves(
-        (batch,) + ((model_state,) if with_model_state else ()))
-    outs = schedule.eval_with_gathers(jaxpr, closed.consts, flat_args, lazy, g)
+    try:
+      outs = schedule.eval_with_gathers(jaxpr, closed.consts, [None] * n_params + rest, lazy, g)
+    except NameError as e:
+      _explain_axis_error(e, plan)
+      raise
     out = jax.tree_util.tree_unflatten(jax.tree.structure(out_shape), outs)
     new_ms = None
     if with_model_state:
       out, new_ms = out
-    if has_aux:
-      return LossOutput(out[0], out[1], new_ms)
-    return LossOutput(out, None, new_ms)
+      ms_start = n_params + len(jax.tree_util.tree_leaves(batch))
+      new_ms = _stored_model_state(model_state, new_ms, key_pos, jaxpr, out_shape, ms_start)
+    loss, aux = out if kind.has_aux else (out, None)
+    if kind.weighted:
+      return LossOutput(loss.total, aux, new_ms, loss.weight)
+    return LossOutput(loss, aux, new_ms)
 
+  def weight(batch, model_state=None, rng=None, model_state_changes=False):
+    closed, out_shape, kind, rest, _ = prepare(batch, model_state, rng)
+    if not kind.weighted:
+      return None
+    # The weight's position among the flat outputs: the second leaf of the
+    # WeightedLoss, which comes first in the output.
+    flat_shape = jax.tree_util.tree_leaves(out_shape)
+    pos = 1
+    assert flat_shape[pos].shape == ()
+    jaxpr = closed.jaxpr
+    uses = loss_lib.needed_inputs(jaxpr, [pos])
+    n_batch = len(jax.tree_util.tree_leaves(batch))
+    n_ms = len(jax.tree_util.tree_leaves(model_state)) if with_model_state else 0
+    on_params = sorted(plan.leaves[i].name for i in uses if i < n_params)
+    on_state = [i for i in uses if n_params + n_batch <= i < n_params + n_batch + n_ms]
+    if on_params:
+      raise ValueError(
+          f"WeightedLoss.weight depends on the parameters ({', '.join(on_params[:4])}"
+          f"{' ...' if len(on_params) > 4 else ''}). The step divides every device's "
+          "gradient by the global weight, so the weight must be known before the "
+          "gradient and must not depend on the parameters. Fix: compute the weight "
+          "from the batch (e.g. a padding mask: weight=jnp.sum(batch['mask'])).")
+    if on_state and model_state_changes:
+      raise ValueError(
+          "WeightedLoss.weight depends on the model state. With "
+          "gradient_accumulation_steps > 1 the step needs the weights of all "
+          "microbatches before the first gradient, while the model state changes "
+          "from one microbatch to the next. Fix: compute the weight from the batch, "
+          "or use gradient_accumulation_steps=1.")
+    return loss_lib.eval_outputs(jaxpr, closed.consts, [None] * n_params + rest, [pos])[0]
+
+  local.weight = weight
+  # Forgets the traces. A trace's constants may be values of the trace it
+  # was made in: the caller resets at the start of each trace of its own.
+  local.reset = traces.clear
   return local
+
+
+def _check_rng(rng) -> None:
+  if rng is None:
+    raise ValueError(
+        "loss_fn takes rng=, but the train state holds no key. Fix: pass "
+        "rng=jax.random.key(seed) to fsdp_jax.init_train_state (it also seeds init_fn); "
+        "each step then passes fold_in(fold_in(rng, step), device_index).")
+  for x in jax.tree_util.tree_leaves(rng):
+    dtype = getattr(x, "dtype", None)
+    if not (is_key_dtype(dtype) or (dtype == jnp.uint32 and x.ndim >= 1)):  # typed or raw
+      raise TypeError(
+          f"loss_fn takes rng=, but the state's rng is not a PRNG key (a leaf of dtype "
+          f"{dtype} and shape {getattr(x, 'shape', None)}). Fix: pass "
+          "rng=jax.random.key(seed) to fsdp_jax.init_train_state.")
+
+
+def _explain_axis_error(e: NameError, plan: Plan) -> None:
+  name = loss_lib.unbound_axis_name(e)
+  if name is not None:
+    raise NameError(loss_lib.explain_unbound_axis(name, plan)) from e
+
+
+def _stored_model_state(model_state, new_ms, key_pos, jaxpr, out_shape, ms_start: int):
+  """The new model state as stored: the structure checked, and the typed
+  keys (folded with the device index for ``loss_fn``) put back as stored.
+  ``ms_start``: the position of the model state's first leaf among the
+  traced loss's inputs."""
+  old_leaves, old_def = jax.tree_util.tree_flatten(model_state)
+  new_leaves, new_def = jax.tree_util.tree_flatten(new_ms)
+  if old_def != new_def:
+    raise ValueError(
+        "loss_fn must return the new model state with the structure of the model state "
+        f"it got:\n  got:      {old_def}\n  returned: {new_def}\nFix: return every "
+        "collection, e.g. {**model_state, **updates} for Flax linen's "
+        "model.apply(..., mutable=[...]) updates, or nnx.state(model, nnx.Not(nnx.Param)).")
+  if not key_pos:
+    return new_ms
+  # A key leaf must come back as the very input it was: a step cannot keep
+  # per-device keys in replicated state.
+  first_ms_out = len(jax.tree_util.tree_leaves(out_shape)) - len(new_leaves)
+  for j in key_pos:
+    if jaxpr.outvars[first_ms_out + j] is not jaxpr.invars[ms_start + j]:
+      raise ValueError(
+          "loss_fn returns a new value for a PRNG key in the model state (leaf "
+          f"{j} of {old_def}). Keys in model_state are constants of the train state "
+          "(each device's loss_fn sees fold_in(key, device_index)); per-step "
+          "randomness comes from the step. Fix: return the key unchanged, and take "
+          "a key that changes every step as loss_fn(..., rng=...) (pass "
+          "rng= to init_train_state).")
+  return jax.tree_util.tree_unflatten(
+      new_def, [old_leaves[j] if j in key_pos else x for j, x in enumerate(new_leaves)])
+
+
+def _warn_unstacked_scan(plan: Plan, leaf_ids, length: int) -> None:
+  by_unit: dict = {}
+  for i in leaf_ids:
+    by_unit.setdefault(plan.units[plan.leaves[i].unit].display_name, []).append(
+        plan.leaves[i].name)
+  for unit, names in by_unit.items():
+    warnings.warn(frameworks.scan_over_unit_message(names, length, unit), stacklevel=2)
 
 
 def _recomputes_cheap_ops(plan: Plan) -> bool:
@@ -429,15 +617,18 @@ def _microbatches(batch, k: int):
 
 def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps: int = 1,
                    accumulation: str = "no_sync", forward_inputs=None):
-  """Returns ``f(params, batch, model_state=None, hook_state=None)``, for use
-  inside ``jax.shard_map`` on the local shards, computing
+  """Returns ``f(params, batch, model_state=None, hook_state=None, rng=None)``,
+  for use inside ``jax.shard_map`` on the local shards, computing
   ``(LossOutput, trainable_grads, new_hook_state)``.
 
   ``trainable_grads`` are the reduced, averaged gradient shards in the layout
-  of :func:`split_trainable`'s first output.
+  of :func:`split_trainable`'s first output. ``rng`` is this device's key
+  for the step, passed on as ``loss_fn(..., rng=rng)`` when ``loss_fn``
+  accepts it (:func:`shard_train_step` passes ``fold_in(fold_in(state.rng,
+  step), device_index)``).
 
   Gradient accumulation over ``gradient_accumulation_steps`` microbatches of
-  the local batch:
+  the local batch (microbatch ``m`` gets the key ``fold_in(rng, m)``):
 
   * ``"no_sync"`` (PyTorch's ``no_sync()``): each microbatch's full unreduced
     gradient is accumulated locally (in ``reduce_dtype``, at least float32)
@@ -450,6 +641,13 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
   Either way the result equals one step over the whole local batch: the
   gradient is the mean over microbatches of each microbatch's mean gradient.
 
+  When ``loss_fn`` returns a :class:`~fsdp_jax.WeightedLoss`, the weights of
+  every microbatch are summed over the data-parallel world first (one scalar
+  all-reduce), and each device differentiates ``total * world / sum(weight)``,
+  so that the averaged reduction yields the gradient of the global ratio
+  ``sum(total) / sum(weight)``; ``out.loss`` is that ratio and
+  ``out.weight`` the global weight.
+
   ``forward_inputs``: see :func:`make_local_loss`.
   """
   if accumulation not in ("no_sync", "sharded"):
@@ -457,9 +655,12 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
   k = int(gradient_accumulation_steps)
   if k < 1:
     raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1.")
-  local = _maybe_remat(make_local_loss(loss_fn, plan, forward_inputs=forward_inputs), plan)
+  raw = make_local_loss(loss_fn, plan, forward_inputs=forward_inputs)
+  local = _maybe_remat(raw, plan)
   stateful_hook = hooks.is_stateful(plan.config.comm_hook)
   use_probes = stateful_hook or (k > 1 and accumulation == "no_sync")
+  data_axes = plan.axes.data_axes
+  world = plan.axes.world_size
 
   cfg = plan.config
   ordering = schedule.Ordering(
@@ -468,67 +669,97 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
       limit_all_gathers=bool(cfg.limit_all_gathers),
       reshard=frozenset(u.display_name for u in plan.units if plan.reshard(u)))
 
-  def direct(params, batch, model_state):
+  def objective_of(out, scale):
+    # A WeightedLoss: d(total * world / W), averaged over the world by the
+    # reduction, sums to d(sum(total)) / W, the gradient of the global ratio.
+    return out.loss if scale is None else out.loss.astype(jnp.float32) * scale
+
+  def direct(params, batch, model_state, rng, scale):
     trainable, frozen = split_trainable(plan, params)
 
     def objective(t):
-      out = local(merge_trainable(plan, t, frozen), batch, model_state, None)
-      return out.loss, out
+      out = local(merge_trainable(plan, t, frozen), batch, model_state, None, rng)
+      return objective_of(out, scale), out
 
     (_, out), grads = jax.value_and_grad(objective, has_aux=True)(trainable)
     return out, grads
 
   direct = schedule.ordered(direct, ordering)
 
-  def probed(params, batch, model_state):
+  def probed(params, batch, model_state, rng, scale):
     params = jax.lax.stop_gradient(params)
     shapes = _probe_shapes(plan)
     probes = {i: jnp.zeros(s.shape, s.dtype) for i, s in shapes.items()}
 
     def objective(pr):
-      out = local(params, batch, model_state, pr)
-      return out.loss, out
+      out = local(params, batch, model_state, pr, rng)
+      return objective_of(out, scale), out
 
     (_, out), full = jax.value_and_grad(objective, has_aux=True)(probes)
     return out, full
 
   probed = schedule.ordered(probed, ordering)
 
-  def f(params, batch, model_state=None, hook_state=None):
+  def global_weight(local_weights):
+    w = loss_lib.weight_total(local_weights, data_axes)
+    return w, jnp.float32(world) / w
+
+  def f(params, batch, model_state=None, hook_state=None, rng=None):
+    raw.reset()  # traces of loss_fn are shared within one trace of f only
     if k == 1:
+      w = raw.weight(batch, model_state, rng)
+      total_w, scale = global_weight(w) if w is not None else (None, None)
       if use_probes:
-        out, full = probed(params, batch, model_state)
+        out, full = probed(params, batch, model_state, rng, scale)
         grads, new_hook = reduce_full_grads(plan, full, hook_state)
-        return out, grads, new_hook
-      out, grads = direct(params, batch, model_state)
-      return out, grads, hook_state
+      else:
+        (out, grads), new_hook = direct(params, batch, model_state, rng, scale), hook_state
+      if w is not None:
+        out = LossOutput(jax.lax.psum(out.loss.astype(jnp.float32), data_axes) / total_w,
+                         out.aux, out.model_state, total_w)
+      return out, grads, new_hook
     micro = _microbatches(batch, k)
+    keys = None if rng is None else jax.vmap(lambda m: _micro_key(rng, m))(jnp.arange(k))
+    first = jax.tree.map(lambda x: x[0], micro)
+    first_key = None if keys is None else jax.tree.map(lambda x: x[0], keys)
+    weighted = raw.weight(first, model_state, first_key) is not None
+    total_w = scale = None
+    if weighted:
+      ws = lax.map(lambda a: raw.weight(a[0], model_state, a[1], model_state_changes=True),
+                   (micro, keys))
+      total_w, scale = global_weight(jnp.sum(ws))
     if use_probes:
       acc0 = {i: jnp.zeros(s.shape, _acc_dtype(plan, plan.leaves[i]))
               for i, s in _probe_shapes(plan).items()}
     else:
       acc0 = jax.tree.map(jnp.zeros_like, split_trainable(plan, params)[0])
-
-    def body(carry, mb):
+    # A weighted objective is already normalised by the global weight: its
+    # microbatch gradients add up; a mean loss's are averaged.
+    def body(carry, xs):
+      mb, key = xs
       acc, ms, loss_sum, aux_sum = carry
       if use_probes:
-        out, g = probed(params, mb, ms)
+        out, g = probed(params, mb, ms, key, scale)
       else:
-        out, g = direct(params, mb, ms)
-      acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype) / k, acc, g)
+        out, g = direct(params, mb, ms, key, scale)
+      acc = jax.tree.map(lambda a, x: a + x.astype(a.dtype) if weighted
+                         else a + x.astype(a.dtype) / k, acc, g)
       aux_sum = jax.tree.map(lambda t, a: t + jnp.asarray(a, jnp.float32) / k, aux_sum, out.aux)
       if out.model_state is not None:
-        ms = jax.tree.map(lambda n, o: n.astype(o.dtype), out.model_state, ms)
-      return (acc, ms, loss_sum + out.loss.astype(jnp.float32) / k, aux_sum), None
+        ms = jax.tree.map(as_stored_dtype, out.model_state, ms)
+      loss = out.loss.astype(jnp.float32)
+      return (acc, ms, loss_sum + (loss if weighted else loss / k), aux_sum), None
 
     # The aux structure (for the running mean) comes from an abstract trace.
-    first = jax.tree.map(lambda x: x[0], micro)
-    aux_shape = jax.eval_shape(lambda: local(params, first, model_state, None).aux)
+    aux_shape = jax.eval_shape(lambda: local(params, first, model_state, None, first_key).aux)
     aux0 = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), aux_shape)
     carry = (acc0, model_state, jnp.zeros((), jnp.float32), aux0)
-    carry, _ = lax.scan(body, carry, micro)
+    carry, _ = lax.scan(body, carry, (micro, keys))
     acc, ms, loss, aux = carry
-    out = LossOutput(loss, aux, ms)
+    if weighted:
+      out = LossOutput(jax.lax.psum(loss, data_axes) / total_w, aux, ms, total_w)
+    else:
+      out = LossOutput(loss, aux, ms)
     if use_probes:
       grads, new_hook = reduce_full_grads(plan, acc, hook_state)
       return out, grads, new_hook
@@ -541,6 +772,15 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
       return f(*args, **kwargs)
 
   return traced_classically
+
+
+def _micro_key(rng, m):
+  return jax.tree.map(lambda key: jax.random.fold_in(key, m), rng)
+
+
+def as_stored_dtype(new, old):
+  """A model-state leaf back in its stored dtype (PRNG keys as they are)."""
+  return new if is_key_dtype(old.dtype) else new.astype(old.dtype)
 
 
 # --------------------------------------------------------------------------

@@ -99,6 +99,9 @@ class Plan:
   # its update runs; set by init_train_state.
   opt_layout: Any = None
   opt_update: Any = None
+  # Subtrees that look like stacked layers but are not declared stacked:
+  # ((dotted name, number of layers), ...); see frameworks.stacked_hints.
+  stacked_hints: tuple = ()
 
   # Plans compare by the content that matters for tracing.
   def _key(self):
@@ -314,6 +317,10 @@ class Plan:
                      + (" frozen" if leaf.frozen else ""))
     lines.append(f"  {'total':<32} {len(self.leaves):>6} {total_numel:>12,} "
                  f"{'':>8} {total_bytes:>13,}")
+    for name, layers in self.stacked_hints:
+      lines.append(f"  looks stacked, gathered whole: {name} (every leaf has a leading axis "
+                   f"of {layers}); if a scan runs over it: "
+                   f"FSDPConfig(stacked_layers=({name!r},))")
     coll = self.collectives_per_step()
     lines.append("  collectives per step: " + ", ".join(f"{v} {k}" for k, v in coll.items() if v))
     if self.opt_layout is not None:

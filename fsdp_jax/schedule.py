@@ -49,7 +49,7 @@ class Gatherer:
   def __init__(self, gather_unit: Callable, gather_layer: Callable,
                leaf_unit: dict, stacked_units: set, unit_layers: dict,
                unit_storage: Callable, direct: Optional[dict] = None,
-               save_mixed: bool = False):
+               save_mixed: bool = False, on_unstacked_scan: Optional[Callable] = None):
     self._gather_unit = gather_unit
     self._gather_layer = gather_layer
     self.leaf_unit = leaf_unit
@@ -61,6 +61,9 @@ class Gatherer:
     # Under collectives.remat_policy: save what mixes parameters with
     # activations (see _saved_if_mixed).
     self.save_mixed = save_mixed
+    # Called as on_unstacked_scan(leaf_ids, length) when a scan runs over
+    # parameters of a unit that is not stacked (the whole stack is gathered).
+    self.on_unstacked_scan = on_unstacked_scan
 
   def leaf(self, leaf_id: int):
     if leaf_id in self.direct:
@@ -189,6 +192,11 @@ def _scan_pushdown(eqn, lazy, g: Gatherer, read, write, klass) -> bool:
     u = g.leaf_unit.get(leaf_id)
     if u is not None and u in g.stacked_units and u not in g.cache and g.unit_layers[u] == length:
       pushed[k] = (u, leaf_id)
+  unstacked = [lazy[v] for v in xs_vars if not isinstance(v, Literal) and v in lazy
+               and g.leaf_unit.get(lazy[v]) is not None
+               and g.leaf_unit[lazy[v]] not in g.stacked_units]
+  if unstacked and g.on_unstacked_scan is not None:
+    g.on_unstacked_scan(unstacked, length)
   if not pushed:
     return False
   units = sorted({u for u, _ in pushed.values()})

@@ -5,6 +5,7 @@ back."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Optional
 
 import jax
@@ -13,8 +14,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fsdp_jax import layout, offload, optim, wrap
-from fsdp_jax.config import FSDPConfig, is_float_dtype
+from fsdp_jax import frameworks, layout, offload, optim, wrap
+from fsdp_jax.config import FSDPConfig, is_float_dtype, is_key_dtype
 from fsdp_jax.mesh import mesh_axes
 from fsdp_jax.plan import LeafSpec, Plan, UnitSpec
 
@@ -41,6 +42,10 @@ class ShardedTrainState:
     nonfinite_steps: with ``FSDPConfig(nonfinite="skip")``, the number of
       steps skipped because their gradients were not finite (int32 scalar);
       None otherwise.
+    rng: the key passed as ``init_train_state(rng=...)`` (typed or raw, or a
+      pytree of keys), replicated; None otherwise. It never changes: a
+      ``loss_fn`` that accepts ``rng=`` gets ``fold_in(fold_in(rng, step),
+      device_index)`` at each step. Saved and restored by checkpoints.
     plan: the :class:`~fsdp_jax.plan.Plan` (units, layout, mesh, config).
   """
 
@@ -50,6 +55,7 @@ class ShardedTrainState:
   model_state: Any = None
   comm_hook_state: Any = None
   nonfinite_steps: Any = None
+  rng: Any = None
   plan: Plan = dataclasses.field(default=None, metadata=dict(static=True))
 
   def replace(self, **changes) -> "ShardedTrainState":
@@ -88,6 +94,9 @@ def _sequence_prefixes(tree) -> set:
       out.add(prefix)
       for i, c in enumerate(x):
         walk(c, prefix + (str(i),))
+    elif frameworks.is_equinox_module(x):  # its fields are its children
+      for f in dataclasses.fields(x):
+        walk(getattr(x, f.name, None), prefix + (f.name,))
     elif isinstance(x, dict) or hasattr(x, "items"):
       try:
         items = list(x.items())
@@ -101,9 +110,12 @@ def _sequence_prefixes(tree) -> set:
 
 
 def module_classes(model_or_fn, *args, **kwargs) -> dict:
-  """Maps subtree paths to the Flax module classes that own them.
+  """Maps subtree paths to the module classes that own them.
 
-  * an ``flax.nnx.Module``: read from the object graph;
+  * a ``flax.nnx.Module``: read from the object graph;
+  * an ``equinox.Module``: read from the module tree (walked, not called),
+    paths as in ``eqx.partition(model, eqx.is_inexact_array)`` (``("layers",
+    "0")`` for ``model.layers[0]``);
   * a function (e.g. ``model.init`` of a Flax linen model) and its
     arguments: the function runs abstractly (``jax.eval_shape``) while Flax
     module calls are intercepted; paths are prefixed with ``"params"``.
@@ -118,6 +130,10 @@ def module_classes(model_or_fn, *args, **kwargs) -> dict:
     ...                                   jnp.ones((1, 3)))
     >>> classes[("params", "layers_0")].__name__
     'Dense'
+    >>> import equinox as eqx
+    >>> mlp = eqx.nn.MLP(3, 2, width_size=8, depth=2, key=jax.random.key(0))
+    >>> fsdp_jax.module_classes(mlp)[("layers", "1")].__name__
+    'Linear'
   """
   try:
     from flax import nnx
@@ -129,6 +145,11 @@ def module_classes(model_or_fn, *args, **kwargs) -> dict:
       if isinstance(value, nnx.Module):
         out[tuple(str(p) for p in path)] = type(value)
     return out
+  if frameworks.is_equinox_module(model_or_fn):
+    if args or kwargs:
+      raise TypeError("module_classes(eqx_model) reads the module tree; it takes no "
+                      "further arguments.")
+    return frameworks.equinox_classes(model_or_fn)
   out: dict = {}
   _, captured = _eval_shape_capturing(model_or_fn, *args, **kwargs)
   out.update(captured)
@@ -309,8 +330,14 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
     raise ValueError("requires_grad marks every parameter frozen: there is nothing to train.")
   ms_dtypes = None
   if model_state is not None:
-    ms_dtypes = tuple(jnp.dtype(x.dtype) for x in jax.tree_util.tree_leaves(model_state))
-  return Plan(treedef, tuple(leaves), tuple(units), config, mesh, axes, ms_dtypes)
+    # PRNG key dtypes (NNX's RngKey) are kept as they are: NumPy cannot read them.
+    ms_dtypes = tuple(x.dtype if is_key_dtype(x.dtype) else jnp.dtype(x.dtype)
+                      for x in jax.tree_util.tree_leaves(model_state))
+  stacked_ids = {i for u in units if u.stacked for i in u.leaf_ids}
+  hints = frameworks.stacked_hints(paths, [tuple(x.shape) for x in flat],
+                                   stacked_ids | ignored)
+  return Plan(treedef, tuple(leaves), tuple(units), config, mesh, axes, ms_dtypes,
+              stacked_hints=hints)
 
 
 # --------------------------------------------------------------------------
@@ -363,15 +390,26 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
     config: a :class:`fsdp_jax.FSDPConfig`.
     params: materialised parameters, or None.
     init_fn: an initialiser, or None.
-    rng: the argument of ``init_fn``.
-    module_classes: subtree path -> Flax module class, for
-      ``ModuleWrapPolicy`` with classes (collected automatically from
-      ``init_fn`` for Flax linen; see :func:`fsdp_jax.module_classes`).
+    rng: the argument of ``init_fn``, and the state's key (``state.rng``,
+      kept as given, typed ``jax.random.key`` or raw): a ``loss_fn`` that
+      accepts a keyword argument ``rng`` gets ``fold_in(fold_in(rng, step),
+      device_index)`` at every step.
+    module_classes: subtree path -> module class (Flax linen, NNX or
+      equinox), for ``ModuleWrapPolicy`` with classes (collected
+      automatically from ``init_fn`` for Flax linen; see
+      :func:`fsdp_jax.module_classes`).
     model_state: non-trainable state threaded through the step (Flax
       ``batch_stats``; PyTorch's buffers): replicated, never sharded, cast once
       to ``MixedPrecision.buffer_dtype`` and kept there. With model state the
       step calls ``loss_fn(params, batch, model_state)``, which returns
       ``(loss, new_model_state)`` or ``((loss, aux), new_model_state)``.
+      Filled automatically when ``params`` (or what ``init_fn`` returns) is a
+      Flax linen variables dict with collections besides ``"params"`` (they
+      become the model state, ``{"params": ...}`` the parameters), or an NNX
+      ``State`` with variables other than ``nnx.Param`` (``nnx.BatchStat``,
+      ``nnx.RngKey``, ...: the model state). Typed PRNG keys in it are
+      constants of the state: inside the step each device's ``loss_fn``
+      sees ``fold_in(key, device_index)``. See docs/models.md.
     requires_grad: a tree of bools shaped like the params (or a prefix of
       it); ``False`` marks frozen leaves (PyTorch ``requires_grad=False``):
       no gradient reduction, no optimizer state, never updated. With
@@ -393,6 +431,19 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
     ...     config=fsdp_jax.FSDPConfig())
     >>> state.params["_flat_param"].shape   # 33 elements padded to 4 x 9
     (36,)
+
+    A Flax model's collections besides ``"params"`` become the model state,
+    and ``rng`` is kept as the state's key:
+
+    >>> import flax.linen as nn
+    >>> model = nn.Sequential([nn.Dense(4), nn.BatchNorm(use_running_average=False)])
+    >>> state = fsdp_jax.init_train_state(
+    ...     init_fn=lambda k: model.init(k, jnp.ones((2, 3))), rng=jax.random.key(0),
+    ...     optimizer=optax.adam(1e-3), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> sorted(state.model_state), [l.name for l in state.plan.leaves][:2]
+    (['batch_stats'], ['params.layers_0.bias', 'params.layers_0.kernel'])
+    >>> state.rng.dtype
+    key<fry>
   """
   if (params is None) == (init_fn is None):
     raise ValueError("init_train_state: pass exactly one of params= or init_fn=.")
@@ -407,7 +458,7 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
     if params is not None:
       params = multihost_utils.broadcast_one_to_all(params)
     if model_state is not None:
-      model_state = multihost_utils.broadcast_one_to_all(model_state)
+      model_state = _broadcast_keys_too(multihost_utils.broadcast_one_to_all, model_state)
     if rng is not None:
       data = multihost_utils.broadcast_one_to_all(jax.random.key_data(rng)
                                                   if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key)
@@ -415,14 +466,30 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
       rng = jax.random.wrap_key_data(data) if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key) else data
       init_args = (rng,)
   captured = {}
+  replicated = NamedSharding(mesh, P())
   if init_fn is not None:
     abstract, captured = _eval_shape_capturing(init_fn, *init_args)
+    abstract, ms_abstract, what = frameworks.split_model_state(abstract)
+    if ms_abstract is not None:
+      _check_one_model_state(model_state, what, "init_fn returns")
+      whole_init = init_fn
+      init_fn = lambda *a: frameworks.split_model_state(whole_init(*a))[0]
+      # Only the model state is materialised here (replicated, as stored):
+      # XLA drops the parameters' initialisers from this program.
+      model_state = jax.jit(lambda *a: frameworks.split_model_state(whole_init(*a))[1],
+                            out_shardings=replicated)(*init_args)
   else:
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params)
+    params, ms_split, what = frameworks.split_model_state(params)
+    if ms_split is not None:
+      _check_one_model_state(model_state, what, "params holds")
+      model_state = ms_split
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), params)
   types = dict(captured)
   types.update(module_classes or {})
   plan = build_plan(abstract, mesh=mesh, config=config, module_types=types,
                     requires_grad=requires_grad, model_state=model_state)
+  for name, layers in plan.stacked_hints:
+    warnings.warn(frameworks.stacked_hint_message(name, layers), stacklevel=2)
 
   if params is not None:
     params = _off_other_devices(params, mesh)
@@ -450,25 +517,55 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
   storage = assemble_storage(plan, storage_leaves, ignored)
   plan = with_optimizer(plan, optimizer)
   opt_state = _init_opt_state(plan, optimizer, storage)
-  replicated = NamedSharding(mesh, P())
   step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+  # The state owns its buffers: the step donates them, and the caller's
+  # arrays must survive that. (device_put would alias the caller's buffer
+  # on the first device even with may_alias=False; a jitted copy does not.)
+  owned = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=replicated)
   if model_state is not None:
     mp = config.mixed_precision
     if mp is not None and mp.buffer_dtype is not None:
       model_state = jax.tree.map(
-          lambda x: jnp.asarray(x).astype(mp.buffer_dtype) if is_float_dtype(jnp.result_type(x))
+          lambda x: jnp.asarray(x).astype(mp.buffer_dtype) if is_float_dtype(_dtype(x))
           else jnp.asarray(x), model_state)
-    # The state owns its buffers: the step donates them, and the caller's
-    # arrays must survive that. (device_put would alias the caller's buffer
-    # on the first device even with may_alias=False; a jitted copy does not.)
-    model_state = jax.jit(lambda t: jax.tree.map(jnp.copy, t),
-                          out_shardings=replicated)(model_state)
+    model_state = owned(model_state)
   skipped = (jax.device_put(jnp.zeros((), jnp.int32), replicated)
              if config.nonfinite == "skip" else None)
   return ShardedTrainState(step=step, params=storage, opt_state=opt_state,
                            model_state=model_state,
                            comm_hook_state=_init_hook_state(plan), nonfinite_steps=skipped,
-                           plan=plan)
+                           rng=None if rng is None else owned(rng), plan=plan)
+
+
+def _dtype(x):
+  """A leaf's dtype as JAX will hold it (``jnp.result_type``: float64 NumPy
+  arrays are float32 without x64), PRNG key dtypes included (which
+  ``jnp.result_type`` refuses)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is not None and is_key_dtype(dtype):
+    return dtype
+  return jnp.result_type(x)
+
+
+def _check_one_model_state(model_state, what: str, where: str) -> None:
+  if model_state is not None:
+    raise ValueError(
+        f"init_train_state: {where} model state ({what}) and model_state= was passed "
+        "too. Pass one: drop model_state= to use the model's own (it becomes "
+        "state.model_state), or pass only the parameters (e.g. variables['params'], or "
+        "nnx.split(model, nnx.Param, ...)'s first state).")
+
+
+def _broadcast_keys_too(broadcast, tree):
+  """``broadcast(tree)`` for a tree that may hold typed PRNG keys (sent as
+  their key data)."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  keys = [is_key_dtype(_dtype(x)) for x in leaves]
+  data = broadcast([jax.random.key_data(x) if k else x for x, k in zip(leaves, keys)])
+  impls = [jax.random.key_impl(x) if k else None for x, k in zip(leaves, keys)]
+  out = [jax.random.wrap_key_data(d, impl=i) if k else d
+         for d, k, i in zip(data, keys, impls)]
+  return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _off_other_devices(params, mesh: Mesh):

@@ -540,7 +540,8 @@ def state_dict(state: ShardedTrainState, *,
       SHARDED/LOCAL: the same sharded arrays in ``pinned_host`` memory.
 
   Buffers (the leaves of a ``model_state`` field, e.g. Flax ``batch_stats``)
-  are included under their dotted paths, as they are.
+  are included under their dotted paths, as they are (typed PRNG keys stay
+  ``jax.Array`` s with ``offload_to_cpu`` too).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax
@@ -589,7 +590,8 @@ def state_dict(state: ShardedTrainState, *,
     if name in out:
       raise ValueError(f"Buffer {name!r} has the same dotted name as a parameter; "
                        "rename one of them.")
-    out[name] = post(x) if post is not None else x
+    # Typed PRNG keys (NNX's RngKey) stay jax arrays: NumPy cannot hold them.
+    out[name] = post(x) if post is not None and not _is_key_dtype(x.dtype) else x
   return {} if dropped else out
 
 

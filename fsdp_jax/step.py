@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fsdp_jax import _compat
 from fsdp_jax import grads as grads_lib
+from fsdp_jax import loss as loss_lib
 from fsdp_jax import offload, optim
 from fsdp_jax.config import FSDPConfig, is_float_dtype
 from fsdp_jax.mesh import cpu_flags_active
@@ -86,11 +87,28 @@ def shard_train_step(loss_fn: Callable[..., Any],
 
   ``loss_fn(params, batch)`` is any pure JAX function of the **full, original**
   parameter tree and the device-local batch (a Flax linen ``model.apply``, an
-  NNX model through ``nnx.merge``, or a plain function) returning the mean
-  loss over that batch, or ``(loss, aux)``. When the state holds model state
-  (``init_train_state(model_state=...)``) it is called as
-  ``loss_fn(params, batch, model_state)`` and returns
-  ``(loss, new_model_state)`` or ``((loss, aux), new_model_state)``.
+  NNX model through ``nnx.merge``, an equinox model through ``eqx.combine``,
+  or a plain function). The contract (docs/models.md shows each case):
+
+  * **returns** the mean loss over the device's batch, or
+    :class:`~fsdp_jax.WeightedLoss` ``(total=sum(loss * w), weight=sum(w))``
+    for a weighted mean over the *global* batch (the step reports and
+    differentiates ``psum(total) / psum(weight)``), either one alone or as
+    ``(loss, aux)``;
+  * **model state**: when the state holds model state
+    (``init_train_state(model_state=...)``, or a Flax/NNX model's own
+    collections), it is called as ``loss_fn(params, batch, model_state)`` and
+    returns ``(loss, new_model_state)`` or ``((loss, aux), new_model_state)``;
+    floating new model state is averaged over the data-parallel world;
+  * **rng**: if ``loss_fn`` accepts a keyword argument ``rng``, it gets
+    ``fold_in(fold_in(state.rng, state.step), device_index)`` (needs
+    ``init_train_state(rng=...)``), different on every step and device and
+    the same in every run and after a restore; with gradient accumulation
+    microbatch ``m`` gets ``fold_in(that key, m)``;
+  * **axis names**: collectives over the mesh axes (``"shard"``,
+    ``"replicate"``) or over ``config.data_axis_name`` (e.g. ``"batch"`` for
+    ``nn.BatchNorm(axis_name="batch")``, meaning the whole data-parallel
+    world) work inside it.
 
   Inside the step, which runs under ``jax.shard_map`` over ``mesh``:
 
@@ -115,7 +133,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
   so the new params and optimizer state are written in host memory.
 
   Args:
-    loss_fn: ``loss_fn(params, batch[, model_state])`` as above.
+    loss_fn: ``loss_fn(params, batch[, model_state][, rng=key])`` as above.
     optimizer: the optax optimizer the state was built with. Elementwise
       transforms (sgd, momentum, adam, adamw with masks, lion, ...) give the
       same result as unsharded training; whole-tensor transforms such as
@@ -188,6 +206,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
     p_specs = grads_lib.param_specs(plan)
     b_specs = jax.tree.map(lambda _: grads_lib.batch_spec(plan), batch)
     ms_specs = jax.tree.map(lambda _: P(), state.model_state)
+    rng_specs = jax.tree.map(lambda _: P(), state.rng)
     h_specs = jax.tree.map(lambda _: grads_lib.hook_state_spec(plan), state.comm_hook_state)
     vg = grads_lib.value_and_grad(loss_fn, plan=plan,
                                   gradient_accumulation_steps=gradient_accumulation_steps,
@@ -200,12 +219,17 @@ def shard_train_step(loss_fn: Callable[..., Any],
     policy = config.nonfinite
     own_grads = any(l.ignored and not l.frozen for l in plan.leaves)
 
-    def body(params, opt_state, model_state, hook_state, batch_local):
+    def body(params, opt_state, model_state, hook_state, batch_local, rng, step_count):
       # With CPU offload the stored shards are in host memory: the gathers
       # read a device copy of them.
       dev_params = offload.to_device(params) if offloaded else params
-      out, grads, new_hook_state = vg(dev_params, batch_local, model_state, hook_state)
-      loss = jax.lax.pmean(out.loss.astype(jnp.float32), data_axes)
+      key = None if rng is None else jax.tree.map(
+          lambda r: loss_lib.device_key(r, step_count, data_axes), rng)
+      out, grads, new_hook_state = vg(dev_params, batch_local, model_state, hook_state, key)
+      if out.weight is None:
+        loss = jax.lax.pmean(out.loss.astype(jnp.float32), data_axes)
+      else:  # a WeightedLoss: already the global ratio, the same on every device
+        loss = out.loss
       metrics = {"loss": loss}
       if max_norm is not None:
         # Clipping sums over the shards (a collective): it runs on the device.
@@ -259,7 +283,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
         # statistics of each device's batch) are averaged over the world.
         new_ms = jax.tree.map(
             lambda new, old: (jax.lax.pmean(new, data_axes).astype(old.dtype)
-                              if is_float_dtype(old.dtype) else new.astype(old.dtype)),
+                              if is_float_dtype(old.dtype) else grads_lib.as_stored_dtype(new, old)),
             out.model_state, model_state)
       if policy != "propagate":
         new_ms, new_hook_state = _keep_if(bad, (model_state, hook_state),
@@ -267,11 +291,12 @@ def shard_train_step(loss_fn: Callable[..., Any],
       return new_params, new_opt_state, new_ms, new_hook_state, metrics
 
     fn = jax.shard_map(body, mesh=mesh,
-                       in_specs=(p_specs, opt_specs, ms_specs, h_specs, b_specs),
+                       in_specs=(p_specs, opt_specs, ms_specs, h_specs, b_specs, rng_specs, P()),
                        out_specs=(p_specs, opt_specs, ms_specs, h_specs, P()),
                        check_vma=False)
     new_params, new_opt_state, new_ms, new_hook, metrics = fn(
-        state.params, state.opt_state, state.model_state, state.comm_hook_state, batch)
+        state.params, state.opt_state, state.model_state, state.comm_hook_state, batch,
+        state.rng, state.step)
     bad = metrics["nonfinite"]
     if mode == "global":
       grads = grads_lib.split_trainable(plan, new_params)[0]
