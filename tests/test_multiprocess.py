@@ -773,7 +773,7 @@ def test_coordinator_listens_only_where_it_must(tmp_path, where):
       os.write(1, ("READY " + json.dumps(dict(pid=os.getpid(), rank=info.rank,
                                               address=info.coordinator_address,
                                               bind=info.coordinator_bind_address))
-                   + "\n").encode())
+                   + "\\n").encode())
       deadline = time.monotonic() + 60
       while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
         time.sleep(0.05)
