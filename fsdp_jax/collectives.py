@@ -234,12 +234,17 @@ fsdp_reduce_p.def_abstract_eval(_reduce_abstract_eval)
 _compat.register_lowering(fsdp_reduce_p, _reduce_impl, multiple_results=False)
 
 
-def _no_eager(*args, **kwargs):
-  raise RuntimeError("fsdp_all_gather only runs inside fsdp_jax's sharded step.")
+def _no_eager(name: str):
+  def impl(*args, **kwargs):
+    raise RuntimeError(
+        f"{name} only runs inside fsdp_jax's sharded step (a function traced by "
+        "shard_train_step or fsdp_jax.value_and_grad under jax.shard_map); it was "
+        "called eagerly. Fix: call it from loss_fn / the custom step, not directly.")
+  return impl
 
 
-fsdp_all_gather_p.def_impl(_no_eager)
-fsdp_reduce_p.def_impl(_no_eager)
+fsdp_all_gather_p.def_impl(_no_eager("fsdp_all_gather"))
+fsdp_reduce_p.def_impl(_no_eager("fsdp_reduce"))
 
 
 def spec_of(eqn) -> GatherSpec:

@@ -151,6 +151,44 @@ def _cast_floats(tree, dtype, only=None):
   return jax.tree_util.tree_map_with_path(cast, tree)
 
 
+def check_forward_inputs(forward_inputs):
+  """``forward_inputs`` as a frozenset of top-level batch keys; a string (whose
+  ``in`` would match substrings) or a non-iterable is refused."""
+  if forward_inputs is None:
+    return None
+  if isinstance(forward_inputs, (str, bytes)):
+    raise TypeError(
+        f"forward_inputs={forward_inputs!r} is a string; it must be a collection of "
+        f"top-level batch keys. Fix: forward_inputs=({forward_inputs!r},).")
+  try:
+    return frozenset(forward_inputs)
+  except TypeError:
+    raise TypeError(
+        f"forward_inputs must be a collection of top-level batch keys (e.g. "
+        f"(\"input_ids\",)), got {forward_inputs!r}.") from None
+
+
+def _check_batch_has(batch, forward_inputs) -> None:
+  """Every key of ``forward_inputs`` is a top-level key of ``batch``."""
+  if isinstance(batch, dict):
+    keys = set(batch)
+  elif hasattr(batch, "_fields"):  # NamedTuple
+    keys = set(batch._fields)
+  elif dataclasses.is_dataclass(batch):
+    keys = {f.name for f in dataclasses.fields(batch)}
+  elif isinstance(batch, (tuple, list)):
+    keys = set(range(len(batch)))
+  else:
+    keys = set()
+  missing = sorted((k for k in forward_inputs if k not in keys), key=repr)
+  if missing:
+    have = ", ".join(repr(k) for k in sorted(keys, key=repr)) or "none"
+    raise KeyError(
+        f"forward_inputs names {', '.join(repr(k) for k in missing)}, which the batch "
+        f"({type(batch).__name__}) does not have at its top level. Its keys: {have}. "
+        "Fix: list only the batch's top-level keys that are the model's forward inputs.")
+
+
 def _compute_dtype(plan: Plan, leaf):
   if leaf.ignored:  # not managed by FSDP: no mixed precision either
     return jnp.dtype(leaf.dtype)
@@ -282,6 +320,7 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
   ``model_state_changes=True``, on the model state), or returns None for a
   mean loss.
   """
+  forward_inputs = check_forward_inputs(forward_inputs)
   mp_root = plan.config.mixed_precision
   full_structs = jax.tree_util.tree_unflatten(
       plan.treedef, [jax.ShapeDtypeStruct(l.shape, _compute_dtype(plan, l)) for l in plan.leaves])
@@ -303,6 +342,8 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
   def prepare(batch, model_state, rng):
     """Traces ``loss_fn`` for this batch; returns ``(closed, out_shape,
     kind, the flat non-parameter arguments, key positions)``."""
+    if forward_inputs is not None:
+      _check_batch_has(batch, forward_inputs)
     if cast_inputs:
       batch = _cast_floats(batch, mp_root.param_dtype, forward_inputs)
     if takes_rng:

@@ -194,6 +194,8 @@ def shard_train_step(loss_fn: Callable[..., Any],
         "set (call fsdp_jax.simulate_cpu_devices() before JAX starts); "
         "results are the same, memory is not.", stacklevel=2)
 
+  forward_inputs = grads_lib.check_forward_inputs(forward_inputs)
+
   def step(state: ShardedTrainState, batch):
     opt_specs = _check_state(state, config, mesh, optimizer)
     plan = state.plan

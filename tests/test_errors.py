@@ -224,3 +224,42 @@ def test_integer_leaf_trains_once_frozen_as_the_error_says():
   full = fsdp_jax.full_params(state)
   np.testing.assert_array_equal(np.asarray(full["count"]), [0, 1, 2])
   np.testing.assert_allclose(np.asarray(full["w"]), 0.9, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad, words", [
+    ("x", ["forward_inputs='x' is a string", "Fix: forward_inputs=('x',)"]),
+    (3, ["collection of top-level batch keys", "got 3"]),
+])
+def test_forward_inputs_must_be_a_collection_of_keys(bad, words):
+  mesh = mesh_for(S.FULL_SHARD, 2)
+  config = fsdp_jax.FSDPConfig()
+  with pytest.raises(TypeError) as e:
+    fsdp_jax.shard_train_step(mlp_loss, optax.adam(1e-3), mesh=mesh, config=config,
+                              forward_inputs=bad)
+  for w in words:
+    assert w in str(e.value), str(e.value)
+
+
+def test_forward_inputs_key_the_batch_lacks_is_named():
+  mp = fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16)
+  state, _ = _state_and_step(n=2, mixed_precision=mp)
+  step = fsdp_jax.shard_train_step(mlp_loss, optax.adam(1e-3), mesh=state.plan.mesh,
+                                   config=state.plan.config, forward_inputs=("x", "inputs"))
+  with pytest.raises(KeyError) as e:
+    step(state, mlp_batch())
+  msg = str(e.value)
+  for part in ("forward_inputs names 'inputs'", "Its keys: 'x', 'y'", "Fix:"):
+    assert part in msg, msg
+  # A key the batch has is fine, and "x" is not matched as a substring of a longer key.
+  step = fsdp_jax.shard_train_step(mlp_loss, optax.adam(1e-3), mesh=state.plan.mesh,
+                                   config=state.plan.config, forward_inputs=("x",))
+  _, metrics = step(state, mlp_batch())
+  assert np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize("prim, name", [("fsdp_all_gather_p", "fsdp_all_gather"),
+                                        ("fsdp_reduce_p", "fsdp_reduce")])
+def test_collective_primitive_outside_a_step_is_named(prim, name):
+  from fsdp_jax import collectives
+  with pytest.raises(RuntimeError, match=f"^{name} only runs inside fsdp_jax's sharded step"):
+    getattr(collectives, prim).bind(jnp.ones(3), spec=None, stored_dtype=np.dtype("float32"))
