@@ -193,9 +193,18 @@ def _diff(saved: dict, target: dict) -> list[str]:
   for name, a, b in cmp("opt_state.param_groups", so["param_groups"], to["param_groups"], desc):
     leaf_cmp(name, a, b)
   fdesc = lambda d: f"({len(d['leaves'])} leaves)"
+  start = len(lines)
   for name, a, b in cmp("", saved["fields"], target["fields"], fdesc):
     for n2, a2, b2 in cmp(name, a["leaves"], b["leaves"], desc):
       leaf_cmp(n2, a2, b2)
+  hints = {"rng": "init_train_state(..., rng=key)",
+           "model_state": "init_train_state(..., model_state=...) or an init_fn whose model "
+                          "returns non-parameter collections"}
+  for i in range(start, len(lines)):
+    field = lines[i].split(":", 1)[0]
+    if field in hints and ", not in the" in lines[i]:
+      where = "the target" if "not in the target" in lines[i] else "the saved run"
+      lines[i] += f" (build {where} with {hints[field]} too)"
   return lines
 
 

@@ -314,6 +314,14 @@ def test_mismatched_tree_names_paths_and_shapes(tmp_path):
     assert "opt_state.state.w.0.mu: in the checkpoint (6, 2) float32, not in the target" in msg
     assert "opt_state.state.w.0.trace: in the target (6, 2) float32, not in the checkpoint" in msg
     assert "opt_state.param_groups.0.count: in the checkpoint () int32, not in the target" in msg
+    # A saved key the target lacks names the init_train_state argument that adds it.
+    keyed = _small().replace(rng=jax.random.key(0), step=jnp.asarray(7, jnp.int32))
+    mngr.save(keyed, force=True)
+    mngr.wait_until_finished()
+    with pytest.raises(ValueError) as e:
+      mngr.restore(_small(), step=7)
+    assert ("rng: in the checkpoint (1 leaves), not in the target (build the target with "
+            "init_train_state(..., rng=key) too)") in str(e.value), str(e.value)
 
 
 def _damage(path, how):
