@@ -49,7 +49,11 @@ class GatherSpec:
   """Static description of one gather (hashable: a primitive parameter).
 
   ``leaves`` holds, per output leaf, ``(layer_shape, dim0, chunk0, row_numel)``.
-  ``chunk`` is the local buffer length per layer (``S``).
+  ``chunk`` is the local buffer length per layer (``S``). ``secondary`` is
+  ``k`` under ``reshard_after_forward=k`` (0 otherwise); ``gather_quant`` and
+  ``reduce_quant`` the :class:`~fsdp_jax.Quantization` of the all-gather and
+  of the gradient reduction (or None); ``axis_sizes`` the sizes of the mesh
+  axes in ``shard_axes`` and ``reduce_axes``.
   """
 
   flat: bool

@@ -287,7 +287,7 @@ class Plan:
     Example:
       >>> import jax, jax.numpy as jnp, optax, fsdp_jax
       >>> mesh = fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4])
-      >>> params = {"a": jnp.ones((64, 64)), "b": jnp.ones((64, 64))}
+      >>> params = {"a": {"w": jnp.ones((64, 64))}, "b": {"w": jnp.ones((64, 64))}}
       >>> def kept(**kw):
       ...   cfg = fsdp_jax.FSDPConfig(
       ...       auto_wrap_policy=fsdp_jax.ModuleWrapPolicy(["a", "b"]), **kw)

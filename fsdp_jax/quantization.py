@@ -128,6 +128,7 @@ class Quantization:
     return _body_bytes(n, self.bits) + 4 * nb
 
   def describe(self) -> str:
+    """A short description, as ``print(state.plan)`` shows it."""
     block = "one scale per shard" if self.block_size is None else f"blocks of {self.block_size}"
     return f"{self.dtype.name}, {block}"
 

@@ -82,6 +82,28 @@ def test_reshard_after_forward_k_equals_full_shard_bitwise(case, orig):
                params, ref_params)
 
 
+def test_reshard_after_forward_k_with_bf16_accumulation_and_clipping():
+  """bf16 gathers (uint16 secondary slices), no_sync accumulation (the
+  probed backward) and clipping: still bitwise FULL_SHARD."""
+  params, batches = mlp_params(), [mlp_batch(seed=i) for i in range(STEPS)]
+  mp = fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+  mesh, opt = mesh_for(None, 8), optax.adam(1e-2)
+  out = {}
+  for k in (True, 2):
+    cfg = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP, mixed_precision=mp, reshard_after_forward=k)
+    state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=cfg)
+    step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=cfg, max_norm=0.5,
+                                     gradient_accumulation_steps=3)
+    losses = []
+    for batch in batches:
+      state, metrics = step(state, batch)
+      losses.append(float(metrics["loss"]))
+    out[k] = losses, fsdp_jax.full_params(state)
+  assert out[True][0] == out[2][0]
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               out[True][1], out[2][1])
+
+
 @pytest.mark.parametrize("strategy,n,replicate,k,groups", [
     (S.FULL_SHARD, 8, None, 4, _consecutive(4, 8)),
     (S.HYBRID_SHARD, 4, 2, 2, _consecutive(2, 8)),  # pairs inside each "shard" row
