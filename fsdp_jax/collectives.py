@@ -24,7 +24,8 @@ ZeRO++'s policies live here too:
 * ``all_gather_quantization`` (qwZ): the payload is the block-quantized shard
   (``uint8``, scales included), dequantized after the gather.
 * ``reduce_scatter_quantization`` (qgZ): :func:`reduce_gradient` exchanges
-  quantized gradient pieces with all-to-all and sums them in float32.
+  quantized gradient pieces (rounded stochastically by default: unbiased)
+  with all-to-all and sums them in float32.
 """
 
 from __future__ import annotations
@@ -174,7 +175,8 @@ def payload_row(spec: GatherSpec):
 def _encode(buf, spec: GatherSpec):
   """The local shard -> the payload row it is gathered as."""
   if spec.gather_quant is not None:
-    return quantization.encode(buf, spec.gather_quant)
+    q = spec.gather_quant
+    return quantization.encode(buf, q, stochastic=q.stochastic(gradient=False))
   x = buf.astype(spec.compute_dtype) if spec.compute_dtype != buf.dtype else buf
   # A gather does no arithmetic: 16-bit floats travel as their uint16 bit
   # patterns, which every backend gathers natively (the CPU backend would
@@ -270,7 +272,7 @@ def _exchange_and_sum(x, axis_name, q, axis: int):
   """One qgZ hop: ``x`` holds along ``axis`` one piece per device of
   ``axis_name``; each piece is quantized and sent to its device (all-to-all),
   and the pieces received are dequantized and summed in float32."""
-  payload = quantization.encode(x, q)
+  payload = quantization.encode(x, q, stochastic=q.stochastic(gradient=True))
   recv = lax.all_to_all(payload, axis_name, axis, axis, tiled=True)
   return jnp.sum(quantization.decode(recv, q, x.shape[-1], jnp.float32), axis=axis)
 
@@ -306,7 +308,8 @@ def _quantized_reduce(g, spec: GatherSpec, p: int):
     pad = reps * piece - spec.chunk
     x = jnp.pad(r, [(0, 0)] * p + [(0, pad)]) if pad else r
     mine = _exchange_and_sum(x.reshape(prefix + (reps, piece)), name, q, p)
-    gathered = lax.all_gather(quantization.encode(mine, q), name, axis=p, tiled=False)
+    gathered = lax.all_gather(quantization.encode(mine, q, stochastic=q.stochastic(gradient=True)),
+                              name, axis=p, tiled=False)
     r = quantization.decode(gathered, q, piece, jnp.float32).reshape(prefix + (reps * piece,))
     if pad:
       r = lax.slice_in_dim(r, 0, spec.chunk, axis=p)

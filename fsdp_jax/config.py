@@ -229,8 +229,10 @@ class FSDPConfig:
       dtype. See ``docs/zeropp.md``.
     reduce_scatter_quantization: a :class:`~fsdp_jax.Quantization` for the
       gradient reduction (ZeRO++'s qgZ): each device quantizes its unit
-      gradient block-wise, an all-to-all sends every device the pieces of its
-      shard, which it dequantizes and sums in float32. On a 2-D mesh the
+      gradient block-wise (integer formats round stochastically unless the
+      ``Quantization`` says ``rounding="nearest"``: the reduced gradient is
+      unbiased), an all-to-all sends every device the pieces of its shard,
+      which it dequantizes and sums in float32. On a 2-D mesh the
       exchange is hierarchical: within ``"shard"`` (in-node) first, then
       across ``"replicate"`` (the hybrid strategies' all-reduce across
       replicas becomes a quantized all-to-all and all-gather). Not with

@@ -326,8 +326,10 @@ class Plan:
     if cfg.reduce_scatter_quantization is not None:
       hier = " (within 'shard', then across 'replicate')" if (
           len(self.axes.shard_axes) > 1 or self.axes.replicate_axes) else ""
+      q = cfg.reduce_scatter_quantization
+      implied = ", stochastic rounding" if q.rounding is None and q.stochastic(gradient=True) else ""
       lines.append(f"  gradient reduction: quantized all-to-all, "
-                   f"{cfg.reduce_scatter_quantization.describe()}, summed in float32{hier}")
+                   f"{q.describe()}{implied}, summed in float32{hier}")
     for name in ("forward_prefetch_units", "backward_prefetch_units"):
       for unit, targets in getattr(cfg, name):
         lines.append(f"  {name}: {unit} -> {', '.join(targets)}")

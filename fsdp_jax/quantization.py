@@ -7,6 +7,12 @@ natively (the CPU backend widens ``float8`` collectives to ``f16``), so the
 compiled program really moves 1 byte per value (half a byte for 4-bit),
 plus 4 bytes per block for the scale.
 
+Integer formats round to nearest, or stochastically (``rounding=``; the
+default for gradient reductions): ``floor(x / scale + u)`` with ``u`` in
+``[0, 1)`` a pseudo-random dither hashed from each value's float32 bits and
+its position, so the rounding is unbiased and needs no random state (the same
+inputs give the same bytes, on every device and in every run).
+
 Layout of one payload row (the last axis of the array sent):
 ``[quantized values | float32 scales, 4 bytes each]``. The last block may be
 partial: its scale covers the values it has, and nothing is sent for the
@@ -30,6 +36,7 @@ _FORMATS = {
     "float8_e5m2": (8, 57344.0),
 }
 _SPELLINGS = "jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2, or 4-bit as \"int4\" / jnp.int4"
+_ROUNDINGS = (None, "nearest", "stochastic")
 
 
 def _canonical(dtype) -> np.dtype:
@@ -61,6 +68,13 @@ class Quantization:
   travel as float32 next to the values. The bytes per value moved are
   ``bits / 8 + 4 / block_size``.
 
+  Rounding to nearest is off by at most half a step (``scale / 2``) but
+  biased: a value under half a step always becomes 0. Stochastic rounding
+  rounds up with probability equal to the remainder, so the dequantized value
+  is right on average (unbiased) and off by less than one step. Gradients
+  need the unbiased kind: with round-to-nearest int4 gradients, small
+  gradient entries never reach the optimizer.
+
   Args:
     dtype: ``jnp.int8`` (default), ``jnp.float8_e4m3fn``,
       ``jnp.float8_e5m2``, or 4-bit integers spelled ``"int4"`` or
@@ -69,6 +83,11 @@ class Quantization:
     block_size: values per scale (a positive int; even for int4), or
       ``None`` for one scale per device's whole shard of the unit (per-tensor
       scaling of what the device sends).
+    rounding: ``"nearest"``, ``"stochastic"`` (integer formats only; the
+      dither is a hash of each value's bits and position, deterministic), or
+      ``None`` (default): stochastic in a gradient reduction with an integer
+      format, nearest otherwise (all-gathers of weights, float8 formats,
+      which XLA's conversion rounds to nearest even).
 
   Raises:
     ValueError: an unsupported dtype or block size, naming the fix.
@@ -82,10 +101,13 @@ class Quantization:
     528
     >>> fsdp_jax.Quantization(dtype="int4") == fsdp_jax.Quantization(dtype=jnp.int4)
     True
+    >>> q.stochastic(gradient=True), q.stochastic(gradient=False)
+    (True, False)
   """
 
   dtype: Any = jnp.int8
   block_size: Optional[int] = 256
+  rounding: Optional[str] = None
 
   def __post_init__(self):
     object.__setattr__(self, "dtype", _canonical(self.dtype))
@@ -101,6 +123,17 @@ class Quantization:
             "two per byte, so the block size must be even; e.g. "
             f"block_size={b + 1}.")
       object.__setattr__(self, "block_size", int(b))
+    if self.rounding not in _ROUNDINGS:
+      raise ValueError(
+          f"Quantization(rounding={self.rounding!r}) is not supported. Fix: pass "
+          "'nearest', 'stochastic' or None (stochastic for gradients, nearest "
+          "for weights).")
+    if self.rounding == "stochastic" and not self.integer:
+      raise ValueError(
+          f"Quantization(dtype={self.dtype.name}, rounding='stochastic'): stochastic "
+          "rounding is implemented for the integer formats (int8, int4); float8 "
+          "values are rounded to nearest even by XLA's conversion. Fix: use "
+          "dtype=jnp.int8 or 'int4', or rounding='nearest'.")
 
   @property
   def bits(self) -> int:
@@ -111,6 +144,19 @@ class Quantization:
   def max_value(self) -> float:
     """The magnitude a block's largest value is scaled to."""
     return _FORMATS[self.dtype.name][1]
+
+  @property
+  def integer(self) -> bool:
+    """Whether the format is an integer one (int8, int4)."""
+    return self.dtype.name in ("int8", "int4")
+
+  def stochastic(self, gradient: bool) -> bool:
+    """Whether values are rounded stochastically: ``rounding``, or for
+    ``None`` the default (stochastic for a gradient reduction in an integer
+    format)."""
+    if self.rounding is None:
+      return gradient and self.integer
+    return self.rounding == "stochastic"
 
   def blocks(self, n: int) -> tuple[int, int]:
     """``(block length, number of blocks)`` for a row of ``n`` values."""
@@ -130,17 +176,33 @@ class Quantization:
   def describe(self) -> str:
     """A short description, as ``print(state.plan)`` shows it."""
     block = "one scale per shard" if self.block_size is None else f"blocks of {self.block_size}"
-    return f"{self.dtype.name}, {block}"
+    rounding = "" if self.rounding is None else f", {self.rounding} rounding"
+    return f"{self.dtype.name}, {block}{rounding}"
 
 
 def _body_bytes(n: int, bits: int) -> int:
   return n if bits == 8 else (n + 1) // 2
 
 
-def encode(x, q: Quantization):
+def _dither(x):
+  """Pseudo-random ``[0, 1)`` per element of a float32 array: a hash (the
+  murmur3 finalizer) of the value's bits mixed with its position along the
+  last axis. Deterministic, and changes whenever the value does."""
+  h = lax.bitcast_convert_type(x, jnp.uint32)
+  h = h ^ (lax.broadcasted_iota(jnp.uint32, x.shape, x.ndim - 1) * jnp.uint32(0x9E3779B9))
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  h = h ^ (h >> 16)
+  return (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+
+
+def encode(x, q: Quantization, *, stochastic: bool = False):
   """Quantizes the last axis of ``x`` (``(..., n)``) into ``uint8`` payload
-  rows ``(..., q.payload_bytes(n))``. Non-finite values give a non-finite
-  scale, so they decode to NaN (they are never hidden)."""
+  rows ``(..., q.payload_bytes(n))``, rounding to nearest, or stochastically
+  with ``stochastic=True`` (integer formats). Non-finite values give a
+  non-finite scale, so they decode to NaN (they are never hidden)."""
   n = x.shape[-1]
   prefix = tuple(x.shape[:-1])
   b, nb = q.blocks(n)
@@ -154,11 +216,16 @@ def encode(x, q: Quantization):
   scaled = (blocks / scale[..., None]).reshape(prefix + (nb * b,))
   p = len(prefix)
   name = q.dtype.name
+  if stochastic and not q.integer:
+    raise ValueError(f"stochastic rounding is for the integer formats, not {name}")
+  if q.integer:
+    # |scaled| <= M, so floor(scaled + u) stays within [-M, M].
+    rounded = jnp.floor(scaled + _dither(x)) if stochastic else jnp.round(scaled)
   if name == "int8":
-    vals = jnp.clip(jnp.round(scaled), -127, 127).astype(jnp.int8)
+    vals = jnp.clip(rounded, -127, 127).astype(jnp.int8)
     body = lax.bitcast_convert_type(lax.slice_in_dim(vals, 0, n, axis=p), jnp.uint8)
   elif name == "int4":
-    vals = (jnp.clip(jnp.round(scaled), -7, 7) + 8).astype(jnp.uint8)
+    vals = (jnp.clip(rounded, -7, 7) + 8).astype(jnp.uint8)
     pairs = lax.slice_in_dim(vals, 0, 2 * _body_bytes(n, 4), axis=p)
     pairs = pairs.reshape(prefix + (_body_bytes(n, 4), 2))
     body = pairs[..., 0] | (pairs[..., 1] << 4)

@@ -243,6 +243,9 @@ def test_bad_plans_are_refused(kw, match):
     (dict(block_size=0), ValueError, "positive int"),
     (dict(block_size=True), ValueError, "positive int"),
     (dict(dtype="int4", block_size=33), ValueError, "must be even; e.g. block_size=34"),
+    (dict(rounding="up"), ValueError, "'nearest', 'stochastic' or None"),
+    (dict(dtype=jnp.float8_e4m3fn, rounding="stochastic"), ValueError,
+     "implemented for the integer formats"),
 ])
 def test_bad_quantization_is_refused(kw, error, match):
   with pytest.raises(error, match=match):
@@ -279,11 +282,40 @@ def test_round_trip_error_is_within_half_a_step(q):
   assert float(jnp.max(err)) > 0  # it did quantize
 
 
+@pytest.mark.parametrize("q", [Q(dtype=jnp.int8), Q(dtype="int4", block_size=64)],
+                         ids=["int8", "int4"])
+def test_stochastic_rounding_is_unbiased_within_one_step(q):
+  """Rounding to nearest turns every value under half a step into 0;
+  stochastic rounding (floor(x / scale + u), u a hash of the value's bits and
+  position) is off by less than one step and right on average, and the same
+  input gives the same bytes."""
+  rows, n = 64, 1024
+  key = jax.random.split(jax.random.key(5), 2)
+  small = jax.random.uniform(key[0], (rows, n), minval=0.05, maxval=0.45)  # in steps
+  x = small.at[:, ::q.block_size].set(q.max_value)  # scale 1: one step = 1.0
+  x = x * jax.random.choice(key[1], jnp.array([-1.0, 1.0]), (rows, n))
+  round_trip = jax.jit(lambda x, stochastic: quantization.decode(
+      quantization.encode(x, q, stochastic=stochastic), q, n, jnp.float32), static_argnums=1)
+  back, nearest = round_trip(x, True), round_trip(x, False)
+  assert bool(jnp.all(back == round_trip(x, True)))
+  mask = jnp.abs(x) < 0.5
+  assert bool(jnp.all(jnp.where(mask, nearest, 0) == 0))  # all rounded away
+  assert bool(jnp.all(jnp.abs(back - x) < 1.0)) and float(jnp.max(jnp.abs(back - x))) > 0.5
+  err = jnp.where(mask, back - x, 0)
+  # Mean error over ~63k values of variance <= 1/4 each: |mean| < 4 sigma.
+  count = int(jnp.sum(mask))
+  assert abs(float(jnp.sum(err)) / count) < 4 * 0.5 / np.sqrt(count)
+  assert float(jnp.sum(jnp.where(mask, jnp.abs(back), 0))) / count > 0.2  # not all 0
+
+
 def test_non_finite_values_are_never_hidden():
   for q in FORMATS:
     x = jnp.array([1.0, jnp.nan, 2.0, jnp.inf, -3.0])
     assert bool(jnp.all(jnp.isnan(quantization.decode(quantization.encode(x, q), q, 5,
                                                       jnp.float32))))
+    if q.integer:
+      assert bool(jnp.all(jnp.isnan(quantization.decode(
+          quantization.encode(x, q, stochastic=True), q, 5, jnp.float32))))
 
 
 WIDE = dict(d=64, d_in=32)  # 8 x 520 elements per block unit: whole quant blocks
@@ -354,14 +386,16 @@ def _local_grads(params, batch, devices):
 
 @pytest.mark.parametrize("strategy,n,replicate,hops", [
     (S.FULL_SHARD, 8, None, 1), (S.FULL_SHARD, 4, 2, 2), (S.HYBRID_SHARD, 4, 2, 3)])
-@pytest.mark.parametrize("q", [Q(dtype=jnp.int8), Q(dtype="int4", block_size=32)],
-                         ids=["int8", "int4"])
+@pytest.mark.parametrize("q", [Q(dtype=jnp.int8, rounding="nearest"),
+                               Q(dtype="int4", block_size=32)],
+                         ids=["int8-nearest", "int4-stochastic"])
 def test_quantized_reduction_error_is_bounded(strategy, n, replicate, hops, q):
   """The reduced gradient g = (1/W) sum_j g_j. Each hop rounds every value it
-  sends to within half a step of its block's scale, max|block| / M, so hop h
-  adds at most (1/W) sum_j max|g_j| / (2 M) per element (a partial sum's max
-  is at most the sum of its terms' maxima); over ``hops`` hops:
-  |error| <= hops (1 + 1/M)^hops (1/W) sum_j max|g_j| / (2 M)."""
+  sends to within one step of its block's scale, max|block| / M (half a step
+  rounding to nearest), so hop h adds at most (1/W) sum_j max|g_j| / M per
+  element (a partial sum's max is at most the sum of its terms' maxima);
+  over ``hops`` hops: |error| <= hops (1 + 1/M)^hops (1/W) sum_j max|g_j| / M,
+  half that rounding to nearest."""
   params, batch = mlp_params(), mlp_batch(n=48)
   world = n * (replicate or 1)
   cfg = fsdp_jax.FSDPConfig(sharding_strategy=strategy, auto_wrap_policy=WRAP,
@@ -373,8 +407,9 @@ def test_quantized_reduction_error_is_bounded(strategy, n, replicate, hops, q):
   exact = jax.grad(mlp_loss)(params, batch)
   locals_ = _local_grads(params, batch, world)
   m = q.max_value
-  bound = hops * (1 + 1 / m) ** hops * sum(
-      max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g)) for g in locals_) / (2 * m * world)
+  steps = 1.0 if q.stochastic(gradient=True) else 0.5
+  bound = steps * hops * (1 + 1 / m) ** hops * sum(
+      max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g)) for g in locals_) / (m * world)
   err = max(float(np.max(np.abs(a - np.asarray(b))))
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(exact)))
   assert 0 < err <= bound, (err, bound)
