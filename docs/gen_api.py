@@ -36,13 +36,15 @@ import fsdp_jax  # noqa: E402  (after the path set-up, so the checkout is docume
 
 # Sections in this order; a module not listed here comes after them.
 MODULE_ORDER = [
-    "fsdp_jax.config", "fsdp_jax.mesh", "fsdp_jax.state", "fsdp_jax.step",
-    "fsdp_jax.loss", "fsdp_jax.wrap", "fsdp_jax.full", "fsdp_jax.grads", "fsdp_jax.plan",
+    "fsdp_jax.config", "fsdp_jax.quantization", "fsdp_jax.mesh", "fsdp_jax.state",
+    "fsdp_jax.step", "fsdp_jax.loss", "fsdp_jax.wrap", "fsdp_jax.full", "fsdp_jax.grads",
+    "fsdp_jax.plan",
     "fsdp_jax.state_dict", "fsdp_jax.checkpoint", "fsdp_jax.hooks",
 ]
 # Section titles of the defining modules (else the module's first docstring line).
 TITLES = {
     "fsdp_jax.config": "Configuration",
+    "fsdp_jax.quantization": "Quantized collectives",
     "fsdp_jax.mesh": "Devices and meshes",
     "fsdp_jax.state": "The sharded train state",
     "fsdp_jax.step": "The train step",

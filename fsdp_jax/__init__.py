@@ -21,6 +21,7 @@ from fsdp_jax.config import (
     StateDictType as StateDictType,
     gradient_divide_factors as gradient_divide_factors,
 )
+from fsdp_jax.quantization import Quantization as Quantization
 from fsdp_jax.mesh import (
     CPU_XLA_FLAGS as CPU_XLA_FLAGS,
     make_mesh as make_mesh,
@@ -93,7 +94,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BackwardPrefetch", "CPUOffload", "CPU_XLA_FLAGS", "CheckpointError",
     "CheckpointManager", "CustomPolicy", "DistributedInfo",
-    "MonitoredBarrierError", "NonFiniteError", "OptimStateKeyType", "distributed",
+    "MonitoredBarrierError", "NonFiniteError", "OptimStateKeyType", "Quantization",
+    "distributed",
     "monitored_barrier", "hlo",
     "export_params", "full_optim_state_dict", "import_params",
     "load_state_dict", "optim_state_dict", "optim_state_dict_to_load",

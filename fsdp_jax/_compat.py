@@ -281,6 +281,43 @@ def nested_jaxprs(eqn):
   return out
 
 
+# -- remat partial evaluation of fsdp_jax's own gather --------------------------
+# jax._src.interpreters.partial_eval (0.10 to 0.12, same signatures): no public
+# API lets a primitive decide how jax.checkpoint splits it (hpZ saves a
+# secondary slice and recomputes from it). Classic remat only: fsdp_jax traces
+# its step with the classic implementation (see classic_tracing).
+
+
+def register_partial_eval_custom(prim, rule: Callable) -> None:
+  """``rule(saveable, unks_in, inst_in, eqn) -> (known eqn, staged eqn,
+  unks_out, inst_out, residual vars)`` for ``prim`` under ``jax.checkpoint``
+  (``pe.partial_eval_jaxpr_custom_rules``)."""
+  from jax._src.interpreters import partial_eval as pe  # pylint: disable=import-outside-toplevel
+  pe.partial_eval_jaxpr_custom_rules[prim] = rule
+
+
+def remat_decision(saveable: Callable, eqn) -> Any:
+  """What a remat policy says of ``eqn``: ``"save"``, ``"recompute"``, or
+  the policy's other answer (an offload) as it is (``pe.ensure_enum``,
+  ``pe.SaveableType`` / ``pe.RecomputeType``)."""
+  from jax._src.interpreters import partial_eval as pe  # pylint: disable=import-outside-toplevel
+  policy = pe.ensure_enum(saveable(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params))
+  if isinstance(policy, pe.SaveableType):
+    return "save"
+  if isinstance(policy, pe.RecomputeType):
+    return "recompute"
+  return policy
+
+
+def replace_eqn(eqn, *, params: Optional[dict] = None, merge_params: bool = True, **fields):
+  """``eqn`` with ``fields`` (``outvars``, ``invars``, ``primitive``)
+  replaced and ``params`` merged into (or, with ``merge_params=False``,
+  replacing) its params (``JaxprEqn.replace``, 0.10 to 0.12)."""
+  if params is not None:
+    fields["params"] = {**eqn.params, **params} if merge_params else dict(params)
+  return eqn.replace(**fields)
+
+
 # -- axis names ----------------------------------------------------------------
 
 

@@ -12,6 +12,20 @@ the unit's gradient reduction: cast to ``reduce_dtype``, pre-divide,
 Being one primitive matters for FULL_SHARD: the remat policy refuses to save
 its outputs, so the backward pass recomputes it (a second all-gather) instead
 of keeping the gathered parameters alive from forward to backward.
+
+ZeRO++'s policies live here too:
+
+* ``reshard_after_forward=k`` (hpZ): the forward gather also returns this
+  device's ``1/k`` slice of the gathered payload (its secondary shard), which
+  the step saves for backward; the backward recomputes the unit with
+  ``fsdp_group_gather``, an all-gather within the device's group of ``k``.
+  The switch is made where ``jax.checkpoint`` splits the step into the saved
+  forward and the recomputed backward (:func:`_gather_partial_eval`).
+* ``all_gather_quantization`` (qwZ): the payload is the block-quantized shard
+  (``uint8``, scales included), dequantized after the gather.
+* ``reduce_scatter_quantization`` (qgZ): :func:`reduce_gradient` exchanges
+  quantized gradient pieces (rounded stochastically by default: unbiased)
+  with all-to-all and sums them in float32.
 """
 
 from __future__ import annotations
@@ -27,13 +41,19 @@ from jax import lax
 from fsdp_jax import _compat
 from fsdp_jax._compat import Primitive
 
+from fsdp_jax import quantization
+
 
 @dataclasses.dataclass(frozen=True)
 class GatherSpec:
   """Static description of one gather (hashable: a primitive parameter).
 
   ``leaves`` holds, per output leaf, ``(layer_shape, dim0, chunk0, row_numel)``.
-  ``chunk`` is the local buffer length per layer (``S``).
+  ``chunk`` is the local buffer length per layer (``S``). ``secondary`` is
+  ``k`` under ``reshard_after_forward=k`` (0 otherwise); ``gather_quant`` and
+  ``reduce_quant`` the :class:`~fsdp_jax.Quantization` of the all-gather and
+  of the gradient reduction (or None); ``axis_sizes`` the sizes of the mesh
+  axes in ``shard_axes`` and ``reduce_axes``.
   """
 
   flat: bool
@@ -51,9 +71,22 @@ class GatherSpec:
   keep_low_precision_grads: bool
   label: str = ""
   hook: Any = None  # a stateless communication hook replacing reduce_gradient
+  # reshard_after_forward=k: the backward all-gather runs within groups of k
+  # adjacent devices of the shard axes from a saved 1/k slice (0: off).
+  secondary: int = 0
+  gather_quant: Any = None  # a fsdp_jax.Quantization of the all-gather payload
+  reduce_quant: Any = None  # a fsdp_jax.Quantization of the gradient reduction
+  # ((mesh axis, size), ...) of shard_axes + reduce_axes.
+  axis_sizes: tuple = ()
 
   def axis_name(self):
     return self.shard_axes[0] if len(self.shard_axes) == 1 else self.shard_axes
+
+  def groups(self) -> list[list[int]]:
+    """The secondary groups: ``secondary`` adjacent devices of the shard axes
+    (linear index, row-major over ``shard_axes``)."""
+    k = self.secondary
+    return [[j * k + q for q in range(k)] for j in range(self.n // k)]
 
 
 def _unpack(g, spec: GatherSpec):
@@ -122,30 +155,89 @@ def pack_full(cts, spec: GatherSpec, prefix, *, dtype=None, divide: float = 1.0,
   return buf
 
 
-def _gather_impl(buf, *, spec: GatherSpec):
+def _as_bits(dtype) -> bool:
+  """16-bit floats travel as their uint16 bit patterns."""
+  dtype = np.dtype(dtype)
+  return dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def payload_row(spec: GatherSpec):
+  """``(dtype, length)`` of the row each device contributes to its unit's
+  all-gather: the quantized bytes and scales (``uint8``), or the shard in
+  the compute dtype (16-bit floats as ``uint16``)."""
+  if spec.gather_quant is not None:
+    return np.dtype(np.uint8), spec.gather_quant.payload_bytes(spec.chunk)
+  dtype = np.dtype(spec.compute_dtype)
+  return (np.dtype(np.uint16) if _as_bits(dtype) else dtype), spec.chunk
+
+
+def _encode(buf, spec: GatherSpec):
+  """The local shard -> the payload row it is gathered as."""
+  if spec.gather_quant is not None:
+    q = spec.gather_quant
+    return quantization.encode(buf, q, stochastic=q.stochastic(gradient=False))
   x = buf.astype(spec.compute_dtype) if spec.compute_dtype != buf.dtype else buf
-  axis = x.ndim - 1
-  if spec.shard_axes:
-    # A gather does no arithmetic: 16-bit floats travel as their uint16 bit
-    # patterns, which every backend gathers natively (the CPU backend would
-    # otherwise widen a bf16 all-gather to f32 and move twice the bytes).
-    as_bits = x.dtype.itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating)
-    payload = lax.bitcast_convert_type(x, jnp.uint16) if as_bits else x
-    g = lax.all_gather(payload, spec.axis_name(), axis=axis, tiled=False)
-    if as_bits:
-      g = lax.bitcast_convert_type(g, x.dtype)
-  else:
-    return _unpack(jnp.expand_dims(x, axis), spec)
+  # A gather does no arithmetic: 16-bit floats travel as their uint16 bit
+  # patterns, which every backend gathers natively (the CPU backend would
+  # otherwise widen a bf16 all-gather to f32 and move twice the bytes).
+  return lax.bitcast_convert_type(x, jnp.uint16) if _as_bits(x.dtype) else x
+
+
+def _decode(g, spec: GatherSpec):
+  """Gathered payload rows (prefix..., N, L) -> (prefix..., N, S) values."""
+  if spec.gather_quant is not None:
+    return quantization.decode(g, spec.gather_quant, spec.chunk, spec.compute_dtype)
+  if _as_bits(spec.compute_dtype):
+    return lax.bitcast_convert_type(g, spec.compute_dtype)
+  return g
+
+
+def _gather_impl(buf, *, spec: GatherSpec, secondary: bool = False):
+  if not spec.shard_axes:
+    x = buf.astype(spec.compute_dtype) if spec.compute_dtype != buf.dtype else buf
+    return _unpack(jnp.expand_dims(x, x.ndim - 1), spec)
+  payload = _encode(buf, spec)
+  axis = payload.ndim - 1
+  g = lax.all_gather(payload, spec.axis_name(), axis=axis, tiled=False)
+  outs = _unpack(_decode(g, spec), spec)
+  if secondary:
+    # hpZ: keep rows [q * N/k, (q + 1) * N/k) of the gathered payload, q this
+    # device's place in its group of k; the group's all-gather of these
+    # slices is the whole unit again (fsdp_group_gather).
+    m = spec.n // spec.secondary
+    q = lax.axis_index(spec.axis_name()) % spec.secondary
+    outs = outs + [lax.dynamic_slice_in_dim(g, q * m, m, axis=axis)]
   # Each unpacked leaf becomes its own buffer, so the gathered buffer dies
   # right after unpacking. Without the barrier XLA fuses leaf slices into late
   # backward-residual fusions (e.g. a LayerNorm scale), each reading the whole
   # gathered unit, which kept every unit alive to the end of the forward pass
   # (FULL_SHARD fp32 at 2.0x the memory floor; 1.16x with it).
-  return list(lax.optimization_barrier(_unpack(g, spec)))
+  return list(lax.optimization_barrier(outs))
 
 
-def _gather_abstract_eval(buf, *, spec: GatherSpec):
+def _secondary_aval(prefix, spec: GatherSpec):
+  dtype, length = payload_row(spec)
+  return _compat.ShapedArray(tuple(prefix) + (spec.n // spec.secondary, length), dtype)
+
+
+def _gather_abstract_eval(buf, *, spec: GatherSpec, secondary: bool = False):
   prefix = buf.shape[:-1]
+  outs = [_compat.ShapedArray(prefix + tuple(layer_shape), spec.compute_dtype)
+          for layer_shape, _, _, _ in spec.leaves]
+  return outs + ([_secondary_aval(prefix, spec)] if secondary else [])
+
+
+def _group_gather_impl(sec, *, spec: GatherSpec):
+  """hpZ's backward all-gather: the secondary slices of a group of
+  ``spec.secondary`` devices -> the unit's full leaves."""
+  axis = sec.ndim - 2
+  g = lax.all_gather(sec, spec.axis_name(), axis=axis, tiled=True,
+                     axis_index_groups=spec.groups())
+  return list(lax.optimization_barrier(_unpack(_decode(g, spec), spec)))
+
+
+def _group_gather_abstract_eval(sec, *, spec: GatherSpec):
+  prefix = sec.shape[:-2]
   return [_compat.ShapedArray(prefix + tuple(layer_shape), spec.compute_dtype)
           for layer_shape, _, _, _ in spec.leaves]
 
@@ -157,6 +249,11 @@ def reduce_gradient(g, spec: GatherSpec, *, tiled: bool = False):
   g = g.astype(spec.reduce_dtype)
   if spec.pre_divide != 1.0:
     g = g / jnp.asarray(spec.pre_divide, spec.reduce_dtype)
+  if spec.reduce_quant is not None and spec.shard_axes:
+    r = _quantized_reduce(g, spec, p)
+    if spec.post_divide != 1.0:
+      r = r / jnp.float32(spec.post_divide)
+    return r.astype(spec.reduce_dtype)
   if spec.shard_axes:
     r = lax.psum_scatter(g, spec.axis_name(), scatter_dimension=p, tiled=tiled)
   elif tiled:
@@ -170,7 +267,55 @@ def reduce_gradient(g, spec: GatherSpec, *, tiled: bool = False):
   return r
 
 
-def _gather_transpose(cts, buf, *, spec: GatherSpec):
+def _exchange_and_sum(x, axis_name, q, axis: int):
+  """One qgZ hop: ``x`` holds along ``axis`` one piece per device of
+  ``axis_name``; each piece is quantized and sent to its device (all-to-all),
+  and the pieces received are dequantized and summed in float32."""
+  payload = quantization.encode(x, q, stochastic=q.stochastic(gradient=True))
+  recv = lax.all_to_all(payload, axis_name, axis, axis, tiled=True)
+  return jnp.sum(quantization.decode(recv, q, x.shape[-1], jnp.float32), axis=axis)
+
+
+def _quantized_reduce(g, spec: GatherSpec, p: int):
+  """qgZ: a unit's (prefix..., N, S) (or tiled (prefix..., N * S)) gradient
+  -> this device's summed (prefix..., S) shard in float32.
+
+  One quantized all-to-all over the shard axis; with two shard axes
+  (``("replicate", "shard")``: FULL_SHARD over a 2-D mesh) ZeRO++'s two hops,
+  the in-node axis (the last) first, then across nodes on partial sums.
+  Hybrid strategies then all-reduce across ``"replicate"`` as a quantized
+  reduce-scatter (all-to-all) and all-gather: every replica dequantizes the
+  same bytes, so replicas stay bitwise identical.
+  """
+  q = spec.reduce_quant
+  sizes = dict(spec.axis_sizes)
+  prefix = g.shape[:p]
+  x = g.reshape(prefix + (spec.n, spec.chunk)).astype(jnp.float32)
+  axes = spec.shard_axes
+  if len(axes) == 1:
+    r = _exchange_and_sum(x, axes[0], q, p)
+  else:
+    inner, outer = axes[-1], axes[:-1]
+    n_in = sizes[inner]
+    x = x.reshape(prefix + (spec.n // n_in, n_in, spec.chunk))
+    partial = _exchange_and_sum(x, inner, q, p + 1)  # (prefix..., N / n_in, S)
+    r = _exchange_and_sum(partial, outer[0] if len(outer) == 1 else outer, q, p)
+  if spec.reduce_axes:
+    reps = int(np.prod([sizes[a] for a in spec.reduce_axes]))
+    name = spec.reduce_axes[0] if len(spec.reduce_axes) == 1 else spec.reduce_axes
+    piece = -(-spec.chunk // reps)
+    pad = reps * piece - spec.chunk
+    x = jnp.pad(r, [(0, 0)] * p + [(0, pad)]) if pad else r
+    mine = _exchange_and_sum(x.reshape(prefix + (reps, piece)), name, q, p)
+    gathered = lax.all_gather(quantization.encode(mine, q, stochastic=q.stochastic(gradient=True)),
+                              name, axis=p, tiled=False)
+    r = quantization.decode(gathered, q, piece, jnp.float32).reshape(prefix + (reps * piece,))
+    if pad:
+      r = lax.slice_in_dim(r, 0, spec.chunk, axis=p)
+  return r
+
+
+def _gather_transpose(cts, buf, *, spec: GatherSpec, secondary: bool = False):
   prefix = tuple(buf.aval.shape[:-1])
   cts = [jnp.zeros(prefix + tuple(ls), spec.compute_dtype) if _compat.is_symbolic_zero(c) else c
          for c, (ls, _, _, _) in zip(cts, spec.leaves)]
@@ -251,6 +396,59 @@ def spec_of(eqn) -> GatherSpec:
   """The :class:`GatherSpec` of an ``fsdp_all_gather`` / ``fsdp_reduce``
   equation (a parameter of fsdp_jax's own primitives)."""
   return eqn.params["spec"]
+
+
+# hpZ's backward all-gather (see _gather_partial_eval): never differentiated,
+# it only recomputes the unit's values for the backward pass.
+fsdp_group_gather_p = Primitive("fsdp_group_gather")
+fsdp_group_gather_p.multiple_results = True
+fsdp_group_gather_p.def_abstract_eval(_group_gather_abstract_eval)
+_compat.register_lowering(fsdp_group_gather_p, _group_gather_impl, multiple_results=True)
+fsdp_group_gather_p.def_impl(_no_eager("fsdp_group_gather"))
+
+
+def _gather_partial_eval(saveable, unks_in, inst_in, eqn):
+  """How ``jax.checkpoint`` splits an ``fsdp_all_gather`` into the forward
+  (known) and the recomputed backward (staged) parts.
+
+  What the default rule does, except for a unit resharded onto groups
+  (``spec.secondary``) whose gather the policy does not save: the forward
+  gather also returns the device's secondary slice, saved as the residual,
+  and the backward recomputes the unit from it with ``fsdp_group_gather``
+  (an all-gather within the group) instead of gathering over the whole shard
+  axis again. Everything downstream (other residuals, the reduction) is
+  unchanged, and the values are bitwise those of the forward gather.
+  """
+  n = len(eqn.outvars)
+  res = [v for v, inst in zip(eqn.invars, inst_in)
+         if not inst and not isinstance(v, _compat.Literal)]
+  if any(unks_in):
+    return None, eqn, [True] * n, [True] * n, res
+  policy = _compat.remat_decision(saveable, eqn)
+  if policy == "save":
+    return eqn, None, [False] * n, [False] * n, []
+  if policy != "recompute":
+    raise NotImplementedError(
+        f"remat policy {saveable!r} returned {policy!r} for a unit's all-gather; "
+        "fsdp_jax's gathers are saved or recomputed, not offloaded.")
+  spec = spec_of(eqn)
+  if not spec.secondary or is_secondary(eqn):
+    return eqn, eqn, [False] * n, [True] * n, res
+  prefix = eqn.invars[0].aval.shape[:-1]
+  sec = _compat.new_var(_secondary_aval(prefix, spec))
+  known = _compat.replace_eqn(eqn, outvars=[*eqn.outvars, sec], params={"secondary": True})
+  staged = _compat.replace_eqn(eqn, primitive=fsdp_group_gather_p, invars=[sec],
+                               params={"spec": spec}, merge_params=False)
+  return known, staged, [False] * n, [True] * n, [sec]
+
+
+def is_secondary(eqn) -> bool:
+  """Whether an ``fsdp_all_gather`` equation also returns hpZ's secondary
+  slice (its last output; set by :func:`_gather_partial_eval`)."""
+  return "secondary" in eqn.params and bool(eqn.params["secondary"])
+
+
+_compat.register_partial_eval_custom(fsdp_all_gather_p, _gather_partial_eval)
 
 
 def gather(buf, spec: GatherSpec):

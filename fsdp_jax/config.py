@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from fsdp_jax.quantization import Quantization
 
 
 class ShardingStrategy(enum.Enum):
@@ -146,7 +148,10 @@ class FSDPConfig:
   """The ``FullyShardedDataParallel`` constructor's options, keyword-only.
 
   Args:
-    sharding_strategy: a :class:`ShardingStrategy` (default ``FULL_SHARD``).
+    sharding_strategy: a :class:`ShardingStrategy`; ``None`` (default) means
+      ``FULL_SHARD``, or ``SHARD_GRAD_OP`` when ``reshard_after_forward=False``
+      (PyTorch's default, ``None``, is ``FULL_SHARD``). After construction the
+      field holds the strategy in effect.
     cpu_offload: a :class:`CPUOffload` or ``None``; ``CPUOffload(offload_params=True)``
       keeps the sharded params and optimizer state in host memory.
     auto_wrap_policy: a wrap policy choosing the FSDP units (see
@@ -212,6 +217,51 @@ class FSDPConfig:
       that batch would. ``None`` (default): only the mesh axis names are
       bound. The names must differ from the mesh's (``"shard"``,
       ``"replicate"``).
+    reshard_after_forward: FSDP2's name for what the strategy does with a
+      unit after its forward: ``True`` frees it (``FULL_SHARD`` /
+      ``HYBRID_SHARD``: the backward all-gathers it again over the whole
+      shard axis), ``False`` keeps it gathered (``SHARD_GRAD_OP`` /
+      ``_HYBRID_SHARD_ZERO2``), and an int ``k`` (a divisor of the shard-axis
+      size, ``1 < k < size``) reshards onto groups of ``k`` adjacent devices
+      (ZeRO++'s hpZ secondary shard): each device keeps a ``1/k`` slice of
+      each unit's gathered parameters until backward, and the backward
+      all-gather runs within its group of ``k`` (one node, or fast links, on
+      a cluster). Forward all-gathers still span the shard axis; numbers are
+      identical to ``True``. ``None`` (default) takes it from
+      ``sharding_strategy``; after construction the field holds the value in
+      effect. A pair that disagrees (``SHARD_GRAD_OP`` with ``True`` or an
+      int, ``FULL_SHARD`` / ``HYBRID_SHARD`` with ``False``, ``NO_SHARD``
+      with ``True`` or an int) raises ``ValueError``.
+    all_gather_quantization: a :class:`~fsdp_jax.Quantization`: each device
+      block-quantizes its shard of a unit before the all-gather and every
+      device dequantizes the gathered unit to the compute dtype (ZeRO++'s
+      qwZ; FSDP2 users know it from float8 all-gathers). The stored master
+      shards stay exact; the gradient flows straight through the gather to
+      them (the reduction is unchanged unless ``reduce_scatter_quantization``
+      is set). Floating-point units only. ``None``: gather in the compute
+      dtype. See ``docs/zeropp.md``.
+    reduce_scatter_quantization: a :class:`~fsdp_jax.Quantization` for the
+      gradient reduction (ZeRO++'s qgZ): each device quantizes its unit
+      gradient block-wise (integer formats round stochastically unless the
+      ``Quantization`` says ``rounding="nearest"``: the reduced gradient is
+      unbiased), an all-to-all sends every device the pieces of its shard,
+      which it dequantizes and sums in float32. On a 2-D mesh the
+      exchange is hierarchical: within ``"shard"`` (in-node) first, then
+      across ``"replicate"`` (the hybrid strategies' all-reduce across
+      replicas becomes a quantized all-to-all and all-gather). Not with
+      ``NO_SHARD`` or a ``comm_hook``.
+    forward_prefetch_units: explicit forward prefetch, as FSDP2's
+      ``set_modules_to_forward_prefetch``: ``{unit: [units...]}`` maps a unit's
+      name to units (later in the forward pass) whose all-gathers are issued
+      right after that unit's own, before its computation, whatever
+      ``forward_prefetch`` and ``limit_all_gathers`` say for them. Unit names
+      are those ``print(state.plan)`` lists (``"<root>"`` for the root).
+      Stored as a sorted tuple of ``(unit, (units...))`` pairs.
+    backward_prefetch_units: explicit backward prefetch, as FSDP2's
+      ``set_modules_to_backward_prefetch``: ``{unit: [units...]}``; the listed
+      units' backward all-gathers are issued right after that unit's backward
+      all-gather and before its reduce-scatter. Both the unit and the listed
+      ones must be re-gathered in the backward pass (resharded, non-root).
 
   Example:
     >>> import fsdp_jax
@@ -223,9 +273,13 @@ class FSDPConfig:
     >>> # flax's nn.BatchNorm(axis_name="batch") then reduces over all devices:
     >>> fsdp_jax.FSDPConfig(data_axis_name="batch").data_axis_name
     'batch'
+    >>> fsdp_jax.FSDPConfig(reshard_after_forward=False).sharding_strategy.name
+    'SHARD_GRAD_OP'
+    >>> fsdp_jax.FSDPConfig(reshard_after_forward=4).sharding_strategy.name
+    'FULL_SHARD'
   """
 
-  sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+  sharding_strategy: Optional[ShardingStrategy] = None
   cpu_offload: Optional[CPUOffload] = None
   auto_wrap_policy: Optional[Callable[..., Any]] = None
   backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
@@ -240,13 +294,42 @@ class FSDPConfig:
   optimizer_update: str = "auto"
   nonfinite: str = "propagate"
   data_axis_name: Optional[Any] = None
+  reshard_after_forward: Optional[Union[bool, int]] = None
+  all_gather_quantization: Optional[Quantization] = None
+  reduce_scatter_quantization: Optional[Quantization] = None
+  forward_prefetch_units: Optional[Mapping[str, Sequence[str]]] = None
+  backward_prefetch_units: Optional[Mapping[str, Sequence[str]]] = None
 
   def __post_init__(self):
-    if not isinstance(self.sharding_strategy, ShardingStrategy):
+    if self.sharding_strategy is not None and not isinstance(
+        self.sharding_strategy, ShardingStrategy):
       raise TypeError(
           f"sharding_strategy={self.sharding_strategy!r} is not a "
           "fsdp_jax.ShardingStrategy; pass e.g. "
           "fsdp_jax.ShardingStrategy.FULL_SHARD.")
+    strategy, reshard = _resolve_resharding(self.sharding_strategy,
+                                            self.reshard_after_forward)
+    object.__setattr__(self, "sharding_strategy", strategy)
+    object.__setattr__(self, "reshard_after_forward", reshard)
+    for name in ("all_gather_quantization", "reduce_scatter_quantization"):
+      value = getattr(self, name)
+      if value is not None and not isinstance(value, Quantization):
+        raise TypeError(
+            f"{name}={value!r} must be a fsdp_jax.Quantization or None, e.g. "
+            f"{name}=fsdp_jax.Quantization(dtype=jnp.int8, block_size=256).")
+    if strategy is ShardingStrategy.NO_SHARD:
+      for name in ("all_gather_quantization", "reduce_scatter_quantization"):
+        if getattr(self, name) is not None:
+          raise ValueError(
+              f"{name} needs a sharded strategy: NO_SHARD has no all-gather and "
+              "reduces gradients with an all-reduce. Fix: use FULL_SHARD, "
+              f"SHARD_GRAD_OP or a hybrid strategy, or drop {name}.")
+    if self.reduce_scatter_quantization is not None and self.comm_hook is not None:
+      raise ValueError(
+          "reduce_scatter_quantization and comm_hook both replace the gradient "
+          f"reduction (comm_hook={self.comm_hook!r}). Fix: pass one of them.")
+    for name in ("forward_prefetch_units", "backward_prefetch_units"):
+      object.__setattr__(self, name, _prefetch_map(name, getattr(self, name)))
     if self.mixed_precision is not None and not isinstance(
         self.mixed_precision, MixedPrecision):
       raise TypeError("mixed_precision must be a fsdp_jax.MixedPrecision or None.")
@@ -294,9 +377,81 @@ class FSDPConfig:
   def is_hybrid(self) -> bool:
     return self.sharding_strategy in HYBRID_STRATEGIES
 
-  @property
-  def reshard_after_forward(self) -> bool:
-    return self.sharding_strategy in RESHARD_AFTER_FORWARD
+
+
+def _resolve_resharding(strategy, reshard):
+  """``(sharding_strategy, reshard_after_forward)`` in effect, from what was
+  passed (either may be None); refuses a pair that disagrees."""
+  if reshard is not None:
+    if isinstance(reshard, (bool, np.bool_)):
+      reshard = bool(reshard)
+    elif isinstance(reshard, (int, np.integer)):
+      reshard = int(reshard)
+      if reshard < 2:
+        raise ValueError(
+            f"reshard_after_forward={reshard}: an int is the size of the groups a "
+            "unit is resharded onto after forward, a divisor of the shard-axis size "
+            "greater than 1. Fix: pass e.g. the number of devices per node, or False "
+            "to keep whole units (SHARD_GRAD_OP), or True to free them (FULL_SHARD).")
+    else:
+      raise TypeError(f"reshard_after_forward={reshard!r} must be True, False, an int "
+                      "(the size of the groups to reshard onto) or None.")
+  if strategy is None:
+    strategy = (ShardingStrategy.SHARD_GRAD_OP if reshard is False
+                else ShardingStrategy.FULL_SHARD)
+  frees = strategy in RESHARD_AFTER_FORWARD
+  if reshard is None:
+    return strategy, frees
+  if strategy is ShardingStrategy.NO_SHARD:
+    if reshard is not False:
+      raise ValueError(
+          f"reshard_after_forward={reshard!r} conflicts with sharding_strategy=NO_SHARD, "
+          "which never gathers (parameters are replicated). Fix: drop "
+          "reshard_after_forward, or pick a sharded strategy.")
+    return strategy, reshard
+  if frees != (reshard is not False):
+    same = {ShardingStrategy.FULL_SHARD: "SHARD_GRAD_OP",
+            ShardingStrategy.SHARD_GRAD_OP: "FULL_SHARD",
+            ShardingStrategy.HYBRID_SHARD: "_HYBRID_SHARD_ZERO2",
+            ShardingStrategy._HYBRID_SHARD_ZERO2: "HYBRID_SHARD"}[strategy]
+    raise ValueError(
+        f"reshard_after_forward={reshard!r} conflicts with sharding_strategy="
+        f"{strategy.name}, which {'frees' if frees else 'keeps'} each unit after its "
+        f"forward (reshard_after_forward={frees}). reshard_after_forward="
+        f"{reshard!r} is {same}{' with a secondary shard' if reshard not in (True, False) else ''}. "
+        f"Fix: pass only one of the two, or sharding_strategy={same}.")
+  return strategy, reshard
+
+
+def _prefetch_map(name, value):
+  """``{unit: [units]}`` -> a sorted tuple of ``(unit, (units...))`` pairs."""
+  if value is None or value == ():
+    return ()
+  items = value.items() if isinstance(value, Mapping) else value
+  try:
+    pairs = [(k, v) for k, v in items]
+  except (TypeError, ValueError):
+    raise TypeError(
+        f"{name}={value!r} must map a unit's name to a list of unit names, e.g. "
+        f"{name}={{'blocks.0': ['blocks.1', 'blocks.2']}}.") from None
+  out = {}
+  for unit, targets in pairs:
+    if isinstance(targets, str):
+      targets = (targets,)
+    targets = tuple(targets)
+    if not isinstance(unit, str) or not all(isinstance(t, str) for t in targets):
+      raise TypeError(
+          f"{name}: {unit!r} -> {targets!r}: unit names are strings, e.g. "
+          f"{name}={{'blocks.0': ['blocks.1', 'blocks.2']}}.")
+    if unit in targets:
+      raise ValueError(f"{name}: unit {unit!r} lists itself; list the units to gather "
+                       "early, after it in execution order.")
+    if len(set(targets)) != len(targets):
+      raise ValueError(f"{name}: unit {unit!r} lists {list(targets)} with repeats.")
+    if unit in out:
+      raise ValueError(f"{name}: unit {unit!r} appears twice.")
+    out[unit] = targets
+  return tuple(sorted(out.items()))
 
 
 def gradient_divide_factors(world_size: int) -> tuple[float, float]:

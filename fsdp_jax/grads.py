@@ -708,7 +708,9 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
       backward_prefetch=None if cfg.backward_prefetch is None else cfg.backward_prefetch.name,
       forward_prefetch=bool(cfg.forward_prefetch),
       limit_all_gathers=bool(cfg.limit_all_gathers),
-      reshard=frozenset(u.display_name for u in plan.units if plan.reshard(u)))
+      reshard=frozenset(u.display_name for u in plan.units if plan.reshard(u)),
+      forward_prefetch_units=cfg.forward_prefetch_units,
+      backward_prefetch_units=cfg.backward_prefetch_units)
 
   def objective_of(out, scale):
     # A WeightedLoss: d(total * world / W), averaged over the world by the

@@ -106,6 +106,8 @@ def gather_specs(plan: Plan, unit: UnitSpec, *, layer: bool = False):
     else:
       chunk = plan.flat_chunk(unit)
     reduce_axes = axes.replicate_axes
+    is_float = is_float_dtype(stored)
+    cfg = plan.config
     spec = GatherSpec(
         flat=not plan.use_orig_params, leaves=leaves, n=plan.n, chunk=chunk,
         stored_dtype=stored, compute_dtype=compute, reduce_dtype=reduce,
@@ -113,7 +115,11 @@ def gather_specs(plan: Plan, unit: UnitSpec, *, layer: bool = False):
         pre_divide=pre, post_divide=post, reshard=plan.reshard(unit),
         keep_low_precision_grads=bool(mp and mp.keep_low_precision_grads),
         label=unit.display_name,
-        hook=None if hook is None or is_stateful(hook) else hook)
+        hook=None if hook is None or is_stateful(hook) else hook,
+        secondary=plan.secondary_size(unit),
+        gather_quant=cfg.all_gather_quantization if is_float and axes.shard_axes else None,
+        reduce_quant=cfg.reduce_scatter_quantization if is_float and axes.shard_axes else None,
+        axis_sizes=tuple((a, int(plan.mesh.shape[a])) for a in axes.shard_axes + reduce_axes))
     out.append((group, spec))
   return out
 

@@ -103,6 +103,10 @@ class Plan:
   # ((dotted name, number of layers), ...); see frameworks.stacked_hints.
   stacked_hints: tuple = ()
 
+  def __post_init__(self):
+    _check_resharding(self)
+    _check_prefetch_units(self)
+
   # Plans compare by the content that matters for tracing.
   def _key(self):
     return (self.treedef, self.leaves, self.units, self.config, self.mesh, self.axes,
@@ -140,7 +144,13 @@ class Plan:
 
   def reshard(self, unit: UnitSpec) -> bool:
     """FULL_SHARD/HYBRID_SHARD free a unit after forward; the root is kept."""
-    return self.config.reshard_after_forward and not unit.is_root
+    return bool(self.config.reshard_after_forward) and not unit.is_root
+
+  def secondary_size(self, unit: UnitSpec) -> int:
+    """``k`` when ``reshard_after_forward=k`` keeps a ``1/k`` slice of the
+    unit for a backward all-gather within groups of ``k`` devices; else 0."""
+    k = self.config.reshard_after_forward
+    return k if not isinstance(k, bool) and self.reshard(unit) else 0
 
   def chunk0(self, leaf: LeafSpec) -> int:
     return -(-leaf.dim0 // self.n)
@@ -265,6 +275,69 @@ class Plan:
       out["all-reduce"] = groups
     return out
 
+  def bytes_kept_for_backward(self) -> int:
+    """Bytes of gathered parameters each device holds from the forward pass
+    to the backward pass (outside a scan over stacked layers, which keeps
+    one layer's worth per iteration).
+
+    Units that are not resharded (the root, every unit under
+    ``SHARD_GRAD_OP``) count whole, in the bytes their all-gather moves
+    (quantized when ``all_gather_quantization`` is set); with
+    ``reshard_after_forward=k`` a resharded unit counts ``1/k`` of that (its
+    secondary shard); with ``reshard_after_forward=True`` it counts 0.
+    ``NO_SHARD`` gathers nothing: 0.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+      >>> mesh = fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4])
+      >>> params = {"a": {"w": jnp.ones((64, 64))}, "b": {"w": jnp.ones((64, 64))}}
+      >>> def kept(**kw):
+      ...   cfg = fsdp_jax.FSDPConfig(
+      ...       auto_wrap_policy=fsdp_jax.ModuleWrapPolicy(["a", "b"]), **kw)
+      ...   return fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1),
+      ...       mesh=mesh, config=cfg).plan.bytes_kept_for_backward()
+      >>> kept(reshard_after_forward=True), kept(reshard_after_forward=2), kept(reshard_after_forward=False)
+      (0, 16384, 32768)
+    """
+    from fsdp_jax import collectives, layout  # pylint: disable=import-outside-toplevel
+    if not self.axes.shard_axes:
+      return 0
+    total = 0
+    for unit in self.units:
+      layers = unit.num_layers if unit.stacked else 1
+      for _, spec in layout.gather_specs(self, unit):
+        dtype, length = collectives.payload_row(spec)
+        full = spec.n * length * np.dtype(dtype).itemsize * layers
+        if not spec.reshard:
+          total += full
+        elif spec.secondary:
+          total += full // spec.secondary
+    return total
+
+  def _zeropp_lines(self) -> list[str]:
+    cfg = self.config
+    lines = []
+    k = cfg.reshard_after_forward
+    if not isinstance(k, bool):
+      lines.append(
+          f"  reshard after forward onto groups of {k}: each device keeps 1/{k} of every "
+          f"resharded unit for the backward all-gather, which runs within its group of {k}; "
+          f"gathered bytes kept forward->backward: {self.bytes_kept_for_backward():,}/device")
+    if cfg.all_gather_quantization is not None:
+      lines.append(f"  all-gather quantization: {cfg.all_gather_quantization.describe()} "
+                   "(floating-point units; master shards exact)")
+    if cfg.reduce_scatter_quantization is not None:
+      hier = " (within 'shard', then across 'replicate')" if (
+          len(self.axes.shard_axes) > 1 or self.axes.replicate_axes) else ""
+      q = cfg.reduce_scatter_quantization
+      implied = ", stochastic rounding" if q.rounding is None and q.stochastic(gradient=True) else ""
+      lines.append(f"  gradient reduction: quantized all-to-all, "
+                   f"{q.describe()}{implied}, summed in float32{hier}")
+    for name in ("forward_prefetch_units", "backward_prefetch_units"):
+      for unit, targets in getattr(cfg, name):
+        lines.append(f"  {name}: {unit} -> {', '.join(targets)}")
+    return lines
+
   def dtype_groups(self, unit: UnitSpec) -> list[tuple[int, ...]]:
     """Leaves gathered together (one collective each): all of a flat unit, or
     the leaves of one dtype in the original-parameter layout."""
@@ -323,6 +396,7 @@ class Plan:
                    f"FSDPConfig(stacked_layers=({name!r},))")
     coll = self.collectives_per_step()
     lines.append("  collectives per step: " + ", ".join(f"{v} {k}" for k, v in coll.items() if v))
+    lines.extend(self._zeropp_lines())
     if self.opt_layout is not None:
       from fsdp_jax import optim  # pylint: disable=import-outside-toplevel
       sharded, replicated = optim.state_bytes(self, self.opt_layout)
@@ -334,3 +408,50 @@ class Plan:
     pre, post = self.divide_factors()
     lines.append(f"  gradient divide factors: pre {pre:g}, post {post:g}")
     return "\n".join(lines)
+
+
+def _check_resharding(plan: "Plan") -> None:
+  """``reshard_after_forward=k`` needs ``k`` to divide the shard-group size."""
+  k = plan.config.reshard_after_forward
+  if isinstance(k, bool):
+    return
+  sizes = dict(plan.mesh.shape)
+  axes = plan.axes.shard_axes
+  n = plan.axes.shard_size
+  where = (f"the shard axis {axes[0]!r} of size {n}" if len(axes) == 1 else
+           f"the shard axes {axes} of sizes {[sizes[a] for a in axes]} ({n} devices)")
+  if n % k or k >= n:
+    divisors = [d for d in range(2, n) if n % d == 0]
+    hint = (f"pass one of {divisors}" if divisors else
+            f"a group of {n} devices has no smaller groups: pass True")
+    why = (f"groups of all {n} devices are reshard_after_forward=True" if k == n else
+           f"{k} must divide {n} and be smaller than it")
+    raise ValueError(
+        f"reshard_after_forward={k}: units are resharded onto groups of {k} adjacent "
+        f"devices along {where}; {why}. Fix: {hint}.")
+
+
+def _check_prefetch_units(plan: "Plan") -> None:
+  """Explicit prefetch names real units that can be prefetched."""
+  cfg = plan.config
+  names = {u.display_name: u for u in plan.units}
+  for field in ("forward_prefetch_units", "backward_prefetch_units"):
+    for unit, targets in getattr(cfg, field):
+      for name in (unit,) + tuple(targets):
+        u = names.get(name)
+        if u is None:
+          raise ValueError(
+              f"{field}: {name!r} is not a unit; the units are "
+              f"{sorted(names)} (print(state.plan) lists them).")
+        if u.stacked:
+          raise ValueError(
+              f"{field}: {name!r} is a stacked unit, gathered one layer per "
+              "iteration inside its scan; explicit prefetch orders the step's "
+              "top-level gathers only. Fix: leave it out.")
+        if field == "backward_prefetch_units" and not plan.reshard(u):
+          why = ("the root unit is never resharded after forward" if u.is_root else
+                 f"{cfg.sharding_strategy.name} keeps units gathered from forward to backward")
+          raise ValueError(
+              f"{field}: {name!r} has no backward all-gather to issue or prefetch: "
+              f"{why}. Fix: list only resharded units "
+              f"{sorted(n for n, x in names.items() if plan.reshard(x) and not x.stacked)}.")

@@ -293,6 +293,38 @@ def _scan_rebuild(eqn, read, write, g: Gatherer, klass) -> None:
 # --------------------------------------------------------------------------
 # Ordering collectives against compute: prefetch and the rate limiter
 
+# A unit's all-gathers: over the shard axes, and hpZ's backward one within
+# groups (collectives.fsdp_group_gather_p).
+_GATHERS = (collectives.fsdp_all_gather_p, collectives.fsdp_group_gather_p)
+
+
+def _explicit(pairs, run_order, field: str, phase: str) -> dict:
+  """Explicit prefetch ``((u, (x1, x2, ...)), ...)`` -> ``{x: the unit whose
+  gather it follows}`` (``x1`` follows ``u``, ``x2`` follows ``x1``); the
+  first listing of a unit wins. ``run_order``: the units gathered in this
+  pass, in the order they run."""
+  out: dict = {}
+  pos = {u: k for k, u in enumerate(run_order)}
+  for unit, targets in pairs:
+    for name in (unit,) + tuple(targets):
+      if name not in pos:
+        raise ValueError(
+            f"{field}: unit {name!r} has no all-gather in the {phase} pass of this step "
+            f"(the {phase} pass gathers {list(run_order)}, in this order): "
+            + ("its parameters are not read." if phase == "forward" else
+               "its gradient does not need its parameters, or it is not resharded.")
+            + f" Fix: leave it out of {field}.")
+    prev = unit
+    for t in targets:
+      if pos[t] <= pos[unit]:
+        raise ValueError(
+            f"{field}: unit {unit!r} lists {t!r}, which the {phase} pass gathers "
+            f"before it (order: {list(run_order)}); prefetch only gathers a unit "
+            f"earlier than it would run. Fix: list units after {unit!r}.")
+      out.setdefault(t, prev)
+      prev = t
+  return out
+
 
 @dataclasses.dataclass(frozen=True)
 class Ordering:
@@ -306,6 +338,10 @@ class Ordering:
   forward_prefetch: bool
   limit_all_gathers: bool
   reshard: frozenset = frozenset()
+  # Explicit prefetch (FSDP2's set_modules_to_{forward,backward}_prefetch):
+  # ((unit label, (labels gathered early, in order)), ...).
+  forward_prefetch_units: tuple = ()
+  backward_prefetch_units: tuple = ()
 
 
 def ordered(fn: Callable, ordering: Ordering) -> Callable:
@@ -341,6 +377,11 @@ def ordered(fn: Callable, ordering: Ordering) -> Callable:
     unit before ``c``.
   * reduce-scatter of ``c``: its gradient, and for ``BACKWARD_PRE`` /
     ``BACKWARD_POST`` the prefetched gather of ``n`` (issued before it).
+  * explicit prefetch (``forward_prefetch_units`` /
+    ``backward_prefetch_units``, ``{u: [x1, x2, ...]}``): the gather of
+    ``x1`` waits only for ``u``'s gather in that pass, ``x2`` for ``x1``'s,
+    and so on (issued together, before ``u``'s computation); in the backward
+    pass ``u``'s reduce-scatter also waits for them.
 
   Gathers inside a ``scan`` over stacked layers are left to that loop.
   """
@@ -405,7 +446,7 @@ class _Sequence:
         for v in eqn.outvars:
           self.producer[v] = i
     self.gathers = {i for i, (kind, eqn) in enumerate(self.items)
-                    if kind == "eqn" and eqn.primitive is collectives.fsdp_all_gather_p}
+                    if kind == "eqn" and eqn.primitive in _GATHERS}
     # Equations computing from gathered parameters alone (a LayerNorm scale
     # reshaped, a bias broadcast, a cast) run at their first use, like the
     # gathers: the backward pass's recomputation lists them at its start,
@@ -449,6 +490,9 @@ class _Sequence:
   def _outs(self, i) -> list:
     kind, eqn = self.items[i]
     vs = _compat.remat_params(eqn).jaxpr.invars if kind == "enter" else eqn.outvars
+    if kind == "eqn" and eqn.primitive is collectives.fsdp_all_gather_p and \
+        collectives.is_secondary(eqn):
+      vs = vs[:-1]  # hpZ's saved slice is read by the backward gather, not compute
     return [v for v in vs if not isinstance(v, DropVar)]
 
   def _readers(self, idxs) -> list:
@@ -466,15 +510,21 @@ class _Sequence:
             found.add(u)
     return sorted(found)
 
-  def _first_compute(self, idxs) -> list:
-    """The output of the first matmul (else the first equation) reading
-    these gathers' results: the unit's computation has started."""
+  def _first_compute_index(self, idxs):
+    """Position of the first matmul (else the first equation) reading these
+    gathers' results, or None."""
     readers = self._readers(idxs)
     for r in readers:
       kind, eqn = self.items[r]
       if kind == "eqn" and eqn.primitive.name in ("dot_general", "conv_general_dilated"):
-        return self._outs(r)[:1]
-    return self._outs(readers[0])[:1] if readers else []
+        return r
+    return readers[0] if readers else None
+
+  def _first_compute(self, idxs) -> list:
+    """The output of the first matmul (else the first equation) reading
+    these gathers' results: the unit's computation has started."""
+    r = self._first_compute_index(idxs)
+    return [] if r is None else self._outs(r)[:1]
 
   def _freed(self, idxs) -> list:
     """Values computed once every reader of these gathers' results has run:
@@ -491,7 +541,7 @@ class _Sequence:
     for i, (kind, eqn) in enumerate(self.items):
       if kind != "eqn":
         continue
-      if eqn.primitive is collectives.fsdp_all_gather_p:
+      if eqn.primitive in _GATHERS:
         spec = collectives.spec_of(eqn)
         n = seen[spec] = seen.get(spec, 0) + 1
         (fwd if n == 1 else bwd).setdefault(spec.label, []).append(i)
@@ -509,8 +559,21 @@ class _Sequence:
 
     outs = lambda idxs: [v for i in idxs for v in self._outs(i)]
 
+    def before_compute(gathers, pairs):
+      """Explicit prefetch: unit u's computation waits for the gathers it
+      prefetches, so they are issued before it."""
+      for u, targets in pairs:
+        r = self._first_compute_index(gathers[u])
+        if r is not None:
+          tie([r], outs([i for t in targets for i in gathers[t]]))
+
     fo = order(fwd)
+    early = _explicit(o.forward_prefetch_units, fo, "forward_prefetch_units", "forward")
+    before_compute(fwd, o.forward_prefetch_units)
     for k in range(1, len(fo)):
+      if fo[k] in early:
+        tie(fwd[fo[k]], outs(fwd[early[fo[k]]]))
+        continue
       tie(fwd[fo[k]], outs(fwd[fo[k - 1]]))
       if not o.forward_prefetch:
         tie(fwd[fo[k]], self._first_compute(fwd[fo[k - 1]]))
@@ -518,8 +581,18 @@ class _Sequence:
         tie(fwd[fo[k]], self._freed(fwd[fo[k - 2]]))
 
     bo = [u for u in order(bwd) if u in red]
+    early = _explicit(o.backward_prefetch_units, bo, "backward_prefetch_units", "backward")
+    before_compute(bwd, o.backward_prefetch_units)
+    for n, prev in early.items():
+      tie(bwd[n], outs(bwd[prev]))
+    for u, targets in o.backward_prefetch_units:
+      tie(red[u], outs([i for t in targets for i in bwd[t]]))
     for k in range(1, len(bo)):
       c, n = bo[k - 1], bo[k]
+      if n in early:
+        if o.backward_prefetch is not None:
+          tie(red[c], outs(bwd[n]))
+        continue
       tie(bwd[n], outs(bwd[c]))
       if o.backward_prefetch is None:
         tie(bwd[n], outs(red[c]))
