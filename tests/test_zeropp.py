@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +31,9 @@ STEPS = 3
 
 
 def _groups(text: str) -> tuple:
-  """Explicit replica groups ``{{0,1},{2,3}}`` -> ((0, 1), (2, 3))."""
-  return tuple(tuple(int(x) for x in g.split(",")) for g in re.findall(r"\{([\d,]+)\}", text))
+  """Replica groups as XLA prints them (explicit ``{{0,1},{2,3}}``, iota or
+  mesh form, which differ between jax releases) -> ((0, 1), (2, 3))."""
+  return hlo.replica_groups(text)
 
 
 def _consecutive(k: int, n: int) -> tuple:
