@@ -69,20 +69,9 @@ INT4_NEAREST = Q(dtype="int4", rounding="nearest")
 
 
 def _groups(text: str):
-  """Replica groups as printed by XLA: explicit ``{{0,1},{2,3}}`` or iota
-  ``[2,4]<=[8]`` (with an optional transpose)."""
-  text = text.strip()
-  if text.startswith("{"):
-    return [tuple(int(x) for x in g.split(",")) for g in re.findall(r"\{([\d,]+)\}", text)]
-  m = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
-  if m:
-    shape = [int(x) for x in m.group(1).split(",")]
-    ids = np.arange(int(np.prod([int(x) for x in m.group(2).split(",")])))
-    ids = ids.reshape([int(x) for x in m.group(2).split(",")])
-    if m.group(3):
-      ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-    return [tuple(int(x) for x in row) for row in ids.reshape(shape[0], -1)]
-  raise ValueError(f"unknown replica groups {text!r}")
+  """Replica groups as printed by XLA, in any of its forms (explicit
+  ``{{0,1},{2,3}}``, iota ``[2,4]<=[8]``, or jax 0.12's mesh form)."""
+  return list(hlo.replica_groups(text))
 
 
 def collectives(text: str):
