@@ -31,7 +31,7 @@ def main(argv=None):
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from fsdp_jax import layout, state as state_lib
+  from fsdp_jax._src import layout, state as state_lib
 
   d, layers = args.d_model, args.layers
 
@@ -74,7 +74,7 @@ def main(argv=None):
   rows.append(("full_params / summon_full_params", peak(full_prog.lower(state.params).compile())))
 
   def write_back(s):
-    from fsdp_jax.state import assemble_storage
+    from fsdp_jax._src.state import assemble_storage
     full = state_lib.unpack_all(plan, s)
     leaves = jax.tree.leaves(full)
     return assemble_storage(plan, {u.index: layout.pack_unit(plan, u, {i: leaves[i] for i in u.leaf_ids})

@@ -9,7 +9,7 @@ step it reports, per device:
 
 * the argument and output bytes in device memory and in host memory, read
   from the entry layout of the compiled HLO (host buffers carry ``S(5)``;
-  ``fsdp_jax.offload.entry_memory_bytes``), because the CPU backend's
+  ``fsdp_jax.hlo.entry_memory_bytes``), because the CPU backend's
   ``memory_analysis()`` counts host and device buffers together (its
   ``host_*`` fields are 0);
 * ``memory_analysis()``'s temporary bytes;
@@ -64,7 +64,7 @@ def main(argv=None):
 
   from benchmarks import models
   from benchmarks.common import GPTConfig, make_batch
-  from fsdp_jax.offload import entry_memory_bytes
+  from fsdp_jax._src.offload import entry_memory_bytes
 
   def log(msg):
     print(f"[{time.perf_counter() - t_start:5.0f}s] {msg}", file=sys.stderr, flush=True)
@@ -159,7 +159,7 @@ def main(argv=None):
     f"one FSDP unit per `Block`; FULL_SHARD, fp32, `optax.adam`; global batch "
     f"{batch_np['inputs'].shape[0]} x {cfg.seq_len} tokens. Bytes are per device. Device/host "
     "bytes are read from the compiled step's entry layout (host buffers are marked `S(5)`; "
-    "`fsdp_jax.offload.entry_memory_bytes`); temp bytes from `memory_analysis()`, which on "
+    "`fsdp_jax.hlo.entry_memory_bytes`); temp bytes from `memory_analysis()`, which on "
     "the CPU backend does not split host from device (its `host_*` fields are 0).\n")
   w("| per device | no offload | offload |")
   w("|---|---:|---:|")

@@ -36,6 +36,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import fsdp_jax  # noqa: E402  (does not start a JAX backend)
+from fsdp_jax._src import optim  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -103,7 +104,7 @@ def main(argv=None):
         compiled = step.lower(state, batch).compile()
         t_compile = time.perf_counter() - t0
         stats = hlo.summarize(compiled.as_text())
-        sharded_b, replicated_b = fsdp_jax.optim.state_bytes(state.plan, state.opt_state.layout)
+        sharded_b, replicated_b = optim.state_bytes(state.plan, state.opt_state.layout)
         runs[(layout, name, mode)] = dict(
             compiled=compiled, state=state, stats=stats,
             temp=int(compiled.memory_analysis().temp_size_in_bytes),

@@ -734,7 +734,7 @@ class Bench:
     use the fp32 activation bytes (an over-estimate of bf16 activations,
     so a lenient floor).
     """
-    from fsdp_jax._compat import saved_residuals
+    from fsdp_jax._src._compat import saved_residuals
     b = self.args.batch_per_device
     local = {k: v[:b] for k, v in self.batch.items()}
     dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])

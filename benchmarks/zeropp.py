@@ -279,12 +279,12 @@ def measure_grad_error(args):
 
 
 def _grads_fn(loss_fn, plan):
-  """The reduced gradient shards of a batch (``fsdp_jax.sharded_grads``,
+  """The reduced gradient shards of a batch (``fsdp_jax.custom.sharded_grads``,
   compiled once)."""
-  vg = fsdp_jax.value_and_grad(loss_fn, plan=plan)
-  p_specs = fsdp_jax.param_specs(plan)
-  t_specs = fsdp_jax.split_trainable(plan, p_specs)[0]
-  b_spec = fsdp_jax.batch_spec(plan)
+  vg = fsdp_jax.custom.value_and_grad(loss_fn, plan=plan)
+  p_specs = fsdp_jax.custom.param_specs(plan)
+  t_specs = fsdp_jax.custom.split_trainable(plan, p_specs)[0]
+  b_spec = fsdp_jax.custom.batch_spec(plan)
 
   def body(params, batch):
     return vg(params, batch)[1]
@@ -369,7 +369,7 @@ def run_curve(kw, steps, setup=None):
   for batch in batches[:steps]:
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
-  params = jax.device_put(fsdp_jax.full_params(state), jax.devices()[0])
+  params = jax.device_put(fsdp_jax.summon_full_params(state), jax.devices()[0])
   held_out = float(np.mean([jax.jit(loss_fn)(params, b) for b in evaluation]))
   return losses, held_out
 

@@ -5,16 +5,16 @@
 needs several losses, EMA weights or its own optimizer loop writes its own
 step inside ``jax.shard_map`` with the same pieces (docs/custom_step.md):
 
-* ``fsdp_jax.value_and_grad(loss_fn, plan=plan)``: on the local shards,
+* ``fsdp_jax.custom.value_and_grad(loss_fn, plan=plan)``: on the local shards,
   gathers each unit right before its first use, runs the loss and its
   backward, and reduce-scatters each unit's gradient;
-* ``fsdp_jax.clip_grad_norm(grads, plan=plan, max_norm=...)``: PyTorch's
+* ``fsdp_jax.custom.clip_grad_norm(grads, plan=plan, max_norm=...)``: PyTorch's
   ``clip_grad_norm_`` over all shards;
-* ``fsdp_jax.optimizer_step(optimizer, grads, opt_state, params, plan=plan)``:
+* ``fsdp_jax.custom.optimizer_step(optimizer, grads, opt_state, params, plan=plan)``:
   PyTorch's ``optimizer.step()``, the optax optimizer on the user's tree, run
   exactly on the shards;
-* ``fsdp_jax.param_specs(plan)``, ``fsdp_jax.opt_state_specs(plan, opt)``,
-  ``fsdp_jax.batch_spec(plan)``: the ``PartitionSpec`` s for ``shard_map``.
+* ``fsdp_jax.custom.param_specs(plan)``, ``fsdp_jax.custom.opt_state_specs(plan, opt)``,
+  ``fsdp_jax.custom.batch_spec(plan)``: the ``PartitionSpec`` s for ``shard_map``.
 
 Here: a regression MLP (a plain function of a dict of parameters) trained on
 two losses, a data term and an L2 penalty (two ``value_and_grad`` calls, i.e.
@@ -120,9 +120,9 @@ def make_custom_step(plan, optimizer, mesh, *, losses, max_norm, ema_decay):
   """``step(params, opt_state, ema, batch) -> (params, opt_state, ema,
   metrics)`` on the stored (sharded) arrays; the sum of ``losses`` is
   minimised. ``max_norm=None``: no clipping; ``ema_decay=None``: no EMA."""
-  grad_fns = [fsdp_jax.value_and_grad(loss, plan=plan) for loss in losses]
-  p_specs = fsdp_jax.param_specs(plan)
-  o_specs, _ = fsdp_jax.opt_state_specs(plan, optimizer)
+  grad_fns = [fsdp_jax.custom.value_and_grad(loss, plan=plan) for loss in losses]
+  p_specs = fsdp_jax.custom.param_specs(plan)
+  o_specs, _ = fsdp_jax.custom.opt_state_specs(plan, optimizer)
   data_axes = plan.axes.data_axes
 
   def body(params, opt_state, ema, batch):
@@ -134,11 +134,11 @@ def make_custom_step(plan, optimizer, mesh, *, losses, max_norm, ema_decay):
       grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
     metrics = {"losses": [jax.lax.pmean(l, data_axes) for l in outs]}
     if max_norm is not None:
-      grads, metrics["grad_norm"] = fsdp_jax.clip_grad_norm(grads, plan=plan,
+      grads, metrics["grad_norm"] = fsdp_jax.custom.clip_grad_norm(grads, plan=plan,
                                                             max_norm=max_norm)
     # The optimizer sees the original tree and computes what it computes
     # unsharded; frozen parameters are left as they are.
-    params, opt_state = fsdp_jax.optimizer_step(optimizer, grads, opt_state, params,
+    params, opt_state = fsdp_jax.custom.optimizer_step(optimizer, grads, opt_state, params,
                                                 plan=plan)
     if ema_decay is not None:  # the EMA is sharded like the weights: no communication
       ema = jax.tree.map(lambda e, p: ema_decay * e + (1 - ema_decay) * p, ema, params)
@@ -146,7 +146,7 @@ def make_custom_step(plan, optimizer, mesh, *, losses, max_norm, ema_decay):
 
   sharded = jax.shard_map(
       body, mesh=mesh,
-      in_specs=(p_specs, o_specs, p_specs, fsdp_jax.batch_spec(plan)),
+      in_specs=(p_specs, o_specs, p_specs, fsdp_jax.custom.batch_spec(plan)),
       out_specs=(p_specs, o_specs, p_specs, P()),
       check_vma=False)
   # Donating the old params, optimizer state and EMA lets XLA update in place.
@@ -175,8 +175,8 @@ def verify_against_shard_train_step(params0, optimizer, mesh, config, data, batc
     batch = jax.device_put(data.batch(batch_size, step), sharding)
     state_a, _ = ref_step(state_a, batch)
     p, o, ema, _ = custom(p, o, ema, batch)
-  a = fsdp_jax.full_params(state_a)
-  b = fsdp_jax.full_params(state_b.replace(params=p))
+  a = fsdp_jax.summon_full_params(state_a)
+  b = fsdp_jax.summon_full_params(state_b.replace(params=p))
   return max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(jax.tree.leaves(a),
                                                             jax.tree.leaves(b)))
 
@@ -247,7 +247,7 @@ def main(argv=None) -> dict:
         f"{[u.display_name for u in plan.units]}")
 
   data = Data(args.d_in, args.seed)
-  sharding = NamedSharding(mesh, fsdp_jax.batch_spec(plan))
+  sharding = NamedSharding(mesh, fsdp_jax.custom.batch_spec(plan))
   reg_loss = make_reg_loss(args.l2)
   step_fn = make_custom_step(plan, optimizer, mesh, losses=[main_loss, reg_loss],
                              max_norm=args.max_norm, ema_decay=args.ema_decay)
@@ -270,8 +270,8 @@ def main(argv=None) -> dict:
   # The full weights and the full EMA weights: the EMA has the stored layout
   # of the params, so it gathers through the same plan.
   state = state.replace(step=state.step + args.steps, params=params, opt_state=opt_state)
-  full = fsdp_jax.full_params(state)
-  full_ema = fsdp_jax.full_params(state.replace(params=ema))
+  full = fsdp_jax.summon_full_params(state)
+  full_ema = fsdp_jax.summon_full_params(state.replace(params=ema))
   held_out = data.batch(4096, 0)
   eval_loss = jax.jit(main_loss)
   raw, smooth = float(eval_loss(full, held_out)), float(eval_loss(full_ema, held_out))

@@ -56,7 +56,7 @@ The steps, in the order PyTorch users know them:
    (with ``max_norm=``: PyTorch's ``clip_grad_norm_``; with
    ``gradient_accumulation_steps=``: ``no_sync()`` accumulation);
    ``loss_fn`` is ordinary single-device code over the full parameter tree;
-5. ``fsdp_jax.full_params(state)`` gathers the parameters back, here to
+5. ``fsdp_jax.summon_full_params(state)`` gathers the parameters back, here to
    generate a sample (PyTorch: ``summon_full_params``).
 """
 
@@ -653,7 +653,7 @@ def main(argv=None) -> dict:
       # Under mixed precision only the model's inputs are cast, not the
       # targets (PyTorch casts the forward's arguments only).
       forward_inputs=("inputs",))
-  batch_sharding = NamedSharding(mesh, fsdp_jax.batch_spec(state.plan))
+  batch_sharding = NamedSharding(mesh, fsdp_jax.custom.batch_spec(state.plan))
 
   # Throughput, MFU (an estimate) and the stored state's size.
   bytes_dev, bytes_total = state_bytes_per_device(state)
@@ -761,7 +761,7 @@ def main(argv=None) -> dict:
   # 5. Gather the full parameters (replicated) and sample from the model.
   sample = ""
   if args.sample_chars > 0:
-    params = fsdp_jax.full_params(state)  # every process calls it (a collective)
+    params = fsdp_jax.summon_full_params(state)  # every process calls it (a collective)
     if nproc > 1:
       # Replicated, so each process can read it; process 0 samples alone on
       # its own first device, from a host copy.

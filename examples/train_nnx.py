@@ -12,7 +12,7 @@ so the script runs offline. Nothing in the model knows about FSDP:
    unit, as ``ModuleWrapPolicy({Block})`` does for a PyTorch module;
 3. the loss rebuilds the module inside the step with
    ``nnx.merge(graphdef, params)`` and calls it;
-4. after training, ``nnx.update(model, fsdp_jax.full_params(state))`` loads
+4. after training, ``nnx.update(model, fsdp_jax.summon_full_params(state))`` loads
    the trained parameters back into the NNX model, which is then used as
    usual (here: evaluated on held-out data).
 
@@ -202,7 +202,7 @@ def main(argv=None) -> dict:
     return loss, {"accuracy": accuracy}  # aux: averaged over devices in metrics
 
   step_fn = fsdp_jax.shard_train_step(loss_fn, optimizer, mesh=mesh, config=config)
-  sharding = NamedSharding(mesh, fsdp_jax.batch_spec(state.plan))
+  sharding = NamedSharding(mesh, fsdp_jax.custom.batch_spec(state.plan))
 
   data = TeacherData(args.d_in, args.classes, args.seed)
   held_out = data.held_out(2048)
@@ -221,7 +221,7 @@ def main(argv=None) -> dict:
 
   # 4. Back into the NNX model: the full parameters (an nnx.State with the
   # structure nnx.split produced), copied to one device, then nnx.update.
-  trained = jax.device_put(fsdp_jax.full_params(state), devices[0])
+  trained = jax.device_put(fsdp_jax.summon_full_params(state), devices[0])
   nnx.update(model, trained)
   after = evaluate(model, held_out)
   print(f"nnx.update: loaded the trained parameters into the NNX model; held-out "

@@ -1,6 +1,12 @@
 """fsdp_jax: PyTorch's Fully Sharded Data Parallel (ZeRO-3) for JAX, as pure
 functions over a device mesh.
 
+The top level holds what a training script needs. The building blocks of a
+hand-written step live in :mod:`fsdp_jax.custom`; communication hooks in
+:mod:`fsdp_jax.hooks`; multi-process set-up in :mod:`fsdp_jax.distributed`
+and the launcher ``python -m fsdp_jax.launch``; compiled-program inspection in
+:mod:`fsdp_jax.hlo`. The implementation is private (``fsdp_jax._src``).
+
 Example:
   >>> import jax, jax.numpy as jnp, optax, fsdp_jax
   >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
@@ -12,7 +18,8 @@ Example:
   FSDP plan: FULL_SHARD, flat parameters, mesh {'shard': 2}, ...
 """
 
-from fsdp_jax.config import (
+# Configuration: the FSDP constructor's options, as values.
+from fsdp_jax._src.config import (
     BackwardPrefetch as BackwardPrefetch,
     CPUOffload as CPUOffload,
     FSDPConfig as FSDPConfig,
@@ -21,51 +28,45 @@ from fsdp_jax.config import (
     StateDictType as StateDictType,
     gradient_divide_factors as gradient_divide_factors,
 )
-from fsdp_jax.quantization import Quantization as Quantization
-from fsdp_jax.mesh import (
+from fsdp_jax._src.quantization import Quantization as Quantization
+from fsdp_jax._src.wrap import (
+    CustomPolicy as CustomPolicy,
+    ModuleWrapPolicy as ModuleWrapPolicy,
+    Node as Node,
+    lambda_auto_wrap_policy as lambda_auto_wrap_policy,
+    size_based_auto_wrap_policy as size_based_auto_wrap_policy,
+)
+
+# Devices.
+from fsdp_jax._src.mesh import (
     CPU_XLA_FLAGS as CPU_XLA_FLAGS,
     make_mesh as make_mesh,
     simulate_cpu_devices as simulate_cpu_devices,
 )
-from fsdp_jax import distributed as distributed
-from fsdp_jax import hlo as hlo
-from fsdp_jax import hooks as hooks
-from fsdp_jax.distributed import (
-    DistributedInfo as DistributedInfo,
-    MonitoredBarrierError as MonitoredBarrierError,
-    monitored_barrier as monitored_barrier,
+
+# State and the train step.
+from fsdp_jax._src.loss import WeightedLoss as WeightedLoss
+from fsdp_jax._src.plan import Plan as Plan
+from fsdp_jax._src.state import (
+    ShardedTrainState as ShardedTrainState,
+    init_train_state as init_train_state,
+    module_classes as module_classes,
 )
-from fsdp_jax.checkpoint import (
-    CheckpointError as CheckpointError,
-    CheckpointManager as CheckpointManager,
-    export_params as export_params,
-    import_params as import_params,
+from fsdp_jax._src.step import (
+    NonFiniteError as NonFiniteError,
+    TrainStep as TrainStep,
+    shard_train_step as shard_train_step,
 )
-from fsdp_jax.full import (
+
+# Full parameters.
+from fsdp_jax._src.full import (
     apply as apply,
-    sharded_grads as sharded_grads,
     summon_full_params as summon_full_params,
     write_full_params as write_full_params,
 )
-from fsdp_jax.grads import (
-    batch_spec as batch_spec,
-    clip_grad_norm as clip_grad_norm,
-    merge_trainable as merge_trainable,
-    optimizer_step as optimizer_step,
-    param_specs as param_specs,
-    split_trainable as split_trainable,
-    value_and_grad as value_and_grad,
-)
-from fsdp_jax.loss import WeightedLoss as WeightedLoss
-from fsdp_jax.plan import Plan as Plan
-from fsdp_jax.state import (
-    ShardedTrainState as ShardedTrainState,
-    full_params as full_params,
-    init_train_state as init_train_state,
-    module_classes as module_classes,
-    opt_state_specs as opt_state_specs,
-)
-from fsdp_jax.state_dict import (
+
+# State dicts and checkpoints.
+from fsdp_jax._src.state_dict import (
     OptimStateKeyType as OptimStateKeyType,
     full_optim_state_dict as full_optim_state_dict,
     load_state_dict as load_state_dict,
@@ -76,38 +77,48 @@ from fsdp_jax.state_dict import (
     shard_full_optim_state_dict as shard_full_optim_state_dict,
     state_dict as state_dict,
 )
-from fsdp_jax.step import (
-    NonFiniteError as NonFiniteError,
-    TrainStep as TrainStep,
-    shard_train_step as shard_train_step,
+from fsdp_jax._src.checkpoint import (
+    CheckpointError as CheckpointError,
+    CheckpointManager as CheckpointManager,
+    export_params as export_params,
+    import_params as import_params,
 )
-from fsdp_jax.wrap import (
-    CustomPolicy as CustomPolicy,
-    ModuleWrapPolicy as ModuleWrapPolicy,
-    Node as Node,
-    lambda_auto_wrap_policy as lambda_auto_wrap_policy,
-    size_based_auto_wrap_policy as size_based_auto_wrap_policy,
+
+# Multi-process.
+from fsdp_jax._src.distributed import (
+    DistributedInfo as DistributedInfo,
+    MonitoredBarrierError as MonitoredBarrierError,
+    monitored_barrier as monitored_barrier,
 )
+
+# Public submodules.
+from fsdp_jax import custom as custom
+from fsdp_jax import distributed as distributed
+from fsdp_jax import hlo as hlo
+from fsdp_jax import hooks as hooks
+
+from fsdp_jax._src import deprecations as _deprecations
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackwardPrefetch", "CPUOffload", "CPU_XLA_FLAGS", "CheckpointError",
-    "CheckpointManager", "CustomPolicy", "DistributedInfo",
-    "MonitoredBarrierError", "NonFiniteError", "OptimStateKeyType", "Quantization",
-    "distributed",
-    "monitored_barrier", "hlo",
-    "export_params", "full_optim_state_dict", "import_params",
-    "load_state_dict", "optim_state_dict", "optim_state_dict_to_load",
-    "rekey_optim_state_dict", "scatter_full_optim_state_dict",
-    "shard_full_optim_state_dict", "state_dict",
-    "FSDPConfig", "MixedPrecision", "ModuleWrapPolicy", "Node", "Plan",
-    "ShardedTrainState", "ShardingStrategy", "StateDictType", "TrainStep", "WeightedLoss",
-    "apply", "batch_spec", "clip_grad_norm", "full_params",
-    "gradient_divide_factors", "hooks", "init_train_state",
-    "lambda_auto_wrap_policy", "make_mesh", "merge_trainable",
-    "module_classes", "opt_state_specs", "optimizer_step", "param_specs", "shard_train_step",
-    "sharded_grads", "simulate_cpu_devices", "size_based_auto_wrap_policy",
-    "split_trainable", "summon_full_params", "value_and_grad",
-    "write_full_params",
+    "CheckpointManager", "CustomPolicy", "DistributedInfo", "FSDPConfig",
+    "MixedPrecision", "ModuleWrapPolicy", "MonitoredBarrierError", "Node",
+    "NonFiniteError", "OptimStateKeyType", "Plan", "Quantization",
+    "ShardedTrainState", "ShardingStrategy", "StateDictType", "TrainStep",
+    "WeightedLoss", "apply", "custom", "distributed", "export_params",
+    "full_optim_state_dict", "gradient_divide_factors", "hlo", "hooks",
+    "import_params", "init_train_state", "lambda_auto_wrap_policy",
+    "load_state_dict", "make_mesh", "module_classes", "monitored_barrier",
+    "optim_state_dict", "optim_state_dict_to_load", "rekey_optim_state_dict",
+    "scatter_full_optim_state_dict", "shard_full_optim_state_dict",
+    "shard_train_step", "simulate_cpu_devices", "size_based_auto_wrap_policy",
+    "state_dict", "summon_full_params", "write_full_params",
 ]
+
+# Names that moved (to fsdp_jax.custom, or merged into one) and the old module
+# paths (fsdp_jax.config, fsdp_jax.state_dict, ...) keep working with a
+# DeprecationWarning; see fsdp_jax/_src/deprecations.py.
+_deprecations.register_moved_modules(__name__)
+__getattr__ = _deprecations.package_getattr(__name__)

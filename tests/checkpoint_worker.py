@@ -26,8 +26,8 @@ def restore_and_train(spec):
   import numpy as np
   import optax
   import fsdp_jax
-  from fsdp_jax.checkpoint import CheckpointManager
-  from fsdp_jax.state_dict import state_dict
+  from fsdp_jax._src.checkpoint import CheckpointManager
+  from fsdp_jax._src.state_dict import state_dict
   from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params
 
   strategy = fsdp_jax.ShardingStrategy[spec["strategy"]]
@@ -64,7 +64,7 @@ def crash_during_save(spec):
   import jax.numpy as jnp
   import optax
   import fsdp_jax
-  from fsdp_jax.checkpoint import CheckpointManager
+  from fsdp_jax._src.checkpoint import CheckpointManager
 
   mesh = fsdp_jax.make_mesh(shard=jax.device_count())
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -121,8 +121,8 @@ def multiprocess(spec):
   import numpy as np
   import optax
   import fsdp_jax
-  from fsdp_jax.checkpoint import CheckpointManager
-  from fsdp_jax.state_dict import (full_optim_state_dict, load_state_dict, optim_state_dict,
+  from fsdp_jax._src.checkpoint import CheckpointManager
+  from fsdp_jax._src.state_dict import (full_optim_state_dict, load_state_dict, optim_state_dict,
                                    scatter_full_optim_state_dict, state_dict)
 
   T = fsdp_jax.StateDictType

@@ -120,7 +120,7 @@ def train(strategy: str, steps: int = STEPS):
   state, step, mesh = setup(strategy)
   layout = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices).tolist()
   state, losses = run_steps(state, step, 0, steps)
-  return losses, flat(fsdp_jax.full_params(state)), layout
+  return losses, flat(fsdp_jax.summon_full_params(state)), layout
 
 
 def train_skipping(strategy: str, steps: int = STEPS, bad_step: int = 2):
@@ -133,21 +133,21 @@ def train_skipping(strategy: str, steps: int = STEPS, bad_step: int = 2):
   flags: list = []
   state, _ = run_steps(state, step, 0, steps, bad_step=bad_step, flags=flags)
   return (flags, int(jax.device_get(state.nonfinite_steps)), int(jax.device_get(state.step)),
-          flat(fsdp_jax.full_params(state)))
+          flat(fsdp_jax.summon_full_params(state)))
 
 
 def checkpoint_round(directory: str, steps: int = 3):
   """Trains ``steps`` steps, saves a checkpoint to ``directory``, takes one
   more step. Returns ``(loss of that step, params after it)``."""
   import fsdp_jax
-  from fsdp_jax.checkpoint import CheckpointManager
+  from fsdp_jax._src.checkpoint import CheckpointManager
   state, step, _ = setup()
   state, _ = run_steps(state, step, 0, steps)
   with CheckpointManager(directory) as mngr:
     assert mngr.save(state)
     mngr.wait_until_finished()
   state, losses = run_steps(state, step, steps, steps + 1)
-  return losses[0], flat(fsdp_jax.full_params(state))
+  return losses[0], flat(fsdp_jax.summon_full_params(state))
 
 
 def resume_round(directory: str):
@@ -155,13 +155,13 @@ def resume_round(directory: str):
   this run's devices and takes the next step. Returns ``(loss, params)``."""
   import jax
   import fsdp_jax
-  from fsdp_jax.checkpoint import CheckpointManager
+  from fsdp_jax._src.checkpoint import CheckpointManager
   target, step, _ = setup()
   with CheckpointManager(directory, read_only=True) as mngr:
     state = mngr.restore(target)
   saved_step = int(jax.device_get(state.step))
   state, losses = run_steps(state, step, saved_step, saved_step + 1)
-  return losses[0], flat(fsdp_jax.full_params(state))
+  return losses[0], flat(fsdp_jax.summon_full_params(state))
 
 
 def main_train(args, info):
@@ -215,7 +215,7 @@ def main_checkpoint(args, info):
   """Saves ``--save-dir`` from this run and resumes ``--restore-dir``;
   also takes a FULL state dict (rank0_only) across the processes."""
   import fsdp_jax
-  from fsdp_jax.state_dict import state_dict
+  from fsdp_jax._src.state_dict import state_dict
 
   out = {}
   loss, params = checkpoint_round(args.save_dir)

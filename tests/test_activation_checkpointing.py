@@ -71,7 +71,7 @@ NESTED_REMAT = (
     "whole loss under jax.checkpoint(policy=collectives.remat_policy), and the "
     "scan over a stacked unit runs its rebuilt body under the same policy, "
     "which saves every intermediate but the gathered parameters, so the "
-    "model's own checkpoint policy is ignored there. Fix: fsdp_jax/schedule.py "
+    "model's own checkpoint policy is ignored there. Fix: fsdp_jax/_src/schedule.py "
     "must re-bind each user checkpoint so its own policy decides its residuals "
     "(e.g. a custom_vjp whose forward is jax.vjp of the user's checkpoint).")
 
@@ -134,7 +134,7 @@ def fsdp_train(loss_fn, params, batches, mesh, config, *, module_classes=None):
   for batch in batches:
     state, metrics = step(state, batch)  # runs the executable compiled above
     losses.append(float(metrics["loss"]))
-  return losses, fsdp_jax.full_params(state), plan, compiled
+  return losses, fsdp_jax.summon_full_params(state), plan, compiled
 
 
 def assert_matches_reference(losses, params, reference):
@@ -335,7 +335,7 @@ def test_checkpoint_reduces_activation_memory(case):
   ``jax.checkpoint`` per block: SHARD_GRAD_OP-2 7.59 / 2.76. FULL_SHARD-2
   14.40 / 14.27 would not drop by itself (nor HYBRID_SHARD-2x2: 7.26 / 7.17): the
   step's own remat overrides the model's policy (NESTED_REMAT). With each
-  user checkpoint re-bound as a custom_vjp in fsdp_jax/schedule.py:
+  user checkpoint re-bound as a custom_vjp in fsdp_jax/_src/schedule.py:
   FULL_SHARD-2 14.40 / 2.30 (HYBRID_SHARD-2x2 7.26 / 1.23), the same
   collectives. Since the step's remat recomputes cheap elementwise operations
   (collectives.remat_policy): FULL_SHARD-2 5.68 / 2.33, HYBRID_SHARD-2x2
@@ -490,7 +490,7 @@ def test_scan_of_remat_blocks_reduces_activation_memory(strategy):
   15.45 / 15.45, SHARD_GRAD_OP 14.91 / 15.41 by itself: the rebuilt scan body runs
   under the step's remat policy, which overrides the model's, whatever the
   strategy (NESTED_REMAT). With each user checkpoint re-bound as a
-  custom_vjp in fsdp_jax/schedule.py: 15.45 / 2.70 and 14.91 / 2.49."""
+  custom_vjp in fsdp_jax/_src/schedule.py: 15.45 / 2.70 and 14.91 / 2.49."""
   mesh = mesh_for(strategy, 2)
   config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, stacked_layers=("params.blocks",))
   batch = {"x": memory_batch()["x"][:, :6], "y": np.zeros((M_BATCH,), np.int32)}

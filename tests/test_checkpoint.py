@@ -24,10 +24,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fsdp_jax
-from fsdp_jax.checkpoint import CheckpointError, CheckpointManager, export_params, import_params
-from fsdp_jax.config import ShardingStrategy as S
-from fsdp_jax.state import ShardedTrainState
-from fsdp_jax.state_dict import full_optim_state_dict
+from fsdp_jax._src.checkpoint import CheckpointError, CheckpointManager, export_params, import_params
+from fsdp_jax._src.config import ShardingStrategy as S
+from fsdp_jax._src.state import ShardedTrainState
+from fsdp_jax._src.state_dict import full_optim_state_dict
 
 from checkpoint_worker import MP_PARAMS, SMALL
 from helpers import assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params
@@ -175,7 +175,7 @@ def test_restore_on_4_2_3_devices_in_separate_processes(run):
   strategy and layout, and training continues with the same numbers."""
   procs = run["workers"]
   expected = {".".join(fsdp_jax.state.key_name(k) for k in p): np.asarray(x) for p, x in
-              jax.tree_util.tree_flatten_with_path(fsdp_jax.full_params(run["final"]))[0]}
+              jax.tree_util.tree_flatten_with_path(fsdp_jax.summon_full_params(run["final"]))[0]}
   for spec, proc in procs:
     rc, log = proc.wait()
     assert rc == 0, f"worker {spec} failed:\n{log[-4000:]}"
@@ -193,12 +193,12 @@ def test_restore_onto_other_strategy_and_layout_in_process(run):
   with CheckpointManager(run["dir"], read_only=True) as mngr:
     state = mngr.restore(_abstract(mesh, config))
   assert state.plan.config == config
-  assert_trees_close(fsdp_jax.full_params(state),
+  assert_trees_close(fsdp_jax.summon_full_params(state),
                      jax.tree.map(np.asarray, _full_from_host(run["at_save"])), rtol=0, atol=0)
   step = fsdp_jax.shard_train_step(mlp_loss, OPT, mesh=mesh, config=config)
   for seed in SEEDS[BEFORE:]:
     state, _ = step(state, mlp_batch(seed=seed))
-  assert_trees_close(fsdp_jax.full_params(state), fsdp_jax.full_params(run["final"]))
+  assert_trees_close(fsdp_jax.summon_full_params(state), fsdp_jax.summon_full_params(run["final"]))
 
 
 def _full_from_host(host_state):
@@ -256,7 +256,7 @@ def test_killed_save_leaves_previous_checkpoint(where, background):
     assert mngr.all_steps() == [1]
     state = mngr.restore(target)
     assert int(state.step) == 1
-    assert_trees_close(fsdp_jax.full_params(state), small, rtol=0, atol=0)  # not step 2's
+    assert_trees_close(fsdp_jax.summon_full_params(state), small, rtol=0, atol=0)  # not step 2's
     assert mngr.save(_with_step(state, 2))
     mngr.wait_until_finished()
     assert mngr.all_steps() == [1, 2]
@@ -287,7 +287,7 @@ def test_two_processes_state_dicts_and_checkpoint(background):
     assert mngr.metadata()["saved_with"]["process_count"] == 2
     state = mngr.restore(target)
   assert int(state.step) == 3
-  assert_trees_close(fsdp_jax.full_params(state), jax.tree.map(lambda x: 2 * x, params),
+  assert_trees_close(fsdp_jax.summon_full_params(state), jax.tree.map(lambda x: 2 * x, params),
                      rtol=0, atol=0)
   mu = full_optim_state_dict(state)["state"]["w"]["0.mu"]
   np.testing.assert_array_equal(mu, np.ones((8, 3)))
@@ -448,11 +448,11 @@ def test_model_state_and_rng_round_trip(tmp_path):
   assert restored.model_state["batch_stats"]["bn"]["mean"].tolist() == [0.0, 1.0, 2.0]
   np.testing.assert_array_equal(jax.random.key_data(restored.rng),
                                 jax.random.key_data(jax.random.key(7)))
-  assert_trees_close(fsdp_jax.full_params(restored), fsdp_jax.full_params(base), rtol=0, atol=0)
+  assert_trees_close(fsdp_jax.summon_full_params(restored), fsdp_jax.summon_full_params(base), rtol=0, atol=0)
 
 
 def test_export_and_import_plain_tree(run, tmp_path):
-  final = fsdp_jax.full_params(run["final"])
+  final = fsdp_jax.summon_full_params(run["final"])
   path = export_params(run["final"], tmp_path / "export")
   tree = import_params(path)
   assert jax.tree.structure(tree) == jax.tree.structure(mlp_params())
@@ -465,7 +465,7 @@ def test_export_and_import_plain_tree(run, tmp_path):
   assert_trees_close(plain, final, rtol=0, atol=0)
   state = fsdp_jax.init_train_state(params=tree, optimizer=OPT, mesh=mesh_for(S.NO_SHARD, 2),
                                     config=_config(S.NO_SHARD))
-  assert_trees_close(fsdp_jax.full_params(state), final, rtol=0, atol=0)
+  assert_trees_close(fsdp_jax.summon_full_params(state), final, rtol=0, atol=0)
   with pytest.raises(FileExistsError, match="force=True"):
     export_params(run["final"], path)
   with pytest.raises(FileNotFoundError, match="not a parameter export"):

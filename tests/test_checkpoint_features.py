@@ -12,11 +12,11 @@ import optax
 import pytest
 
 import fsdp_jax
-from fsdp_jax.config import ShardingStrategy as S
+from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params
 
-sd = importlib.import_module("fsdp_jax.state_dict")
+sd = importlib.import_module("fsdp_jax._src.state_dict")
 
 
 def loss_with_state(params, batch, model_state):
@@ -83,8 +83,8 @@ def test_checkpoint_keeps_one_copy_of_ignored_states(use_orig_params, tmp_path):
   np.testing.assert_array_equal(mu[1], np.asarray(key(state.opt_state.slots["0.mu"]))[0])
   # The managed parameters restore exactly.
   exact = lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  jax.tree.map(exact, fsdp_jax.full_params(restored)["blocks"],
-               fsdp_jax.full_params(state)["blocks"])
+  jax.tree.map(exact, fsdp_jax.summon_full_params(restored)["blocks"],
+               fsdp_jax.summon_full_params(state)["blocks"])
   restored, metrics = step(restored, mlp_batch(seed=5))
   assert np.isfinite(float(metrics["loss"]))
 
@@ -97,7 +97,7 @@ def test_state_dicts_with_frozen_and_ignored(use_orig_params):
   # Every parameter by its dotted name; the ignored one is the first device's copy.
   assert {"inp.w", "blocks.1.w", "out.w"} <= set(full)
   np.testing.assert_array_equal(np.asarray(full["out.w"]),
-                                np.asarray(fsdp_jax.full_params(state)["out"]["w"]))
+                                np.asarray(fsdp_jax.summon_full_params(state)["out"]["w"]))
   osd = fsdp_jax.optim_state_dict(state)
   # No optimizer state for the frozen block; the ignored leaf has its own.
   assert "blocks.1.w" not in osd["state"] and "out.w" in osd["state"]
@@ -105,7 +105,7 @@ def test_state_dicts_with_frozen_and_ignored(use_orig_params):
   loaded = fsdp_jax.load_state_dict(fresh, full)
   loaded = loaded.replace(opt_state=fsdp_jax.optim_state_dict_to_load(loaded, osd))
   exact = lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  jax.tree.map(exact, fsdp_jax.full_params(loaded), fsdp_jax.full_params(state))
+  jax.tree.map(exact, fsdp_jax.summon_full_params(loaded), fsdp_jax.summon_full_params(state))
   # The loaded state's dicts are the dicts it was loaded from (the ignored
   # leaf's per-device moments become the first device's, as PyTorch loads
   # rank 0's on every rank).

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import fsdp_jax
-from fsdp_jax.checkpoint import CheckpointManager
+from fsdp_jax._src.checkpoint import CheckpointManager
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
 ROOT = GOLDEN / "version_checkpoints"

@@ -11,7 +11,7 @@ import pytest
 
 import fsdp_jax
 from fsdp_jax import hlo
-from fsdp_jax.config import ShardingStrategy as S
+from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import (HYBRID, assert_trees_close, mesh_for, mlp_batch, mlp_loss,
                      mlp_params, reference_run, sharded_run)
@@ -49,7 +49,7 @@ def test_matches_unsharded_training(case, use_orig_params, reference):
                                use_orig_params=use_orig_params)
   losses, state = sharded_run(mlp_loss, params, batches, optax.adam(1e-2), mesh, config)
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
-  assert_trees_close(fsdp_jax.full_params(state), ref_final)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_final)
   assert int(state.step) == STEPS
 
 
@@ -134,7 +134,7 @@ def test_full_params_round_trip_exact():
                                    auto_wrap_policy=WRAP_BLOCKS)
       state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1),
                                         mesh=mesh_for(strategy, n, r), config=config)
-      full = fsdp_jax.full_params(state)
+      full = fsdp_jax.summon_full_params(state)
       jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                    full, params)
 
@@ -204,7 +204,7 @@ def test_optax_mask_with_original_params():
   config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP_BLOCKS, use_orig_params=True)
   losses, state = sharded_run(mlp_loss, params, batches, opt, mesh_for(S.FULL_SHARD, 3), config)
   np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
-  assert_trees_close(fsdp_jax.full_params(state), ref_final)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_final)
 
 
 @pytest.mark.parametrize("opt", [optax.sgd(0.1, momentum=0.9), optax.lion(1e-3),
@@ -217,7 +217,7 @@ def test_elementwise_optimizers(opt):
   config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP_BLOCKS)
   losses, state = sharded_run(mlp_loss, params, batches, opt, mesh_for(S.FULL_SHARD, 4), config)
   np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
-  assert_trees_close(fsdp_jax.full_params(state), ref_final)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_final)
 
 
 def test_aux_output_and_metrics():
@@ -247,7 +247,7 @@ def test_inner_jit_is_gathered_unit_by_unit():
   mesh = mesh_for(S.FULL_SHARD, 4)
   losses, state = sharded_run(loss, params, batches, optax.adam(1e-2), mesh, config)
   np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
-  assert_trees_close(fsdp_jax.full_params(state), ref_final)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_final)
   opt = optax.adam(1e-2)
   state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=config)
   text = fsdp_jax.shard_train_step(loss, opt, mesh=mesh, config=config).lower(

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh
 
 import fsdp_jax
-from fsdp_jax.config import ShardingStrategy as S
+from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params
 
@@ -81,7 +81,7 @@ def test_mixed_dtypes_with_original_params_gather_once_per_dtype():
   state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
                                     config=fsdp_jax.FSDPConfig(use_orig_params=True))
   assert len(state.plan.dtype_groups(state.plan.units[0])) == 2
-  full = fsdp_jax.full_params(state)
+  full = fsdp_jax.summon_full_params(state)
   assert full["h"].dtype == jnp.bfloat16 and full["w"].dtype == jnp.float32
 
 
@@ -221,7 +221,7 @@ def test_integer_leaf_trains_once_frozen_as_the_error_says():
   step = fsdp_jax.shard_train_step(loss, opt, mesh=mesh, config=config)
   state, metrics = step(state, jnp.ones((4, 3)))
   assert float(metrics["loss"]) == 15.0
-  full = fsdp_jax.full_params(state)
+  full = fsdp_jax.summon_full_params(state)
   np.testing.assert_array_equal(np.asarray(full["count"]), [0, 1, 2])
   np.testing.assert_allclose(np.asarray(full["w"]), 0.9, rtol=1e-6)
 
@@ -260,6 +260,6 @@ def test_forward_inputs_key_the_batch_lacks_is_named():
 @pytest.mark.parametrize("prim, name", [("fsdp_all_gather_p", "fsdp_all_gather"),
                                         ("fsdp_reduce_p", "fsdp_reduce")])
 def test_collective_primitive_outside_a_step_is_named(prim, name):
-  from fsdp_jax import collectives
+  from fsdp_jax._src import collectives
   with pytest.raises(RuntimeError, match=f"^{name} only runs inside fsdp_jax's sharded step"):
     getattr(collectives, prim).bind(jnp.ones(3), spec=None, stored_dtype=np.dtype("float32"))

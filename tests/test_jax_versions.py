@@ -1,7 +1,7 @@
 """fsdp_jax under the jax implementation switches of jax 0.10 to 0.12.
 
 jax carries opt-in config flags that trace ``jax.checkpoint`` and
-``lax.scan`` to new implementations (fsdp_jax/_compat.py lists them and the
+``lax.scan`` to new implementations (fsdp_jax/_src/_compat.py lists them and the
 version each appeared in): ``jax_remat3`` (named in the 0.11 CHANGELOG with
 ``jax.custom_remat``), ``jax_scan3``, and ``jax_remat_barrier_no_cotangents``
 (0.11+, changes ``jax_remat3``'s barriers). The step's jaxpr rewrite must
@@ -21,7 +21,7 @@ import jax
 import pytest
 
 import fsdp_jax
-from fsdp_jax import _compat
+from fsdp_jax._src import _compat
 
 import test_activation_checkpointing as ac
 import test_models as tm

@@ -130,7 +130,7 @@ def fsdp_train(loss_fn, optimizer, mesh, config, batches, *, init_params=None,
                                     **init_kwargs)
   assert_sharded(state)
   if init_params is not None:  # init_fn, run per unit, built these values
-    assert_trees_close(fsdp_jax.full_params(state), init_params, rtol=1e-6, atol=1e-7)
+    assert_trees_close(fsdp_jax.summon_full_params(state), init_params, rtol=1e-6, atol=1e-7)
   step = fsdp_jax.shard_train_step(loss_fn, optimizer, mesh=mesh, config=config)
   text = step.lower(state, batches[0]).compile().as_text() if hlo else None
   losses = []
@@ -139,7 +139,7 @@ def fsdp_train(loss_fn, optimizer, mesh, config, batches, *, init_params=None,
     losses.append(float(metrics["loss"]))
   assert int(state.step) == len(batches)
   assert_sharded(state)
-  return fsdp_jax.full_params(state), losses, state, text
+  return fsdp_jax.summon_full_params(state), losses, state, text
 
 
 def assert_matches_reference(losses, params, ref_losses, ref_params):

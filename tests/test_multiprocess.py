@@ -34,7 +34,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_jax import distributed, launch
+from fsdp_jax import launch
+from fsdp_jax._src import distributed
 from fsdp_jax.launch import WorkerGroup, free_port, worker_env
 
 import mp_worker

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import fsdp_jax
-from fsdp_jax.config import ShardingStrategy as S
+from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params
 
@@ -88,7 +88,7 @@ def test_propagate_is_the_default_and_applies_the_update():
   assert state.nonfinite_steps is None
   after, metrics = step(state, _bad_batch())
   assert bool(metrics["nonfinite"]) and int(after.step) == 1
-  full = fsdp_jax.full_params(after)
+  full = fsdp_jax.summon_full_params(after)
   assert not all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(full))
 
 

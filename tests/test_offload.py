@@ -11,11 +11,11 @@ import optax
 import pytest
 
 import fsdp_jax
-from fsdp_jax import offload
-from fsdp_jax.checkpoint import CheckpointManager
-from fsdp_jax.config import ShardingStrategy as S
-from fsdp_jax.offload import entry_memory_bytes
-from fsdp_jax.state_dict import (load_state_dict, optim_state_dict, optim_state_dict_to_load,
+from fsdp_jax._src import offload
+from fsdp_jax._src.checkpoint import CheckpointManager
+from fsdp_jax._src.config import ShardingStrategy as S
+from fsdp_jax._src.offload import entry_memory_bytes
+from fsdp_jax._src.state_dict import (load_state_dict, optim_state_dict, optim_state_dict_to_load,
                                  state_dict)
 
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
@@ -113,7 +113,7 @@ def test_matches_unsharded_training(case):
     assert all(x.is_deleted() for x in jax.tree.leaves(old.params))
     _assert_offloaded(state)
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
-  assert_trees_close(fsdp_jax.full_params(state), ref_final)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_final)
   assert int(state.step) == STEPS
   if max_norm is not None:
     assert min(norms) > max_norm  # the clip was active on every step
@@ -139,7 +139,7 @@ def test_bf16_mixed_precision():
     if offloaded:
       _assert_offloaded(state)
       assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
-    finals.append(fsdp_jax.full_params(state))
+    finals.append(fsdp_jax.summon_full_params(state))
     all_losses.append(losses)
   # bf16 sums in another order than the unsharded reference: bf16 tolerances.
   np.testing.assert_allclose(all_losses[0], ref_losses, rtol=0, atol=2e-2)
@@ -168,7 +168,7 @@ def test_init_fn_frozen_and_ignored_leaves():
     state, losses = _train(state, step, batches)
     if offloaded:
       _assert_offloaded(state)
-    results.append((losses, fsdp_jax.full_params(state)))
+    results.append((losses, fsdp_jax.summon_full_params(state)))
   np.testing.assert_allclose(results[0][0], results[1][0], rtol=0, atol=1e-6)
   assert_trees_close(results[0][1], results[1][1], rtol=1e-6, atol=1e-7)
   # The frozen leaf never moved.
@@ -236,23 +236,23 @@ def test_full_param_access_and_write_back():
   mesh = mesh_for(S.FULL_SHARD, 3)
   config = _config()
   state = fsdp_jax.init_train_state(params=params, optimizer=OPT, mesh=mesh, config=config)
-  _assert_bitwise(fsdp_jax.full_params(state), params)
+  _assert_bitwise(fsdp_jax.summon_full_params(state), params)
   _assert_bitwise(fsdp_jax.summon_full_params(state, offload_to_cpu=True), params)
   batch = mlp_batch()
-  grads = fsdp_jax.sharded_grads(mlp_loss, state, batch)
+  grads = fsdp_jax.custom.sharded_grads(mlp_loss, state, batch)
   _, full_grads = fsdp_jax.summon_full_params(state, with_grads=True, grads=grads)
   assert_trees_close(full_grads, jax.grad(mlp_loss)(params, batch), rtol=1e-5, atol=1e-6)
 
   doubled = jax.tree.map(lambda x: x * 2, params)
   state = fsdp_jax.write_full_params(state, lambda p: jax.tree.map(lambda x: x * 2, p))
   _assert_offloaded(state)
-  _assert_bitwise(fsdp_jax.full_params(state), doubled)
+  _assert_bitwise(fsdp_jax.summon_full_params(state), doubled)
   state = fsdp_jax.apply(state, lambda name, x: x * 0 if name.endswith(".b") else x)
   _assert_offloaded(state)
   expected = jax.tree.map(lambda x: x * 2, params)
   for blk in expected["blocks"]:
     blk["b"] = jnp.zeros_like(blk["b"])
-  _assert_bitwise(fsdp_jax.full_params(state), expected)
+  _assert_bitwise(fsdp_jax.summon_full_params(state), expected)
 
   # Training after the write-backs matches the reference from those params.
   batches = _batches()
@@ -260,7 +260,7 @@ def test_full_param_access_and_write_back():
   step = fsdp_jax.shard_train_step(mlp_loss, OPT, mesh=mesh, config=config)
   state, losses = _train(state, step, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
-  assert_trees_close(fsdp_jax.full_params(state), ref_final)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_final)
 
 
 class _Run:

@@ -4,7 +4,7 @@ every strategy, both layouts and meshes that do not divide the leaf sizes.
 
 Two levels:
 
-* the update alone (``fsdp_jax.optimizer_step`` inside ``shard_map``), fed
+* the update alone (``fsdp_jax.custom.optimizer_step`` inside ``shard_map``), fed
   the same gradients as plain single-device optax: this isolates the
   optimizer and checks every optimizer in optax and optax.contrib;
 * whole ``shard_train_step`` runs against single-device training for the
@@ -24,8 +24,8 @@ import pytest
 
 import fsdp_jax
 from fsdp_jax import hlo, layout, optim
-from fsdp_jax import state as state_lib
-from fsdp_jax.config import ShardingStrategy as S
+from fsdp_jax._src import state as state_lib
+from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import mesh_for
 
@@ -91,20 +91,20 @@ def _update_run(optimizer, case, use_orig_params, *, value=None, steps=STEPS, pa
                                use_orig_params=use_orig_params, optimizer_update=mode)
   state = fsdp_jax.init_train_state(params=params, optimizer=optimizer, mesh=mesh, config=config)
   plan = state.plan
-  p_specs = fsdp_jax.param_specs(plan)
-  g_specs = fsdp_jax.split_trainable(plan, p_specs)[0]
-  o_specs, _ = fsdp_jax.opt_state_specs(plan, optimizer)
+  p_specs = fsdp_jax.custom.param_specs(plan)
+  g_specs = fsdp_jax.custom.split_trainable(plan, p_specs)[0]
+  o_specs, _ = fsdp_jax.custom.opt_state_specs(plan, optimizer)
 
   def body(g, s, p):
-    return fsdp_jax.optimizer_step(optimizer, g, s, p, plan=plan, value=value)
+    return fsdp_jax.custom.optimizer_step(optimizer, g, s, p, plan=plan, value=value)
 
   step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(g_specs, o_specs, p_specs),
                                out_specs=(p_specs, o_specs), check_vma=False))
   p, s = state.params, state.opt_state
   for stored in _storage(plan, [_grads(params, t) for t in range(steps)]):
-    p, s = step(fsdp_jax.split_trainable(plan, stored)[0], s, p)
+    p, s = step(fsdp_jax.custom.split_trainable(plan, stored)[0], s, p)
   state = state.replace(params=p, opt_state=s)
-  return fsdp_jax.full_params(state), state
+  return fsdp_jax.summon_full_params(state), state
 
 
 def _reference(optimizer, *, value=None, steps=STEPS, params=None):
@@ -279,7 +279,7 @@ def _global_run(opt, use_orig_params, case=(S.FULL_SHARD, 3, None)):
     batch = jax.tree.map(lambda x: jnp.broadcast_to(x[None], (n * (r or 1),) + x.shape), g)
     state, _ = step(state, batch)
     assert _shardings(state) == layout0  # the step keeps the state's layout
-  return fsdp_jax.full_params(state)
+  return fsdp_jax.summon_full_params(state)
 
 
 def _shardings(state):
@@ -401,7 +401,7 @@ def test_training_matches_single_device(name, case, use_orig_params):
     u, ref_s = opt.update(g, ref_s, ref_p)
     ref_p = optax.apply_updates(ref_p, u)
     assert abs(float(metrics["loss"]) - float(loss)) <= 1e-5
-  assert_close_to_largest(fsdp_jax.full_params(state), ref_p)
+  assert_close_to_largest(fsdp_jax.summon_full_params(state), ref_p)
 
 
 def test_clip_by_global_norm_costs_one_scalar_all_reduce():
@@ -463,7 +463,7 @@ def test_factored_state_reshards_through_state_dicts(use_orig_params):
   full = fsdp_jax.full_optim_state_dict(state)
   mesh = mesh_for(S.FULL_SHARD, 4)
   config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP, use_orig_params=not use_orig_params)
-  target = fsdp_jax.init_train_state(params=fsdp_jax.full_params(state), optimizer=opt,
+  target = fsdp_jax.init_train_state(params=fsdp_jax.summon_full_params(state), optimizer=opt,
                                      mesh=mesh, config=config)
   target = target.replace(opt_state=fsdp_jax.shard_full_optim_state_dict(full, target))
   again = fsdp_jax.full_optim_state_dict(target)

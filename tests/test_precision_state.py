@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_jax
 from fsdp_jax import hlo
-from fsdp_jax.config import ShardingStrategy as S
+from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
                      reference_run, sharded_run)
@@ -79,7 +79,7 @@ def test_mixed_precision_none_is_bitwise_unchanged():
   for mp in (None, fsdp_jax.MixedPrecision()):
     config = fsdp_jax.FSDPConfig(mixed_precision=mp, auto_wrap_policy=WRAP_BLOCKS)
     losses, state = sharded_run(mlp_loss, params, batches, optax.adam(1e-2), mesh, config)
-    runs.append((losses, fsdp_jax.full_params(state)))
+    runs.append((losses, fsdp_jax.summon_full_params(state)))
   assert runs[0][0] == runs[1][0]
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                runs[0][1], runs[1][1])
@@ -171,7 +171,7 @@ def test_batch_norm_state_replicated_and_matches_per_device_reference():
     state, metrics = step(state, batch)
     rp, rs, ro, rl = ref_step(rp, rs, ro, batch)
     np.testing.assert_allclose(float(metrics["loss"]), float(rl), atol=1e-5)
-  assert_trees_close(fsdp_jax.full_params(state), rp)
+  assert_trees_close(fsdp_jax.summon_full_params(state), rp)
   assert_trees_close(state.model_state, rs, rtol=1e-5)
   for leaf in jax.tree.leaves(state.model_state):
     assert leaf.sharding.spec == P()  # replicated, never sharded
@@ -245,7 +245,7 @@ def test_frozen_parameters(use_orig_params):
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
   np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
-  full = fsdp_jax.full_params(state)
+  full = fsdp_jax.summon_full_params(state)
   # Frozen leaves never change; trainable ones match the reference.
   np.testing.assert_array_equal(np.asarray(full["blocks"][1]["w"]), np.asarray(params["blocks"][1]["w"]))
   assert_trees_close(jax.tree.map(lambda x, m: x if m else None, full, mask), ref_t)
@@ -254,7 +254,7 @@ def test_frozen_parameters(use_orig_params):
   n_trainable = sum(int(np.prod(l.shape)) for l, m in zip(jax.tree.leaves(params),
                                                           jax.tree.leaves(mask)) if m)
   opt_elems = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim)
-  stored_trainable = sum(x.size for x in jax.tree.leaves(fsdp_jax.split_trainable(
+  stored_trainable = sum(x.size for x in jax.tree.leaves(fsdp_jax.custom.split_trainable(
       state.plan, state.params)[0]))
   assert opt_elems == 2 * stored_trainable
   assert stored_trainable < sum(x.size for x in jax.tree.leaves(state.params))
@@ -317,7 +317,7 @@ def test_compress_hooks_reproduce_pytorch(hook, dtype, strategy, n, r):
                                comm_hook=hook)
   state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(1.0),
                                     mesh=mesh_for(strategy, n, r), config=config)
-  grads = fsdp_jax.sharded_grads(mlp_loss, state, batch)
+  grads = fsdp_jax.custom.sharded_grads(mlp_loss, state, batch)
   _, full = fsdp_jax.summon_full_params(state, with_grads=True, grads=grads)
   expected = _emulate_low_precision_hook(params, batch, world, dtype)
   exact = jax.grad(mlp_loss)(params, batch)
@@ -345,7 +345,7 @@ def test_default_hooks_are_the_default_reduction(hook, strategy):
     config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, auto_wrap_policy=WRAP_BLOCKS,
                                  comm_hook=h)
     losses, state = sharded_run(mlp_loss, params, batches, optax.adam(1e-2), mesh, config)
-    out.append(fsdp_jax.full_params(state))
+    out.append(fsdp_jax.summon_full_params(state))
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), *out)
 
 
@@ -425,7 +425,7 @@ def test_ignored_states_are_per_device_never_gathered_never_reduced(strategy, n,
                                rtol=1e-5, atol=1e-6)
   assert np.max(np.abs(copies[0] - copies[1])) > 1e-4  # the copies differ, as in PyTorch
   # Managed parameters trained with gradients averaged over the world.
-  full = fsdp_jax.full_params(state)
+  full = fsdp_jax.summon_full_params(state)
   g = jax.grad(mlp_loss)(params, batch)
   np.testing.assert_allclose(full["blocks"][0]["w"], params["blocks"][0]["w"] - 0.5 * g["blocks"][0]["w"],
                              rtol=1e-5, atol=1e-6)

@@ -78,7 +78,7 @@ def test_every_setting_matches_unsharded_training(bp, fp, limit):
   losses, state = sharded_run(mlp_loss, params, [batch] * 3, opt, mesh_for(None, 3),
                               _config(bp, fp, limit))
   assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
-  assert_trees_close(fsdp_jax.full_params(state), ref_params)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_params)
 
 
 @pytest.mark.parametrize("strategy,n,replicate", [
@@ -93,7 +93,7 @@ def test_other_strategies_with_settings(strategy, n, replicate, bp):
   losses, state = sharded_run(mlp_loss, params, [batch] * 3, opt, mesh,
                               _config(bp, True, False, strategy))
   assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
-  assert_trees_close(fsdp_jax.full_params(state), ref_params)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_params)
 
 
 def test_settings_compose_with_accumulation_and_clipping():
@@ -111,7 +111,7 @@ def test_settings_compose_with_accumulation_and_clipping():
   expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, clipped)
   assert abs(float(metrics["loss"]) - float(loss)) < 1e-5
   assert abs(float(metrics["grad_norm"]) - float(norm)) < 1e-5 * float(norm)
-  assert_trees_close(fsdp_jax.full_params(state), expected)
+  assert_trees_close(fsdp_jax.summon_full_params(state), expected)
 
 
 # ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import optax
 import pytest
 
 import fsdp_jax
-from fsdp_jax.config import ShardingStrategy as S
+from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import mesh_for, mlp_loss
 
@@ -113,7 +113,7 @@ def run(golden, case, *, strategy=S.FULL_SHARD, replicate=None, use_orig_params=
     losses.append(float(metrics["loss"]))
     if "grad_norm" in metrics:
       norms.append(metrics["grad_norm"])
-  return losses, norms, fsdp_jax.full_params(state)
+  return losses, norms, fsdp_jax.summon_full_params(state)
 
 
 def assert_params(actual, golden_named, rtol, atol):

@@ -14,9 +14,9 @@ import optax
 import pytest
 
 import fsdp_jax
-from fsdp_jax.config import ShardingStrategy as S, StateDictType as T
-from fsdp_jax.state import ShardedTrainState
-from fsdp_jax.state_dict import (OptimStateKeyType, canonical_sharding, full_optim_state_dict,
+from fsdp_jax._src.config import ShardingStrategy as S, StateDictType as T
+from fsdp_jax._src.state import ShardedTrainState
+from fsdp_jax._src.state_dict import (OptimStateKeyType, canonical_sharding, full_optim_state_dict,
                                  load_state_dict,
                                  optim_state_dict, optim_state_dict_to_load,
                                  rekey_optim_state_dict, scatter_full_optim_state_dict,
@@ -172,10 +172,10 @@ def test_load_onto_other_mesh_strategy_layout(case, orig, states):
       out, optim_state_dict(source, state_dict_type=T.SHARDED_STATE_DICT),
       state_dict_type=T.SHARDED_STATE_DICT))
   assert out.plan is target.plan
-  assert_trees_close(fsdp_jax.full_params(out), mlp_params(), rtol=0, atol=0)
+  assert_trees_close(fsdp_jax.summon_full_params(out), mlp_params(), rtol=0, atol=0)
   assert_osd_equal(full_optim_state_dict(out), random_osd())
   full = load_state_dict(target, state_dict(source))
-  assert_trees_close(fsdp_jax.full_params(full), mlp_params(), rtol=0, atol=0)
+  assert_trees_close(fsdp_jax.summon_full_params(full), mlp_params(), rtol=0, atol=0)
 
 
 def _reference_with_opt_state(params, batches, optimizer):
@@ -218,7 +218,7 @@ def test_full_optim_state_dict_matches_unsharded_optax(trained):
   assert int(by_id["param_groups"][0]["0.count"]) == int(ref_opt[0].count) == 2
   back = rekey_optim_state_dict(by_id, OptimStateKeyType.PARAM_NAME, state)
   assert sorted(back["state"]) == sorted(NAMES)
-  assert_trees_close(fsdp_jax.full_params(state), ref_params)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_params)
 
 
 def test_full_then_shard_then_load_trains_the_same(trained):
@@ -238,7 +238,7 @@ def test_full_then_shard_then_load_trains_the_same(trained):
     step2 = fsdp_jax.shard_train_step(mlp_loss, OPT, mesh=mesh2, config=config2)
     for b in batches[2:]:
       target, _ = step2(target, b)
-    assert_trees_close(fsdp_jax.full_params(target), ref_params)
+    assert_trees_close(fsdp_jax.summon_full_params(target), ref_params)
 
 
 def test_offload_and_rank0_only():
@@ -404,7 +404,7 @@ def test_stacked_layers_round_trip_and_unstack(orig):
   flat = jax.eval_shape(lambda: fsdp_jax.init_train_state(
       params=params, optimizer=OPT, mesh=mesh3, config=fsdp_jax.FSDPConfig(use_orig_params=not orig)))
   out = load_state_dict(flat, sharded, state_dict_type=T.SHARDED_STATE_DICT)
-  assert_trees_close(fsdp_jax.full_params(out), params, rtol=0, atol=0)
+  assert_trees_close(fsdp_jax.summon_full_params(out), params, rtol=0, atol=0)
   osd = random_osd_for(params)
   stacked = stacked.replace(opt_state=optim_state_dict_to_load(stacked, osd))
   assert_osd_equal(full_optim_state_dict(stacked), osd)

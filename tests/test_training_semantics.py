@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_jax
 from fsdp_jax import hlo
-from fsdp_jax.config import ShardingStrategy as S
+from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
                      reference_run)
@@ -37,7 +37,7 @@ def test_accumulation_equals_one_step(k, accumulation, use_orig_params):
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
   np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
-  assert_trees_close(fsdp_jax.full_params(state), ref_final, rtol=1e-5)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_final, rtol=1e-5)
 
 
 def _reductions(accumulation, k, strategy=S.FULL_SHARD):
@@ -88,7 +88,7 @@ def test_clipping_with_non_positive_max_norm():
     fsdp_jax.shard_train_step(mlp_loss, optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig(),
                               max_norm=0.0)
   with pytest.raises(ValueError, match="max_norm=-1.0 must be positive"):
-    fsdp_jax.clip_grad_norm({}, plan=None, max_norm=-1.0)
+    fsdp_jax.custom.clip_grad_norm({}, plan=None, max_norm=-1.0)
 
 
 @pytest.mark.parametrize("strategy,n,r", [(S.NO_SHARD, 4, None), (S.HYBRID_SHARD, 2, 2),
@@ -112,7 +112,7 @@ def test_clip_counts_replicated_gradients_once(strategy, n, r, norm_type):
     expected = float(sum(jnp.sum(jnp.abs(g) ** norm_type) for g in grads)) ** (1 / norm_type)
   np.testing.assert_allclose(float(metrics["grad_norm"]), expected, rtol=1e-5)
   # Clipped to max_norm: SGD moved the parameters by exactly lr * max_norm.
-  delta = jax.tree.map(lambda a, b: a - b, fsdp_jax.full_params(state), params)
+  delta = jax.tree.map(lambda a, b: a - b, fsdp_jax.summon_full_params(state), params)
   leaves = jax.tree.leaves(delta)
   if np.isinf(norm_type):
     moved = max(float(jnp.max(jnp.abs(d))) for d in leaves)
@@ -150,14 +150,14 @@ def test_full_param_access_and_write_back_round_trip(strategy, n, r, use_orig_pa
   jax.tree.map(exact, state2.params, before)
   # A real write-back lands exactly, and so does apply().
   state3 = fsdp_jax.write_full_params(state2, lambda p: jax.tree.map(lambda x: 2 * x + 1, p))
-  jax.tree.map(exact, fsdp_jax.full_params(state3), jax.tree.map(lambda x: 2 * x + 1, params))
+  jax.tree.map(exact, fsdp_jax.summon_full_params(state3), jax.tree.map(lambda x: 2 * x + 1, params))
   state4 = fsdp_jax.apply(state3, lambda name, x: jnp.zeros_like(x) if name.endswith(".b") else x)
-  full4 = fsdp_jax.full_params(state4)
+  full4 = fsdp_jax.summon_full_params(state4)
   for i in range(3):
     exact(full4["blocks"][i]["b"], np.zeros(7))
     exact(full4["blocks"][i]["w"], 2 * params["blocks"][i]["w"] + 1)
   for x, spec in zip(jax.tree.leaves(state4.params),
-                     jax.tree.leaves(fsdp_jax.param_specs(state.plan))):
+                     jax.tree.leaves(fsdp_jax.custom.param_specs(state.plan))):
     assert x.sharding.spec == spec  # still sharded as the plan says
 
 
@@ -168,7 +168,7 @@ def test_full_grads_with_summon():
     config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP_BLOCKS, use_orig_params=orig)
     state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
                                       config=config)
-    grads = fsdp_jax.sharded_grads(mlp_loss, state, batch)
+    grads = fsdp_jax.custom.sharded_grads(mlp_loss, state, batch)
     full, full_grads = fsdp_jax.summon_full_params(state, with_grads=True, grads=grads)
     assert_trees_close(full_grads, jax.grad(mlp_loss)(params, batch), rtol=1e-5)
   with pytest.raises(ValueError, match="with_grads=True\\) needs grads="):
@@ -191,7 +191,7 @@ def test_sync_module_states_single_process_is_a_no_op():
   state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
                                     config=fsdp_jax.FSDPConfig(sync_module_states=True))
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-               fsdp_jax.full_params(state), params)
+               fsdp_jax.summon_full_params(state), params)
 
 
 # --------------------------------------------------------------------------
@@ -212,10 +212,10 @@ def test_custom_step_with_two_losses_and_ema():
     del batch
     return 1e-3 * sum(jnp.sum(x ** 2) for x in jax.tree.leaves(p))
 
-  vg_main = fsdp_jax.value_and_grad(mlp_loss, plan=plan)
-  vg_reg = fsdp_jax.value_and_grad(l2_loss, plan=plan)
-  p_specs = fsdp_jax.param_specs(plan)
-  o_specs, _ = fsdp_jax.opt_state_specs(plan, opt)
+  vg_main = fsdp_jax.custom.value_and_grad(mlp_loss, plan=plan)
+  vg_reg = fsdp_jax.custom.value_and_grad(l2_loss, plan=plan)
+  p_specs = fsdp_jax.custom.param_specs(plan)
+  o_specs, _ = fsdp_jax.custom.opt_state_specs(plan, opt)
 
   @jax.jit
   def custom_step(params, opt_state, ema, batch):
@@ -223,14 +223,14 @@ def test_custom_step_with_two_losses_and_ema():
       out1, g1, _ = vg_main(params, batch)
       out2, g2, _ = vg_reg(params, batch)
       grads = jax.tree.map(jnp.add, g1, g2)
-      grads, norm = fsdp_jax.clip_grad_norm(grads, plan=plan, max_norm=0.5)
-      params, opt_state = fsdp_jax.optimizer_step(opt, grads, opt_state, params, plan=plan)
+      grads, norm = fsdp_jax.custom.clip_grad_norm(grads, plan=plan, max_norm=0.5)
+      params, opt_state = fsdp_jax.custom.optimizer_step(opt, grads, opt_state, params, plan=plan)
       ema = jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, ema, params)  # sharded EMA
       loss = jax.lax.pmean(out1.loss + out2.loss, plan.axes.data_axes)
       return params, opt_state, ema, loss, norm
 
     return jax.shard_map(body, mesh=mesh,
-                         in_specs=(p_specs, o_specs, p_specs, fsdp_jax.batch_spec(plan)),
+                         in_specs=(p_specs, o_specs, p_specs, fsdp_jax.custom.batch_spec(plan)),
                          out_specs=(p_specs, o_specs, p_specs, P(), P()),
                          check_vma=False)(params, opt_state, ema, batch)
 
@@ -247,5 +247,5 @@ def test_custom_step_with_two_losses_and_ema():
     ref_ema = jax.tree.map(lambda e, q: 0.9 * e + 0.1 * q, ref_ema, ref_p)
     np.testing.assert_allclose(float(loss), float(ref_loss), atol=1e-5)
     np.testing.assert_allclose(float(norm), ref_norm, rtol=1e-5)
-  assert_trees_close(fsdp_jax.full_params(state.replace(params=p)), ref_p)
-  assert_trees_close(fsdp_jax.full_params(state.replace(params=ema)), ref_ema)
+  assert_trees_close(fsdp_jax.summon_full_params(state.replace(params=p)), ref_p)
+  assert_trees_close(fsdp_jax.summon_full_params(state.replace(params=ema)), ref_ema)

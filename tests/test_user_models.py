@@ -347,13 +347,13 @@ def test_lm1b_weighted_loss_matches_global_batch_jit(strategy, shard, replicate,
   if accumulate is None:
     # The gradient itself, before any optimizer: the global ratio's, exactly.
     grads = fsdp_jax.summon_full_params(
-        state, with_grads=True, grads=fsdp_jax.sharded_grads(loss_fn, state, batches[0]))[1]
+        state, with_grads=True, grads=fsdp_jax.custom.sharded_grads(loss_fn, state, batches[0]))[1]
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
   step = fsdp_jax.shard_train_step(loss_fn, LM_OPT, mesh=mesh, config=config, **kw)
   state, losses = train(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-6)
   assert_moved(ref_params, params0)
-  assert_trees_close(fsdp_jax.full_params(state), ref_params, rtol=1e-4, atol=1e-6)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_params, rtol=1e-4, atol=1e-6)
 
 
 @functools.lru_cache(maxsize=None)
@@ -413,7 +413,7 @@ def test_lm1b_dropout_keys_per_step_and_device_and_resume(strategy, shard, repli
   # Each device's rows dropped out with fold_in(fold_in(rng, step), device):
   # the same numbers as the reference that uses exactly those keys.
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
-  assert_trees_close(fsdp_jax.full_params(final), ref_params, rtol=1e-4, atol=1e-6)
+  assert_trees_close(fsdp_jax.summon_full_params(final), ref_params, rtol=1e-4, atol=1e-6)
   # Dropout is on: the loss differs from the same run without it.
   assert abs(losses[0] - lm_reference()[1][0]) > 1e-3 or accumulate is not None
 
@@ -429,8 +429,8 @@ def test_lm1b_dropout_keys_per_step_and_device_and_resume(strategy, shard, repli
   assert int(restored.step) == 2
   resumed, last = train(step, restored, batches[2:])
   assert last == losses[2:]
-  for a, b in zip(jax.tree.leaves(fsdp_jax.full_params(resumed)),
-                  jax.tree.leaves(fsdp_jax.full_params(final))):
+  for a, b in zip(jax.tree.leaves(fsdp_jax.summon_full_params(resumed)),
+                  jax.tree.leaves(fsdp_jax.summon_full_params(final))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -574,7 +574,7 @@ def test_resnet_synced_batch_norm_matches_global_batch_jit(strategy, shard, repl
   state, losses = train(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
   assert_moved(ref_params, {"params": variables["params"]})
-  assert_trees_close(fsdp_jax.full_params(state), ref_params)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_params)
   # The running statistics are the global batch's (each device computed the
   # same ones), and replicated.
   assert_trees_close(state.model_state, ref_stats, rtol=1e-5, atol=1e-6)
@@ -820,7 +820,7 @@ def test_nnx_transformer_matches_nnx_jit(strategy, shard, replicate, orig):
   state, losses = train(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
   assert_moved(ref_params, params0)
-  params = fsdp_jax.full_params(state)
+  params = fsdp_jax.summon_full_params(state)
   assert isinstance(params, nnx.State)
   assert_trees_close(params, ref_params)
   assert_trees_close(state.model_state, ref_rest, rtol=1e-5, atol=1e-6)
@@ -848,7 +848,7 @@ def test_nnx_dropout_rng_state_per_device_and_resume(tmp_path):
   final, losses = train(step, state, batches)
   # Device d drew its masks from fold_in(key, d) at the stream's count.
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
-  assert_trees_close(fsdp_jax.full_params(final), ref_params)
+  assert_trees_close(fsdp_jax.summon_full_params(final), ref_params)
   assert_trees_close(final.model_state, ref_rest, rtol=1e-5, atol=1e-6)
   assert abs(losses[0] - nnx_reference(0.0, None)[2][0]) > 1e-3  # dropout is on
 
@@ -860,8 +860,8 @@ def test_nnx_dropout_rng_state_per_device_and_resume(tmp_path):
     restored = manager.restore(fresh(5)[1])
   resumed, last = train(step, restored, batches[2:])
   assert last == losses[2:]
-  for a, b in zip(jax.tree.leaves((fsdp_jax.full_params(resumed), resumed.model_state)),
-                  jax.tree.leaves((fsdp_jax.full_params(final), final.model_state))):
+  for a, b in zip(jax.tree.leaves((fsdp_jax.summon_full_params(resumed), resumed.model_state)),
+                  jax.tree.leaves((fsdp_jax.summon_full_params(final), final.model_state))):
     if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
       a, b = jax.random.key_data(a), jax.random.key_data(b)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -1013,7 +1013,7 @@ def test_equinox_transformer_matches_filter_jit(strategy, shard, replicate, orig
   state = fsdp_jax.init_train_state(optimizer=EQX_OPT, mesh=mesh, config=config,
                                     rng=jax.random.key(0 if not dropout else 11), **init)
   assert [u.name for u in state.plan.units] == ["blocks.0", "blocks.1", ""]
-  assert_trees_close(fsdp_jax.full_params(state), params0, rtol=1e-6, atol=1e-7)
+  assert_trees_close(fsdp_jax.summon_full_params(state), params0, rtol=1e-6, atol=1e-7)
 
   if dropout:
     def loss_fn(params, batch, *, rng):
@@ -1026,7 +1026,7 @@ def test_equinox_transformer_matches_filter_jit(strategy, shard, replicate, orig
   state, losses = train(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
   assert_moved(ref_params, params0)
-  trained = fsdp_jax.full_params(state)
+  trained = fsdp_jax.summon_full_params(state)
   assert_trees_close(trained, ref_params)
   # The trained parameters combine back into a callable model.
   logits = eqx.combine(trained, static)(batches[0]["x"][0])
@@ -1119,7 +1119,7 @@ def test_linen_scan_stack_without_stacked_layers_is_flagged_with_the_fix():
   assert "gathered whole before the loop (all 3 layers at once)" in msgs[0], msgs[0]
   # Still correct, just not layer by layer.
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
-  assert_trees_close(fsdp_jax.full_params(state), ref_params)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_params)
 
 
 @pytest.mark.parametrize("strategy, shard, replicate, orig", [
@@ -1144,7 +1144,7 @@ def test_linen_scan_remat_stack_declared_stacked_matches_jit(strategy, shard, re
   assert "looks stacked" not in str(state.plan)
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
   assert_moved(ref_params, params0)
-  assert_trees_close(fsdp_jax.full_params(state), ref_params)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_params)
 
 
 # --------------------------------------------------------------------------
@@ -1215,4 +1215,4 @@ def test_nnx_rng_state_in_state_dicts():
     assert jax.dtypes.issubdtype(sd[key_name].dtype, jax.dtypes.prng_key)
     back = fsdp_jax.load_state_dict(state, sd, state_dict_type=kind)
     assert_trees_close(back.model_state, state.model_state, rtol=0, atol=0)
-    assert_trees_close(fsdp_jax.full_params(back), fsdp_jax.full_params(state), rtol=0, atol=0)
+    assert_trees_close(fsdp_jax.summon_full_params(back), fsdp_jax.summon_full_params(state), rtol=0, atol=0)

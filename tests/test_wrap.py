@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import fsdp_jax
-from fsdp_jax.state import build_plan
+from fsdp_jax._src.state import build_plan
 
 from helpers import mesh_for
 

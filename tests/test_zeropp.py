@@ -49,7 +49,7 @@ def _run(strategy, n, replicate, orig, **kw):
                                use_orig_params=orig, **kw)
   losses, state = sharded_run(mlp_loss, params, batches, optax.adam(1e-2),
                               mesh_for(strategy, n, replicate), config)
-  return losses, fsdp_jax.full_params(state)
+  return losses, fsdp_jax.summon_full_params(state)
 
 
 def _compile(params, batch, mesh, loss=mlp_loss, opt=None, **kw):
@@ -98,7 +98,7 @@ def test_reshard_after_forward_k_with_bf16_accumulation_and_clipping():
     for batch in batches:
       state, metrics = step(state, batch)
       losses.append(float(metrics["loss"]))
-    out[k] = losses, fsdp_jax.full_params(state)
+    out[k] = losses, fsdp_jax.summon_full_params(state)
   assert out[True][0] == out[2][0]
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                out[True][1], out[2][1])
@@ -149,7 +149,7 @@ def test_stacked_unit_regathers_within_groups_inside_the_loop():
   for k in (True, 4):
     cfg = fsdp_jax.FSDPConfig(stacked_layers=("blocks",), reshard_after_forward=k)
     losses, state = sharded_run(loss_fn, params, batches, optax.adam(1e-2), mesh, cfg)
-    out[k] = (losses, fsdp_jax.full_params(state))
+    out[k] = (losses, fsdp_jax.summon_full_params(state))
   assert out[True][0] == out[4][0]
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                out[True][1], out[4][1])
@@ -402,7 +402,7 @@ def test_quantized_reduction_error_is_bounded(strategy, n, replicate, hops, q):
                             use_orig_params=True, reduce_scatter_quantization=q)
   state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1),
                                     mesh=mesh_for(strategy, n, replicate), config=cfg)
-  got = fsdp_jax.sharded_grads(mlp_loss, state, batch)
+  got = fsdp_jax.custom.sharded_grads(mlp_loss, state, batch)
   got = jax.tree.map(lambda g, p: np.asarray(g)[:p.shape[0]], got, params)
   exact = jax.grad(mlp_loss)(params, batch)
   locals_ = _local_grads(params, batch, world)
@@ -446,7 +446,7 @@ def test_quantized_gather_is_straight_through_and_masters_stay_exact():
     assert float(jnp.max(jnp.abs(x - y))) <= unit_max[unit] / (2 * 127) * 1.0001
   assert any(float(jnp.max(jnp.abs(x - y))) > 0 for x, y in zip(jax.tree.leaves(seen),
                                                                   jax.tree.leaves(params)))
-  got = jax.tree.map(lambda a, b: a - b, params, fsdp_jax.full_params(new))  # sgd(1.0)
+  got = jax.tree.map(lambda a, b: a - b, params, fsdp_jax.summon_full_params(new))  # sgd(1.0)
   dist = lambda a, b: max(float(jnp.max(jnp.abs(x - y)))
                           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
   at_seen, at_exact = jax.grad(mlp_loss)(seen, batch), jax.grad(mlp_loss)(params, batch)
@@ -460,7 +460,7 @@ def test_quantized_gather_is_straight_through_and_masters_stay_exact():
   for _ in range(2):
     frozen, _ = step0(frozen, batch)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-               fsdp_jax.full_params(frozen), params)
+               fsdp_jax.summon_full_params(frozen), params)
 
 
 def test_quantized_training_stays_close_to_unquantized():
@@ -549,7 +549,7 @@ def test_explicit_prefetch_keeps_the_numbers():
                             backward_prefetch_units={"blocks.3": ["blocks.1"]})
   losses, state = sharded_run(mlp_loss, params, [batch] * 3, opt, mesh_for(None, 4), cfg)
   assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
-  assert_trees_close(fsdp_jax.full_params(state), ref_params)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_params)
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -18,7 +18,7 @@ layouts: ``flat`` (FULL_SHARD, flat parameters, 4 devices) and ``orig``
 * ``expected.npz``: the full parameters (``params/<name>``) and the full
   optimizer state dict (``state/<name>/<slot>``, ``param_groups/<i>/<key>``)
   read from the state that was saved, by the public
-  :func:`fsdp_jax.full_params` / :func:`fsdp_jax.full_optim_state_dict`
+  :func:`fsdp_jax.summon_full_params` / :func:`fsdp_jax.full_optim_state_dict`
   (layout-independent, so the test does not depend on ``state.opt_state``'s
   in-memory layout);
 * ``meta.json``: the jax, jaxlib, Python and orbax versions and the config.
@@ -93,7 +93,7 @@ def expected_arrays(state) -> dict:
   import numpy as np  # pylint: disable=import-outside-toplevel
   import fsdp_jax  # pylint: disable=import-outside-toplevel
   out = {}
-  params = fsdp_jax.full_params(state)
+  params = fsdp_jax.summon_full_params(state)
   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
     out["params/" + jax.tree_util.keystr(path)] = np.asarray(x)
   osd = fsdp_jax.full_optim_state_dict(state, rank0_only=False)
@@ -113,7 +113,7 @@ def write(layout: str, root: pathlib.Path) -> None:
   import numpy as np  # pylint: disable=import-outside-toplevel
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
   import fsdp_jax  # pylint: disable=import-outside-toplevel
-  from fsdp_jax.checkpoint import CheckpointManager  # pylint: disable=import-outside-toplevel
+  from fsdp_jax._src.checkpoint import CheckpointManager  # pylint: disable=import-outside-toplevel
 
   _, _, n = LAYOUTS[layout]
   cfg, opt, m = config(layout), optimizer(), mesh(n)

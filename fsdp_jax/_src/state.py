@@ -14,10 +14,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fsdp_jax import frameworks, layout, offload, optim, wrap
-from fsdp_jax.config import FSDPConfig, is_float_dtype, is_key_dtype
-from fsdp_jax.mesh import mesh_axes
-from fsdp_jax.plan import LeafSpec, Plan, UnitSpec
+from fsdp_jax._src import frameworks, layout, offload, optim, wrap
+from fsdp_jax._src.config import FSDPConfig, is_float_dtype, is_key_dtype
+from fsdp_jax._src.mesh import mesh_axes
+from fsdp_jax._src.plan import LeafSpec, Plan, UnitSpec
 
 
 @jax.tree_util.register_dataclass
@@ -46,7 +46,7 @@ class ShardedTrainState:
       pytree of keys), replicated; None otherwise. It never changes: a
       ``loss_fn`` that accepts ``rng=`` gets ``fold_in(fold_in(rng, step),
       device_index)`` at each step. Saved and restored by checkpoints.
-    plan: the :class:`~fsdp_jax.plan.Plan` (units, layout, mesh, config).
+    plan: the :class:`~fsdp_jax.Plan` (units, layout, mesh, config).
   """
 
   step: jax.Array
@@ -347,7 +347,7 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
 def opt_state_specs(plan: Plan, optimizer: optax.GradientTransformation):
   """``(specs, shapes)`` of the optimizer state for ``plan``'s stored params.
 
-  The state is a :class:`~fsdp_jax.optim.ShardedOptState`: the leaves of
+  The state is a :class:`~fsdp_jax._src.optim.ShardedOptState`: the leaves of
   ``optimizer.init(params)`` that belong to a parameter and have its shape are
   sharded like that parameter, every other leaf (counts, hyperparameters,
   factored statistics) is replicated. ``specs`` are the ``PartitionSpec`` s
@@ -596,7 +596,7 @@ def with_optimizer(plan: Plan, optimizer) -> Plan:
 
 def _init_hook_state(plan: Plan):
   """A stateful hook's initial state, one copy per device."""
-  from fsdp_jax import grads, hooks  # pylint: disable=import-outside-toplevel
+  from fsdp_jax._src import grads, hooks  # pylint: disable=import-outside-toplevel
   hook = plan.config.comm_hook
   if not hooks.is_stateful(hook):
     return None
@@ -670,8 +670,8 @@ def ignored_storage(plan: Plan, storage) -> dict:
 
 def _init_opt_state(plan: Plan, optimizer, storage):
   """``optimizer.init`` on the user's tree, evaluated on each device's shards
-  (see :mod:`fsdp_jax.optim`) and stored as a ``ShardedOptState``."""
-  from fsdp_jax.grads import split_trainable  # pylint: disable=import-outside-toplevel
+  (see :mod:`fsdp_jax._src.optim`) and stored as a ``ShardedOptState``."""
+  from fsdp_jax._src.grads import split_trainable  # pylint: disable=import-outside-toplevel
   lay = plan.opt_layout
   specs = optim.stored_specs(plan, lay)
   trainable = split_trainable(plan, storage)[0]
@@ -684,28 +684,6 @@ def _init_opt_state(plan: Plan, optimizer, storage):
 
 # --------------------------------------------------------------------------
 # Full parameters
-
-
-def full_params(state: ShardedTrainState, *, replicated: bool = True):
-  """The full, original parameter tree (PyTorch ``summon_full_params``).
-
-  Returns global arrays replicated on every device of the mesh (the default)
-  or, with ``replicated=False``, left where the compiler puts them.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
-    >>> mesh = fsdp_jax.make_mesh(shard=3, devices=jax.devices()[:3])
-    >>> params = {"w": jnp.arange(10.0)}
-    >>> state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1),
-    ...                                   mesh=mesh, config=fsdp_jax.FSDPConfig())
-    >>> fsdp_jax.full_params(state)["w"].tolist() == params["w"].tolist()
-    True
-  """
-  plan = state.plan
-  out_sh = NamedSharding(plan.mesh, P()) if replicated else None
-  fn = jax.jit(lambda storage: unpack_all(plan, offload.to_device(storage)),
-               out_shardings=out_sh)
-  return fn(state.params)
 
 
 def unpack_all(plan: Plan, storage):

@@ -35,13 +35,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fsdp_jax import offload
-from fsdp_jax.plan import Plan
-from fsdp_jax.state import ShardedTrainState
+from fsdp_jax._src import offload
+from fsdp_jax._src.plan import Plan
+from fsdp_jax._src.state import ShardedTrainState
 
 # The module itself, even when fsdp_jax/__init__.py binds the name
 # ``fsdp_jax.state_dict`` to the function of that name.
-sd = importlib.import_module("fsdp_jax.state_dict")
+sd = importlib.import_module("fsdp_jax._src.state_dict")
 
 __all__ = ["CheckpointError", "CheckpointManager", "export_params", "import_params"]
 
@@ -321,7 +321,7 @@ class CheckpointManager:
 
   Example:
     >>> import tempfile, jax, jax.numpy as jnp, optax, fsdp_jax
-    >>> from fsdp_jax.checkpoint import CheckpointManager
+    >>> from fsdp_jax import CheckpointManager
     >>> def build(n, **cfg):
     ...   mesh = fsdp_jax.make_mesh(shard=n, devices=jax.devices()[:n])
     ...   return fsdp_jax.init_train_state(params={"w": jnp.arange(6.0)},
@@ -332,7 +332,7 @@ class CheckpointManager:
     ...   target = jax.eval_shape(lambda: build(3, use_orig_params=True))
     ...   restored = mngr.restore(target)   # another mesh and layout
     True
-    >>> fsdp_jax.full_params(restored)["w"].tolist()
+    >>> fsdp_jax.summon_full_params(restored)["w"].tolist()
     [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
   """
 
@@ -451,7 +451,7 @@ class CheckpointManager:
 
     Example:
       >>> import tempfile, jax, jax.numpy as jnp, optax, fsdp_jax
-      >>> from fsdp_jax.checkpoint import CheckpointManager
+      >>> from fsdp_jax import CheckpointManager
       >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
       >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones(4)},
       ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
@@ -473,7 +473,7 @@ class CheckpointManager:
       raise CheckpointError(
           f"{fix} Cannot read the description ({META_ITEM!r} item) of {where}: the "
           "checkpoint is damaged or was not written by "
-          f"fsdp_jax.checkpoint.CheckpointManager.{_details(e)}") from e
+          f"fsdp_jax.CheckpointManager.{_details(e)}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
       raise CheckpointError(
           f"{fix} Not an fsdp_jax train-state checkpoint: {where} has a {META_ITEM!r} "
@@ -633,7 +633,7 @@ def export_params(state: ShardedTrainState, directory, *, force: bool = False) -
 
   Example:
     >>> import os, tempfile, jax, jax.numpy as jnp, optax, fsdp_jax
-    >>> from fsdp_jax.checkpoint import export_params, import_params
+    >>> from fsdp_jax import export_params, import_params
     >>> mesh = fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4])
     >>> params = {"layers": [{"w": jnp.ones((4, 2))}, {"w": jnp.zeros((2, 1))}]}
     >>> state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1),
@@ -677,7 +677,7 @@ def import_params(directory, *, sharding: Optional[jax.sharding.Sharding] = None
 
   Example:
     >>> import os, tempfile, jax, jax.numpy as jnp, optax, fsdp_jax
-    >>> from fsdp_jax.checkpoint import export_params, import_params
+    >>> from fsdp_jax import export_params, import_params
     >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
     >>> state = fsdp_jax.init_train_state(params={"w": jnp.arange(4.0)},
     ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fsdp_jax import offload
-from fsdp_jax.config import FSDPConfig, MixedPrecision, ShardingStrategy, gradient_divide_factors
-from fsdp_jax.mesh import MeshAxes
+from fsdp_jax._src import offload
+from fsdp_jax._src.config import FSDPConfig, MixedPrecision, ShardingStrategy, gradient_divide_factors
+from fsdp_jax._src.mesh import MeshAxes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +95,7 @@ class Plan:
   axes: MeshAxes
   # dtypes of the model state (buffers) before the cast to buffer_dtype.
   model_state_dtypes: Optional[tuple] = None
-  # How the optimizer's state is stored (fsdp_jax.optim.OptLayout) and how
+  # How the optimizer's state is stored (fsdp_jax._src.optim.OptLayout) and how
   # its update runs; set by init_train_state.
   opt_layout: Any = None
   opt_update: Any = None
@@ -299,7 +299,7 @@ class Plan:
       >>> kept(reshard_after_forward=True), kept(reshard_after_forward=2), kept(reshard_after_forward=False)
       (0, 16384, 32768)
     """
-    from fsdp_jax import collectives, layout  # pylint: disable=import-outside-toplevel
+    from fsdp_jax._src import collectives, layout  # pylint: disable=import-outside-toplevel
     if not self.axes.shard_axes:
       return 0
     total = 0
@@ -398,7 +398,7 @@ class Plan:
     lines.append("  collectives per step: " + ", ".join(f"{v} {k}" for k, v in coll.items() if v))
     lines.extend(self._zeropp_lines())
     if self.opt_layout is not None:
-      from fsdp_jax import optim  # pylint: disable=import-outside-toplevel
+      from fsdp_jax._src import optim  # pylint: disable=import-outside-toplevel
       sharded, replicated = optim.state_bytes(self, self.opt_layout)
       slots = ", ".join(self.opt_layout.slot_names) or "none"
       lines.append(f"  optimizer state: {sharded + replicated:,} bytes/device "

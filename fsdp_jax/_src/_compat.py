@@ -424,10 +424,10 @@ def classic_tracing():
   """Traces ``jax.checkpoint`` and ``lax.scan`` to the classic ``remat2`` /
   ``scan`` equations while it is active, whatever the user set globally.
 
-  fsdp_jax's rewrite (:mod:`fsdp_jax.schedule`) reads those equations: it
+  fsdp_jax's rewrite (:mod:`fsdp_jax._src.schedule`) reads those equations: it
   pushes a stacked unit's gather into the scan body, keeps a model's own
   checkpoint policies, and orders collectives across the step's remat. Its
-  remat policy (:func:`fsdp_jax.collectives.remat_policy`) decides for every
+  remat policy (:func:`fsdp_jax._src.collectives.remat_policy`) decides for every
   primitive, which ``jax_remat3`` does not ask it for (it always recomputes
   primitives without a remat rule, so SHARD_GRAD_OP would re-gather).
   Numbers are the same under either implementation; only the representation

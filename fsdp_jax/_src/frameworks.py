@@ -86,7 +86,7 @@ def equinox_classes(module) -> dict:
   ``module``'s tree (the root at ``()``), paths spelled as the parameter
   tree's dotted names (``("layers", "0")``). The model is walked, never
   called."""
-  from fsdp_jax.state import key_name  # pylint: disable=import-outside-toplevel
+  from fsdp_jax._src.state import key_name  # pylint: disable=import-outside-toplevel
   eqx = _eqx()
   out = {(): type(module)}
 

@@ -10,7 +10,7 @@ reads one of its parameters.
   shard, instead of gathering the whole stack before the loop.
 * Liveness does the rest: a gathered value dies after its last use. For
   FULL_SHARD the step wraps the evaluation in ``jax.checkpoint`` with
-  :func:`fsdp_jax.collectives.remat_policy`, so the backward re-gathers.
+  :func:`fsdp_jax._src.collectives.remat_policy`, so the backward re-gathers.
 * The model's own ``jax.checkpoint`` / ``nn.remat`` calls keep their policy.
   JAX partially evaluates a ``jax.checkpoint`` nested in another one with the
   *outer* policy (jax-ml/jax#18817): under the step's remat, which saves
@@ -29,9 +29,9 @@ from typing import Callable, Optional
 import jax
 from jax import lax
 
-from fsdp_jax import _compat
-from fsdp_jax import collectives
-from fsdp_jax._compat import DropVar, Jaxpr, Literal
+from fsdp_jax._src import _compat
+from fsdp_jax._src import collectives
+from fsdp_jax._src._compat import DropVar, Jaxpr, Literal
 
 # Binds an equation again, keeping its name scope and source location
 # (profiler labels survive the re-evaluation), as ``jax.core.eval_jaxpr``.
@@ -93,7 +93,7 @@ def _saved_if_mixed(eqn, in_classes, outs, enabled: bool = True):
   the backward pass, keeping the parameter alive until then).
 
   The step's remat recomputes elementwise and layout primitives
-  (:data:`fsdp_jax.collectives.RECOMPUTED`). Recomputing ``h + bias`` or
+  (:data:`fsdp_jax._src.collectives.RECOMPUTED`). Recomputing ``h + bias`` or
   ``x * scale`` would need the parameter in the backward pass wherever the
   value is read, e.g. a block's output read by the next block's backward,
   and so keep other units gathered. Saving these values (one activation

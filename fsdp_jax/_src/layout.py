@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fsdp_jax.collectives import GatherSpec
-from fsdp_jax.hooks import is_stateful
-from fsdp_jax.config import is_float_dtype
-from fsdp_jax.plan import Plan, UnitSpec
+from fsdp_jax._src.collectives import GatherSpec
+from fsdp_jax._src.hooks import is_stateful
+from fsdp_jax._src.config import is_float_dtype
+from fsdp_jax._src.plan import Plan, UnitSpec
 
 
 def pack_unit(plan: Plan, unit: UnitSpec, full_leaves: dict):

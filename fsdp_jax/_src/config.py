@@ -4,7 +4,7 @@ Every option keeps PyTorch's name and default. Options that change numbers
 follow PyTorch's documented semantics; options that only change scheduling in
 PyTorch (``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``)
 become explicit ordering of the step's collectives against its computation
-(see :func:`fsdp_jax.schedule.ordered`).
+(see :func:`fsdp_jax._src.schedule.ordered`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsdp_jax.quantization import Quantization
+from fsdp_jax._src.quantization import Quantization
 
 
 class ShardingStrategy(enum.Enum):
@@ -155,7 +155,7 @@ class FSDPConfig:
     cpu_offload: a :class:`CPUOffload` or ``None``; ``CPUOffload(offload_params=True)``
       keeps the sharded params and optimizer state in host memory.
     auto_wrap_policy: a wrap policy choosing the FSDP units (see
-      :mod:`fsdp_jax.wrap`); ``None`` makes the whole tree one root unit.
+      :mod:`fsdp_jax._src.wrap`); ``None`` makes the whole tree one root unit.
     backward_prefetch: when the backward pass re-gathers the next unit
       (FULL_SHARD/HYBRID_SHARD): ``BackwardPrefetch.BACKWARD_PRE`` (default:
       before the current unit's gradient computation; most overlap, most
@@ -334,7 +334,7 @@ class FSDPConfig:
         self.mixed_precision, MixedPrecision):
       raise TypeError("mixed_precision must be a fsdp_jax.MixedPrecision or None.")
     if self.comm_hook is not None:
-      from fsdp_jax.hooks import check_hook  # pylint: disable=import-outside-toplevel
+      from fsdp_jax._src.hooks import check_hook  # pylint: disable=import-outside-toplevel
       check_hook(self.comm_hook)
     if isinstance(self.stacked_layers, str):
       object.__setattr__(self, "stacked_layers", (self.stacked_layers,))

@@ -45,8 +45,8 @@ from jax import lax
 from jax.extend.core import Literal
 from jax.sharding import PartitionSpec as P
 
-from fsdp_jax import _compat, offload
-from fsdp_jax.plan import Plan
+from fsdp_jax._src import _compat, offload
+from fsdp_jax._src.plan import Plan
 
 __all__ = ["ShardedOptState", "OptLayout", "OptEntry", "UpdateReport"]
 
@@ -1212,7 +1212,7 @@ def update_local(plan: Plan, optimizer, grads, opt_state: ShardedOptState, param
   """Inside ``shard_map``: one optimizer step on the local shards.
 
   ``grads`` and ``params`` are the local trainable gradient and parameter
-  shards (the layout of :func:`fsdp_jax.split_trainable`'s first output).
+  shards (the layout of :func:`fsdp_jax.custom.split_trainable`'s first output).
   Returns ``(new trainable params, new ShardedOptState)``.
   """
   lay = opt_state.layout
@@ -1268,7 +1268,7 @@ def _trainable_tree(plan: Plan, stored: dict):
 
 def analyse(plan: Plan, optimizer, lay: OptLayout) -> UpdateReport:
   """Traces one sharded update abstractly and reports what it needs."""
-  from fsdp_jax.grads import param_specs, split_trainable  # pylint: disable=import-outside-toplevel
+  from fsdp_jax._src.grads import param_specs, split_trainable  # pylint: disable=import-outside-toplevel
   report = UpdateReport()
   p_specs = split_trainable(plan, param_specs(plan))[0]
   o_specs = stored_specs(plan, lay)
@@ -1294,7 +1294,7 @@ def _unpack_units(plan: Plan, tree, ids=None) -> dict:
   """A global tree laid out like the stored params (or a slot of it) ->
   ``{leaf id: logical array}`` for the leaves in ``ids`` (default: all
   trainable ones present)."""
-  from fsdp_jax import layout  # pylint: disable=import-outside-toplevel
+  from fsdp_jax._src import layout  # pylint: disable=import-outside-toplevel
   out = {}
   present = slot_items(plan, tree)
   for unit in plan.units:
@@ -1321,7 +1321,7 @@ def _unpack_units(plan: Plan, tree, ids=None) -> dict:
 def _pack_units(plan: Plan, values: dict, dtypes: dict) -> dict:
   """``{leaf id: logical array}`` -> ``{storage key: stored global array}``
   (absent leaves of a flat unit are zeros)."""
-  from fsdp_jax import layout  # pylint: disable=import-outside-toplevel
+  from fsdp_jax._src import layout  # pylint: disable=import-outside-toplevel
   out = {}
   for unit in plan.units:
     ids = [i for i in unit.leaf_ids if i in values]
@@ -1393,7 +1393,7 @@ def update_global(plan: Plan, optimizer, grads, opt_state: ShardedOptState, para
   # state's (the next step is compiled for them).
   new_state = jax.lax.with_sharding_constraint(
       new_state, jax.tree.map(lambda s: s.sharding, stored_shapes(plan, lay)))
-  from fsdp_jax.grads import split_trainable  # pylint: disable=import-outside-toplevel
+  from fsdp_jax._src.grads import split_trainable  # pylint: disable=import-outside-toplevel
   p_sh = split_trainable(plan, plan.storage_shardings())[0]
   new_params = jax.lax.with_sharding_constraint(_trainable_tree(plan, stored), p_sh)
   return new_params, new_state

@@ -11,14 +11,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fsdp_jax import _compat
-from fsdp_jax import grads as grads_lib
-from fsdp_jax import loss as loss_lib
-from fsdp_jax import offload, optim
-from fsdp_jax.config import FSDPConfig, is_float_dtype
-from fsdp_jax.mesh import cpu_flags_active
-from fsdp_jax.plan import Plan
-from fsdp_jax.state import ShardedTrainState
+from fsdp_jax._src import _compat
+from fsdp_jax._src import grads as grads_lib
+from fsdp_jax._src import loss as loss_lib
+from fsdp_jax._src import offload, optim
+from fsdp_jax._src.config import FSDPConfig, is_float_dtype
+from fsdp_jax._src.mesh import cpu_flags_active
+from fsdp_jax._src.plan import Plan
+from fsdp_jax._src.state import ShardedTrainState
 
 
 def check_batch(plan: Plan, batch) -> None:

@@ -216,7 +216,7 @@ def entry_memory_bytes(hlo_text: str) -> EntryMemory:
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import SingleDeviceSharding
-    >>> from fsdp_jax.offload import entry_memory_bytes
+    >>> from fsdp_jax.hlo import entry_memory_bytes
     >>> host = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
     >>> x = jax.device_put(jnp.ones(256), host)
     >>> f = jax.jit(lambda x, y: (x, y + 1))

@@ -29,11 +29,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fsdp_jax import _compat
-from fsdp_jax import collectives, frameworks, hooks, layout, optim, schedule
-from fsdp_jax import loss as loss_lib
-from fsdp_jax.config import is_float_dtype, is_key_dtype
-from fsdp_jax.plan import Plan
+from fsdp_jax._src import _compat
+from fsdp_jax._src import collectives, frameworks, hooks, layout, optim, schedule
+from fsdp_jax._src import loss as loss_lib
+from fsdp_jax._src.config import is_float_dtype, is_key_dtype
+from fsdp_jax._src.plan import Plan
 
 
 # --------------------------------------------------------------------------
@@ -97,7 +97,7 @@ def optimizer_step(optimizer, grads, opt_state, params, *, plan: Plan, value=Non
   Runs ``optimizer.update`` and ``optax.apply_updates`` on the tree passed to
   ``init_train_state`` (its paths, unpadded shapes and dtypes; frozen leaves
   are ``None``), evaluated on this device's shards so that the result is what
-  the optimizer computes unsharded (see :mod:`fsdp_jax.optim`): elementwise
+  the optimizer computes unsharded (see :mod:`fsdp_jax._src.optim`): elementwise
   work stays local, a whole-parameter reduction costs one scalar all-reduce,
   an operation that needs a whole parameter gathers it.
 
@@ -116,7 +116,7 @@ def optimizer_step(optimizer, grads, opt_state, params, *, plan: Plan, value=Non
   Example (inside the body of a ``jax.shard_map``; see docs/custom_step.md)::
 
     out, grads, _ = vg(params, batch)
-    params, opt_state = fsdp_jax.optimizer_step(opt, grads, opt_state, params,
+    params, opt_state = fsdp_jax.custom.optimizer_step(opt, grads, opt_state, params,
                                                 plan=plan)
   """
   trainable, frozen = split_trainable(plan, params)
@@ -917,7 +917,7 @@ def nonfinite_leaves(grads, *, plan: Plan):
   """Per trainable parameter (in ``tree_leaves`` order), whether any element
   of its reduced gradient is non-finite, agreed over the data axes (inside
   ``jax.shard_map``; one small all-reduce)."""
-  from fsdp_jax.optim import _Geometry  # pylint: disable=import-outside-toplevel
+  from fsdp_jax._src.optim import _Geometry  # pylint: disable=import-outside-toplevel
   geo = _Geometry(plan)
   flags = []
   stored = (jax.tree_util.tree_leaves(grads) if plan.use_orig_params else grads)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from fsdp_jax.config import FSDPConfig, ShardingStrategy
+from fsdp_jax._src.config import FSDPConfig, ShardingStrategy
 
 SHARD = "shard"
 REPLICATE = "replicate"

@@ -24,10 +24,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fsdp_jax import grads as grads_lib
-from fsdp_jax import layout, offload
-from fsdp_jax import loss as loss_lib
-from fsdp_jax.state import (ShardedTrainState, assemble_storage, ignored_storage,
+from fsdp_jax._src import grads as grads_lib
+from fsdp_jax._src import layout, offload
+from fsdp_jax._src import loss as loss_lib
+from fsdp_jax._src.state import (ShardedTrainState, assemble_storage, ignored_storage,
                             pack_ignored, unpack_all)
 
 
@@ -68,7 +68,7 @@ def summon_full_params(state: ShardedTrainState, *, rank0_only: bool = False,
   if with_grads and grads is None:
     raise ValueError(
         "summon_full_params(with_grads=True) needs grads=: the reduced gradient "
-        "shards, e.g. fsdp_jax.sharded_grads(loss_fn, state, batch). The train "
+        "shards, e.g. fsdp_jax.custom.sharded_grads(loss_fn, state, batch). The train "
         "state holds no gradients between steps.")
   plan = state.plan
   replicated = NamedSharding(plan.mesh, P())
@@ -110,7 +110,7 @@ def write_full_params(state: ShardedTrainState, fn: Callable[[Any], Any], *,
     >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones(5)},
     ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
     >>> state = fsdp_jax.write_full_params(state, lambda p: {"w": p["w"] * 2})
-    >>> fsdp_jax.full_params(state)["w"].tolist()
+    >>> fsdp_jax.summon_full_params(state)["w"].tolist()
     [2.0, 2.0, 2.0, 2.0, 2.0]
   """
   if rank0_only:
@@ -162,7 +162,7 @@ def apply(state: ShardedTrainState, fn: Callable[[str, Any], Any]) -> ShardedTra
     ...     params={"w": jnp.ones((2, 3)), "bias": jnp.ones(3)},
     ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
     >>> state = fsdp_jax.apply(state, lambda name, x: x * 0 if name.endswith("bias") else x)
-    >>> fsdp_jax.full_params(state)["bias"].tolist()
+    >>> fsdp_jax.summon_full_params(state)["bias"].tolist()
     [0.0, 0.0, 0.0]
   """
   plan = state.plan
@@ -207,7 +207,7 @@ def sharded_grads(loss_fn: Callable, state: ShardedTrainState, batch):
   updating the state. Pass them to ``summon_full_params(with_grads=True,
   grads=...)`` to see full gradients.
   """
-  from fsdp_jax.step import place_batch  # pylint: disable=import-outside-toplevel
+  from fsdp_jax._src.step import place_batch  # pylint: disable=import-outside-toplevel
   plan = state.plan
   vg = grads_lib.value_and_grad(loss_fn, plan=plan)
   p_specs = grads_lib.param_specs(plan)

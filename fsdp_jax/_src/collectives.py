@@ -38,10 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fsdp_jax import _compat
-from fsdp_jax._compat import Primitive
+from fsdp_jax._src import _compat
+from fsdp_jax._src._compat import Primitive
 
-from fsdp_jax import quantization
+from fsdp_jax._src import quantization
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,7 +339,7 @@ def pack_gradient(cts, spec: GatherSpec, order=None):
 def reduce_packed(g, spec: GatherSpec, stored_dtype):
   """The buffer from :func:`pack_gradient` -> this device's reduced shard."""
   if spec.hook is not None:
-    from fsdp_jax.hooks import call_hook  # hooks imports this module
+    from fsdp_jax._src.hooks import call_hook  # hooks imports this module
     r, _ = call_hook(spec.hook, None, g, spec)
   else:
     r = reduce_gradient(g, dataclasses.replace(spec, pre_divide=1.0), tiled=spec.flat)
@@ -372,7 +372,7 @@ _compat.deflinear(fsdp_all_gather_p, _gather_transpose)
 
 
 # The transpose of the gather: one equation per unit (and dtype group) in the
-# differentiated program, so :mod:`fsdp_jax.schedule` can order reductions
+# differentiated program, so :mod:`fsdp_jax._src.schedule` can order reductions
 # against gathers and compute.
 fsdp_reduce_p = Primitive("fsdp_reduce")
 fsdp_reduce_p.def_abstract_eval(_reduce_abstract_eval)
@@ -383,7 +383,7 @@ def _no_eager(name: str):
   def impl(*args, **kwargs):
     raise RuntimeError(
         f"{name} only runs inside fsdp_jax's sharded step (a function traced by "
-        "shard_train_step or fsdp_jax.value_and_grad under jax.shard_map); it was "
+        "shard_train_step or fsdp_jax.custom.value_and_grad under jax.shard_map); it was "
         "called eagerly. Fix: call it from loss_fn / the custom step, not directly.")
   return impl
 

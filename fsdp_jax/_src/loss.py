@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fsdp_jax import _compat
-from fsdp_jax._compat import Literal
+from fsdp_jax._src import _compat
+from fsdp_jax._src._compat import Literal
 
 __all__ = ["WeightedLoss"]
 
@@ -165,7 +165,7 @@ def explain_unbound_axis(name: str, plan) -> str:
 
 
 def _aliases(plan) -> tuple[str, ...]:
-  from fsdp_jax.config import data_axis_names  # pylint: disable=import-outside-toplevel
+  from fsdp_jax._src.config import data_axis_names  # pylint: disable=import-outside-toplevel
   return data_axis_names(plan.config)
 
 

@@ -45,10 +45,10 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fsdp_jax import layout, offload
-from fsdp_jax.config import StateDictType
-from fsdp_jax.plan import LeafSpec, Plan, UnitSpec
-from fsdp_jax.state import ShardedTrainState, key_name
+from fsdp_jax._src import layout, offload
+from fsdp_jax._src.config import StateDictType
+from fsdp_jax._src.plan import LeafSpec, Plan, UnitSpec
+from fsdp_jax._src.state import ShardedTrainState, key_name
 
 __all__ = [
     "OptimStateKeyType", "full_optim_state_dict", "load_state_dict",
@@ -385,7 +385,7 @@ def _flat_keys(plan: Plan) -> list[str]:
 
 @dataclasses.dataclass
 class OptLayout:
-  """The stored optimizer state (a :class:`~fsdp_jax.optim.ShardedOptState`)
+  """The stored optimizer state (a :class:`~fsdp_jax._src.optim.ShardedOptState`)
   as named entries, in the order of ``optimizer.init(params)``'s leaves:
 
   * ``("slot", slot, tree)``: a slot laid out like the stored params
@@ -400,7 +400,7 @@ class OptLayout:
 
   def unflatten(self, values):
     """Entries' values (same order) -> a ``ShardedOptState``."""
-    from fsdp_jax import optim  # pylint: disable=import-outside-toplevel
+    from fsdp_jax._src import optim  # pylint: disable=import-outside-toplevel
     lay = self.state.layout
     slots, leaves = {}, {}
     pleaf_paths = {(e.param, e.slot): e.path for e in lay.entries if e.kind == "param"}
@@ -428,7 +428,7 @@ class OptLayout:
 
 def opt_layout(plan: Plan, opt_state) -> OptLayout:
   """Names the entries of a state's optimizer state (concrete or abstract)."""
-  from fsdp_jax import optim  # pylint: disable=import-outside-toplevel
+  from fsdp_jax._src import optim  # pylint: disable=import-outside-toplevel
   if not isinstance(opt_state, optim.ShardedOptState):
     raise TypeError(
         f"The state's opt_state is a {type(opt_state).__name__}, not the "
@@ -545,7 +545,7 @@ def state_dict(state: ShardedTrainState, *,
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax
-    >>> from fsdp_jax.state_dict import state_dict
+    >>> from fsdp_jax import state_dict
     >>> mesh = fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4])
     >>> state = fsdp_jax.init_train_state(
     ...     params={"dense": {"w": jnp.ones((8, 3)), "b": jnp.zeros(3)}},
@@ -630,7 +630,7 @@ def load_state_dict(state: ShardedTrainState, state_dict: dict, *,
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, optax, fsdp_jax
-    >>> from fsdp_jax.state_dict import load_state_dict, state_dict
+    >>> from fsdp_jax import load_state_dict, state_dict
     >>> params = {"w": jnp.arange(12.0).reshape(4, 3)}
     >>> def build(n, **cfg):
     ...   mesh = fsdp_jax.make_mesh(shard=n, devices=jax.devices()[:n])
@@ -641,7 +641,7 @@ def load_state_dict(state: ShardedTrainState, state_dict: dict, *,
     ...     state, state_dict_type=fsdp_jax.StateDictType.SHARDED_STATE_DICT)
     >>> other = load_state_dict(build(3, use_orig_params=True), sharded,
     ...     state_dict_type=fsdp_jax.StateDictType.SHARDED_STATE_DICT)
-    >>> fsdp_jax.full_params(other)["w"].tolist() == params["w"].tolist()
+    >>> fsdp_jax.summon_full_params(other)["w"].tolist() == params["w"].tolist()
     True
   """
   fn = "load_state_dict"
@@ -730,7 +730,7 @@ def _check_local_metadata(plan: Plan, meta, what: str):
                      "metadata; pass the dict returned with LOCAL_STATE_DICT unchanged.")
   fix = ("A local state dict holds raw shards and loads only onto the same layout "
          "(use_orig_params), wrap policy and shard count. Fix: take a SHARDED_STATE_DICT "
-         "or FULL_STATE_DICT (or use fsdp_jax.checkpoint.CheckpointManager) to change "
+         "or FULL_STATE_DICT (or use fsdp_jax.CheckpointManager) to change "
          "mesh, strategy or layout.")
   if meta.get("layout") != mine["layout"]:
     raise ValueError(f"{what}: it was taken from the {meta.get('layout')} layout but this "
@@ -853,7 +853,7 @@ def optim_state_dict(state: ShardedTrainState, *,
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax
-    >>> from fsdp_jax.state_dict import optim_state_dict
+    >>> from fsdp_jax import optim_state_dict
     >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
     >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 3))},
     ...     optimizer=optax.adam(1e-3), mesh=mesh, config=fsdp_jax.FSDPConfig())
@@ -889,7 +889,7 @@ def full_optim_state_dict(state: ShardedTrainState, *, rank0_only: bool = True) 
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax
-    >>> from fsdp_jax.state_dict import full_optim_state_dict
+    >>> from fsdp_jax import full_optim_state_dict
     >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
     >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones(5)},
     ...     optimizer=optax.sgd(0.1, momentum=0.9), mesh=mesh,
@@ -1088,7 +1088,7 @@ def optim_state_dict_to_load(state: ShardedTrainState, optim_state_dict: dict, *
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax
-    >>> from fsdp_jax.state_dict import optim_state_dict, optim_state_dict_to_load
+    >>> from fsdp_jax import optim_state_dict, optim_state_dict_to_load
     >>> def build(n, **cfg):
     ...   mesh = fsdp_jax.make_mesh(shard=n, devices=jax.devices()[:n])
     ...   return fsdp_jax.init_train_state(params={"w": jnp.ones((5, 2))},
@@ -1122,7 +1122,7 @@ def shard_full_optim_state_dict(full_optim_state_dict: dict, state: ShardedTrain
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax
-    >>> from fsdp_jax.state_dict import (full_optim_state_dict,
+    >>> from fsdp_jax import (full_optim_state_dict,
     ...                                  shard_full_optim_state_dict)
     >>> def build(n):
     ...   mesh = fsdp_jax.make_mesh(shard=n, devices=jax.devices()[:n])
@@ -1149,7 +1149,7 @@ def scatter_full_optim_state_dict(full_optim_state_dict: Optional[dict],
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax
-    >>> from fsdp_jax.state_dict import (full_optim_state_dict,
+    >>> from fsdp_jax import (full_optim_state_dict,
     ...                                  scatter_full_optim_state_dict)
     >>> mesh = fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4])
     >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones(6)},
@@ -1204,7 +1204,7 @@ def rekey_optim_state_dict(optim_state_dict: dict, optim_state_key_type: OptimSt
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax
-    >>> from fsdp_jax.state_dict import (OptimStateKeyType, full_optim_state_dict,
+    >>> from fsdp_jax import (OptimStateKeyType, full_optim_state_dict,
     ...                                  rekey_optim_state_dict)
     >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
     >>> state = fsdp_jax.init_train_state(

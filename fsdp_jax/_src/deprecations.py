@@ -1,0 +1,104 @@
+"""Old names that keep working, with a ``DeprecationWarning`` naming the new one.
+
+Two kinds:
+
+* top-level names that moved or merged: the custom-step building blocks now
+  live in :mod:`fsdp_jax.custom`, and ``full_params`` is
+  :func:`fsdp_jax.summon_full_params` (one name for one job);
+* the old module paths (``fsdp_jax.config``, ``fsdp_jax.state_dict``, ...)
+  from before the implementation moved to ``fsdp_jax._src``. Each is a small
+  alias module in ``sys.modules`` (so ``from fsdp_jax.config import
+  FSDPConfig`` works) that is *not* set as an attribute of the package: the
+  attribute ``fsdp_jax.state_dict`` stays the function, never shadowed by a
+  module of the same name.
+
+Nothing here runs until an old name is used; the aliases hold no state.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+import warnings
+
+# Top-level name -> (new public spelling, module, attribute).
+MOVED_NAMES = {
+    "full_params": ("fsdp_jax.summon_full_params", "fsdp_jax._src.full", "summon_full_params"),
+    "value_and_grad": ("fsdp_jax.custom.value_and_grad", "fsdp_jax._src.grads", "value_and_grad"),
+    "clip_grad_norm": ("fsdp_jax.custom.clip_grad_norm", "fsdp_jax._src.grads", "clip_grad_norm"),
+    "optimizer_step": ("fsdp_jax.custom.optimizer_step", "fsdp_jax._src.grads", "optimizer_step"),
+    "param_specs": ("fsdp_jax.custom.param_specs", "fsdp_jax._src.grads", "param_specs"),
+    "batch_spec": ("fsdp_jax.custom.batch_spec", "fsdp_jax._src.grads", "batch_spec"),
+    "split_trainable": ("fsdp_jax.custom.split_trainable", "fsdp_jax._src.grads", "split_trainable"),
+    "merge_trainable": ("fsdp_jax.custom.merge_trainable", "fsdp_jax._src.grads", "merge_trainable"),
+    "sharded_grads": ("fsdp_jax.custom.sharded_grads", "fsdp_jax._src.full", "sharded_grads"),
+    "opt_state_specs": ("fsdp_jax.custom.opt_state_specs", "fsdp_jax._src.state", "opt_state_specs"),
+}
+
+# Old public module path (under fsdp_jax.) -> its implementation module.
+MOVED_MODULES = (
+    "checkpoint", "collectives", "config", "frameworks", "full", "grads",
+    "layout", "loss", "mesh", "offload", "optim", "plan", "quantization",
+    "schedule", "state", "state_dict", "step", "wrap",
+)
+
+
+def _public_spelling(module: str, name: str) -> str:
+  """Where ``fsdp_jax.<module>.<name>`` lives now, as a user should write it."""
+  import fsdp_jax  # pylint: disable=import-outside-toplevel
+  import fsdp_jax.custom  # pylint: disable=import-outside-toplevel
+  if name in getattr(fsdp_jax, "__all__", ()):
+    return f"fsdp_jax.{name}"
+  if name in fsdp_jax.custom.__all__:
+    return f"fsdp_jax.custom.{name}"
+  if name in MOVED_NAMES:
+    return MOVED_NAMES[name][0]
+  if name == "entry_memory_bytes":
+    return "fsdp_jax.hlo.entry_memory_bytes"
+  return f"fsdp_jax._src.{module}.{name} (internal: it may change without notice)"
+
+
+class _MovedModule(types.ModuleType):
+  """``fsdp_jax.<module>``: forwards attribute reads to ``fsdp_jax._src.<module>``."""
+
+  def __init__(self, package: str, module: str):
+    super().__init__(f"{package}.{module}",
+                     f"Deprecated alias of fsdp_jax._src.{module}; see fsdp_jax.")
+    self._fsdp_module = module
+
+  def __getattr__(self, name: str):
+    if name.startswith("__"):
+      raise AttributeError(name)
+    target = importlib.import_module(f"fsdp_jax._src.{self._fsdp_module}")
+    value = getattr(target, name)  # AttributeError as usual for a wrong name
+    warnings.warn(
+        f"fsdp_jax.{self._fsdp_module}.{name} is deprecated: use "
+        f"{_public_spelling(self._fsdp_module, name)}.",
+        DeprecationWarning, stacklevel=2)
+    return value
+
+  def __dir__(self):
+    return dir(importlib.import_module(f"fsdp_jax._src.{self._fsdp_module}"))
+
+
+def register_moved_modules(package: str) -> None:
+  """Puts the alias modules into ``sys.modules`` (not onto the package)."""
+  for module in MOVED_MODULES:
+    sys.modules.setdefault(f"{package}.{module}", _MovedModule(package, module))
+
+
+def package_getattr(package: str):
+  """The package's module ``__getattr__``: moved names and old module paths."""
+
+  def __getattr__(name: str):
+    if name in MOVED_NAMES:
+      new, module, attr = MOVED_NAMES[name]
+      warnings.warn(f"fsdp_jax.{name} is deprecated: use {new}.",
+                    DeprecationWarning, stacklevel=2)
+      return getattr(importlib.import_module(module), attr)
+    if name in MOVED_MODULES:  # fsdp_jax.config etc. (fsdp_jax.state_dict is the function)
+      return sys.modules[f"{package}.{name}"]
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+  return __getattr__
