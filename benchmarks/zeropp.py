@@ -57,7 +57,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import fsdp_jax  # noqa: E402
-from fsdp_jax import hlo  # noqa: E402
+from fsdp_jax._src import hlo  # noqa: E402
 
 S = fsdp_jax.ShardingStrategy
 Q = fsdp_jax.Quantization

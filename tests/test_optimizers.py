@@ -23,7 +23,7 @@ import optax.contrib
 import pytest
 
 import fsdp_jax
-from fsdp_jax import hlo, layout, optim
+from fsdp_jax._src import hlo, layout, optim
 from fsdp_jax._src import state as state_lib
 from fsdp_jax._src.config import ShardingStrategy as S
 

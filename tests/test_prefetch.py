@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import fsdp_jax
-from fsdp_jax import hlo
+from fsdp_jax._src import hlo
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
                      reference_run, sharded_run)
 

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import fsdp_jax
-from fsdp_jax import hlo, quantization
+from fsdp_jax._src import hlo, quantization
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
                      reference_run, sharded_run)
 
