@@ -17,7 +17,7 @@ from fsdp_jax import hlo
 from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
-                     reference_run, sharded_run)
+                     reference_run, sharded_run, train_steps)
 
 WRAP_BLOCKS = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
 BF16 = fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32,
@@ -240,10 +240,7 @@ def test_frozen_parameters(use_orig_params):
                                     requires_grad=mask)
   step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config)
   text = step.lower(state, batches[0]).compile().as_text()
-  losses = []
-  for batch in batches:
-    state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
+  state, losses = train_steps(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
   full = fsdp_jax.summon_full_params(state)
   # Frozen leaves never change; trainable ones match the reference.

@@ -14,7 +14,7 @@ from fsdp_jax import hlo
 from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
-                     reference_run)
+                     reference_run, train_steps)
 
 WRAP_BLOCKS = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
 
@@ -32,10 +32,7 @@ def test_accumulation_equals_one_step(k, accumulation, use_orig_params):
   state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=config)
   step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config,
                                    gradient_accumulation_steps=k, accumulation=accumulation)
-  losses = []
-  for batch in batches:
-    state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
+  state, losses = train_steps(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_final, rtol=1e-5)
 

@@ -22,7 +22,7 @@ import pytest
 import fsdp_jax
 from fsdp_jax import hlo, quantization
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
-                     reference_run, sharded_run)
+                     reference_run, sharded_run, train_steps)
 
 S = fsdp_jax.ShardingStrategy
 Q = fsdp_jax.Quantization
@@ -94,10 +94,7 @@ def test_reshard_after_forward_k_with_bf16_accumulation_and_clipping():
     state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=cfg)
     step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=cfg, max_norm=0.5,
                                      gradient_accumulation_steps=3)
-    losses = []
-    for batch in batches:
-      state, metrics = step(state, batch)
-      losses.append(float(metrics["loss"]))
+    state, losses = train_steps(step, state, batches)
     out[k] = losses, fsdp_jax.summon_full_params(state)
   assert out[True][0] == out[2][0]
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
