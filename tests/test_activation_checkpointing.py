@@ -43,6 +43,9 @@ from fsdp_jax import hlo as hlo_lib
 
 from helpers import assert_trees_close, jit_reference_run, mesh_for, train_steps
 
+# Each test compiles checkpointed and reference steps and reads their memory.
+pytestmark = pytest.mark.slow
+
 FULL_SHARD = fsdp_jax.ShardingStrategy.FULL_SHARD
 SHARD_GRAD_OP = fsdp_jax.ShardingStrategy.SHARD_GRAD_OP
 HYBRID_SHARD = fsdp_jax.ShardingStrategy.HYBRID_SHARD

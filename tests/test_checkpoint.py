@@ -133,6 +133,7 @@ def run(tmp_path_factory, background):
     proc.kill()
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_exact(run):
   with CheckpointManager(run["dir"], read_only=True) as mngr:
     assert mngr.all_steps() == [BEFORE]
@@ -146,6 +147,7 @@ def test_resume_is_bitwise_exact(run):
   _assert_bitwise(restored.opt_state, run["final"].opt_state)
 
 
+@pytest.mark.slow
 def test_restore_on_4_2_3_devices_in_separate_processes(run):
   """Saved on 8 devices; each process restores onto its own device count,
   strategy and layout, and training continues with the same numbers."""
@@ -163,6 +165,7 @@ def test_restore_on_4_2_3_devices_in_separate_processes(run):
         np.testing.assert_allclose(res[name], value, rtol=2e-4, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_restore_onto_other_strategy_and_layout_in_process(run):
   mesh = mesh_for(S._HYBRID_SHARD_ZERO2, 4, 2)
   config = _config(S._HYBRID_SHARD_ZERO2, orig=True)
@@ -213,6 +216,7 @@ def test_retention_and_save_interval(tmp_path):
     assert mngr.metadata(4)["saved_with"]["mesh"] == {"shard": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["write", "finalize"])
 def test_killed_save_leaves_previous_checkpoint(where, background):
   """SIGKILL while the async save of step 2 writes its arrays, or after it
@@ -239,6 +243,7 @@ def test_killed_save_leaves_previous_checkpoint(where, background):
   assert sorted(n for n in os.listdir(directory) if n[0].isdigit()) == ["1", "2"]
 
 
+@pytest.mark.slow
 def test_two_processes_state_dicts_and_checkpoint(background):
   """With 2 jax.distributed processes: rank0_only dicts are empty off process
   0, scatter_full_optim_state_dict takes the dict from process 0 only, and a

@@ -31,6 +31,9 @@ import fsdp_jax
 import helpers
 from helpers import train_steps
 
+# Each test trains a real model (transformers, nn.scan stacks) and its reference.
+pytestmark = pytest.mark.slow
+
 FULL_SHARD = fsdp_jax.ShardingStrategy.FULL_SHARD
 SHARD_GRAD_OP = fsdp_jax.ShardingStrategy.SHARD_GRAD_OP
 HYBRID_SHARD = fsdp_jax.ShardingStrategy.HYBRID_SHARD

@@ -78,6 +78,7 @@ def _id(case):
           + (f"-clip{clip}" if clip else ""))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_matches_unsharded_training(case):
   strategy, n, r, orig, max_norm = case
@@ -111,6 +112,7 @@ def test_matches_unsharded_training(case):
     assert min(norms) > max_norm  # the clip was active on every step
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision():
   mp = fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
   params, batches = mlp_params(), _batches()
@@ -141,6 +143,7 @@ def test_bf16_mixed_precision():
   assert_trees_close(finals[0], finals[1], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_init_fn_frozen_and_ignored_leaves():
   """Params from init_fn, a frozen unit and an ignored leaf: all stored on the
   host; training equals the same run without offload."""
@@ -176,6 +179,7 @@ def _shard_bytes(tree) -> int:
              for x in jax.tree.leaves(tree))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,n,r", [(S.FULL_SHARD, 8, None), (S.HYBRID_SHARD, 2, 2)])
 def test_compiled_step_keeps_params_and_opt_state_on_host(strategy, n, r):
   mesh = mesh_for(strategy, n, r)
@@ -223,6 +227,7 @@ def test_entry_memory_bytes_parses_tuples_and_scalars():
 # Full parameters, state dicts
 
 
+@pytest.mark.slow
 def test_full_param_access_and_write_back():
   params = mlp_params()
   mesh = mesh_for(S.FULL_SHARD, 3)
@@ -344,6 +349,7 @@ def test_checkpoint_bitwise_resume(tmp_path, runs):
   _assert_bitwise(resumed.opt_state, whole.opt_state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save_offloaded", [False, True], ids=["device-to-host", "host-to-device"])
 def test_checkpoint_across_offload_strategies_and_device_counts(tmp_path, runs, save_offloaded):
   batches = _batches(3)

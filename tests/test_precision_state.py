@@ -137,6 +137,7 @@ def bn_loss(model):
   return loss_fn
 
 
+@pytest.mark.slow
 def test_batch_norm_state_replicated_and_matches_per_device_reference():
   model = BNNet()
   x = jnp.ones((2, 5))
@@ -304,6 +305,7 @@ def _emulate_low_precision_hook(params, batch, world, dtype):
   return jax.tree.map(lambda x: (x / jnp.asarray(post, dtype)).astype(jnp.float32), summed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hook,dtype", [(fsdp_jax.hooks.fp16_compress_hook, jnp.float16),
                                         (fsdp_jax.hooks.bf16_compress_hook, jnp.bfloat16)])
 @pytest.mark.parametrize("strategy,n,r", [(S.FULL_SHARD, 4, None), (S.HYBRID_SHARD, 2, 2)])
