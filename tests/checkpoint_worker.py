@@ -28,7 +28,7 @@ def restore_and_train(spec):
   import fsdp_jax
   from fsdp_jax._src.checkpoint import CheckpointManager
   from fsdp_jax._src.state_dict import state_dict
-  from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params
+  from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params, train_steps
 
   strategy = fsdp_jax.ShardingStrategy[spec["strategy"]]
   mesh = mesh_for(strategy, spec["shard"], spec.get("replicate"))
@@ -42,10 +42,7 @@ def restore_and_train(spec):
     state = mngr.restore(target)
   restored_step = int(state.step)
   step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config)
-  losses = []
-  for seed in spec["batch_seeds"]:
-    state, metrics = step(state, mlp_batch(seed=seed))
-    losses.append(float(metrics["loss"]))
+  state, losses = train_steps(step, state, [mlp_batch(seed=seed) for seed in spec["batch_seeds"]])
   params = state_dict(state, offload_to_cpu=True)
   np.savez(spec["out"], losses=np.array(losses), restored_step=restored_step,
            devices=len(jax.devices()), **params)

@@ -1,13 +1,23 @@
-"""Shared test helpers: a small uneven MLP, the unsharded reference, meshes."""
+"""Shared test helpers: a small uneven MLP, the unsharded reference, meshes,
+tree comparisons, a training loop, and background subprocesses."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+import pytest
+
 import fsdp_jax
+
+REPO = Path(__file__).resolve().parents[1]
 
 HYBRID = (fsdp_jax.ShardingStrategy.HYBRID_SHARD,
           fsdp_jax.ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -55,19 +65,135 @@ def reference_run(loss_fn, params, batches, optimizer):
   return losses, params
 
 
+# Reference steps are compiled without LLVM optimizations: faster to compile,
+# the same function.
+REFERENCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def jit_reference_run(loss_fn, params, optimizer, batches):
+  """Unsharded training, one jitted step on one device: the numbers fsdp_jax
+  must reproduce. Returns per-step losses and the final params on the host."""
+
+  def ref_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  device = jax.devices()[0]
+  params = jax.device_put(params, device)
+  opt_state = optimizer.init(params)
+  batches = jax.device_put(batches, device)
+  compiled = jax.jit(ref_step).lower(params, opt_state, batches[0]).compile(
+      compiler_options=REFERENCE_COMPILER_OPTIONS)
+  losses = []
+  for batch in batches:
+    params, opt_state, loss = compiled(params, opt_state, batch)
+    losses.append(float(loss))
+  return losses, jax.device_get(params)
+
+
+def train_steps(step, state, batches):
+  """Runs ``batches`` through ``step``; returns (final state, per-step losses)."""
+  losses = []
+  for batch in batches:
+    state, metrics = step(state, batch)  # donates the old state
+    losses.append(float(metrics["loss"]))
+  return state, losses
+
+
 def sharded_run(loss_fn, params, batches, optimizer, mesh, config):
   state = fsdp_jax.init_train_state(params=params, optimizer=optimizer, mesh=mesh, config=config)
   step = fsdp_jax.shard_train_step(loss_fn, optimizer, mesh=mesh, config=config)
-  losses = []
-  for batch in batches:
-    state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
+  state, losses = train_steps(step, state, batches)
   return losses, state
 
 
+def plain(tree):
+  """Host arrays; typed PRNG keys as their key data."""
+  return jax.device_get(jax.tree.map(
+      lambda x: jax.random.key_data(x)
+      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree))
+
+
 def assert_trees_close(actual, expected, rtol=2e-4, atol=1e-6):
-  a_leaves, a_def = jax.tree_util.tree_flatten(actual)
-  e_leaves, e_def = jax.tree_util.tree_flatten(expected)
-  assert a_def == e_def, (a_def, e_def)
-  for a, e in zip(a_leaves, e_leaves):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+  """Same tree structure, same leaf shapes, leaves close; a failure names the
+  leaf's path."""
+  actual, expected = plain(actual), plain(expected)
+  assert jax.tree.structure(actual) == jax.tree.structure(expected), (
+      jax.tree.structure(actual), jax.tree.structure(expected))
+  flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
+  for (path, a), e in zip(flat_a, jax.tree.leaves(expected)):
+    assert np.shape(a) == np.shape(e), (jax.tree_util.keystr(path), np.shape(a), np.shape(e))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+# --------------------------------------------------------------------------
+# Subprocesses
+
+# Set by ``python -m fsdp_jax.launch`` (or a cluster) for its workers: a
+# subprocess started by a test run under a launcher must not join that job.
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+               "MASTER_ADDR", "MASTER_PORT", "JAX_COORDINATOR_ADDRESS",
+               "FSDP_JAX_DEVICES_PER_PROC", "FSDP_JAX_PLATFORM", "FSDP_JAX_LAUNCHED",
+               "FSDP_JAX_PEER_TIMEOUT", "FSDP_JAX_RESTART_COUNT", "FSDP_JAX_MAX_RESTARTS")
+
+
+def subprocess_env(**extra: str) -> dict:
+  """This environment without the launcher's variables, with the repository
+  first on PYTHONPATH, then ``extra``."""
+  env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+  env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+  env.update(extra)
+  return env
+
+
+class Background:
+  """A command in the background, in its own process group, output to a log
+  file (a pipe could fill up and stall it), with a hard timeout counted from
+  its start; killed with its process group if still running at ``kill()``
+  (launcher workers also die with their parent through PR_SET_PDEATHSIG)."""
+
+  def __init__(self, cmd, log, timeout: float, env: dict | None = None, name: str | None = None):
+    self.cmd = [str(c) for c in cmd]
+    self.log_path = Path(log)
+    self.name = name or self.log_path.stem
+    self._log = open(self.log_path, "wb")
+    self._start = time.monotonic()
+    self.deadline = self._start + timeout
+    self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=subprocess_env() if env is None else env,
+                                 stdout=self._log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    self.returncode = None
+    self.seconds = None
+
+  def wait(self) -> int:
+    """The exit status; kills it and fails the test past the deadline."""
+    if self.returncode is None:
+      try:
+        self.returncode = self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        self.kill()
+        pytest.fail(f"{self.name} timed out; output:\n{self.output()[-5000:]}")
+      self.seconds = time.monotonic() - self._start
+      self._log.close()
+    return self.returncode
+
+  def kill(self) -> None:
+    if self.proc.poll() is None:
+      os.killpg(self.proc.pid, 9)
+      self.proc.wait(timeout=30)
+    self._log.close()
+
+  def output(self) -> str:
+    if not self._log.closed:
+      self._log.flush()
+    return self.log_path.read_text(errors="replace")
+
+  def ok(self) -> str:
+    """Waits; asserts exit status 0; returns the output."""
+    self.wait()
+    assert self.returncode == 0, (
+        f"{self.name} exited with {self.returncode} after {self.seconds:.0f}s\n"
+        f"command: {' '.join(self.cmd)}\noutput:\n{self.output()[-6000:]}")
+    return self.output()

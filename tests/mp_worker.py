@@ -286,6 +286,19 @@ def main_barrier(args, info):
   print(f"rank {info.rank}: barrier done {seen}", flush=True)
 
 
+def exit_after(seconds: float, name: str) -> None:
+  """A hard time limit: the process exits with status 99 after ``seconds``,
+  whatever it is doing then."""
+
+  def time_limit():
+    print(f"{name}: TIME LIMIT of {seconds:g} s reached", file=sys.stderr, flush=True)
+    os._exit(99)
+
+  timer = threading.Timer(seconds, time_limit)
+  timer.daemon = True
+  timer.start()
+
+
 def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("mode", choices=("train", "fail", "barrier", "checkpoint", "sync"))
@@ -301,15 +314,7 @@ def main(argv=None):
   p.add_argument("--max-seconds", type=float, default=300.0,
                  help="hard limit: exit 99 after this long, whatever happens")
   args = p.parse_args(argv)
-
-  def time_limit():
-    print(f"mp_worker: TIME LIMIT of {args.max_seconds:g} s reached", file=sys.stderr,
-          flush=True)
-    os._exit(99)
-
-  timer = threading.Timer(args.max_seconds, time_limit)
-  timer.daemon = True
-  timer.start()
+  exit_after(args.max_seconds, "mp_worker")
 
   from fsdp_jax import distributed
   info = distributed.initialize()  # first thing: before JAX starts

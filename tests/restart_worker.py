@@ -30,13 +30,12 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mp_worker import GLOBAL_BATCH, np_batch, np_params  # noqa: E402  (NumPy only)
+from mp_worker import GLOBAL_BATCH, exit_after, np_batch, np_params  # noqa: E402  (NumPy only)
 
 
 def next_batch(position: int):
@@ -62,15 +61,7 @@ def main(argv=None):
   p.add_argument("--max-seconds", type=float, default=150.0,
                  help="hard limit: exit 99 after this long, whatever happens")
   args = p.parse_args(argv)
-
-  def time_limit():
-    print(f"restart_worker: TIME LIMIT of {args.max_seconds:g} s reached", file=sys.stderr,
-          flush=True)
-    os._exit(99)
-
-  timer = threading.Timer(args.max_seconds, time_limit)
-  timer.daemon = True
-  timer.start()
+  exit_after(args.max_seconds, "restart_worker")
 
   from fsdp_jax import distributed
   info = distributed.initialize()   # first thing: before JAX starts

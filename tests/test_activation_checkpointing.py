@@ -41,7 +41,10 @@ from jax.ad_checkpoint import checkpoint_name
 import fsdp_jax
 from fsdp_jax import hlo as hlo_lib
 
-from helpers import assert_trees_close, mesh_for
+from helpers import assert_trees_close, jit_reference_run, mesh_for, train_steps
+
+# Each test compiles checkpointed and reference steps and reads their memory.
+pytestmark = pytest.mark.slow
 
 FULL_SHARD = fsdp_jax.ShardingStrategy.FULL_SHARD
 SHARD_GRAD_OP = fsdp_jax.ShardingStrategy.SHARD_GRAD_OP
@@ -89,30 +92,9 @@ def _id(case):
 # Training and reading the compiled step
 
 
-# The reference is compiled without LLVM optimizations: faster to compile,
-# the same function.
-_REFERENCE_OPTIONS = {"xla_backend_optimization_level": 0}
-
-
 def reference_train(loss_fn, params, batches):
   """Unsharded single-device training without checkpointing."""
-  opt = adam()
-
-  def ref_step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = opt.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  device = jax.devices()[0]
-  params = jax.device_put(params, device)
-  opt_state = opt.init(params)
-  compiled = jax.jit(ref_step).lower(params, opt_state, batches[0]).compile(
-      compiler_options=_REFERENCE_OPTIONS)
-  losses = []
-  for batch in batches:
-    params, opt_state, loss = compiled(params, opt_state, jax.device_put(batch, device))
-    losses.append(float(loss))
-  return losses, jax.device_get(params)
+  return jit_reference_run(loss_fn, params, adam(), batches)
 
 
 def compile_step(loss_fn, state, batch, mesh, config):
@@ -130,10 +112,7 @@ def fsdp_train(loss_fn, params, batches, mesh, config, *, module_classes=None):
                                     module_classes=module_classes)
   step, compiled = compile_step(loss_fn, state, batches[0], mesh, config)
   plan = state.plan
-  losses = []
-  for batch in batches:
-    state, metrics = step(state, batch)  # runs the executable compiled above
-    losses.append(float(metrics["loss"]))
+  state, losses = train_steps(step, state, batches)  # runs the executable compiled above
   return losses, fsdp_jax.summon_full_params(state), plan, compiled
 
 

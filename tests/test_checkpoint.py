@@ -11,7 +11,6 @@ import os
 import pickle
 import shutil
 import signal
-import subprocess
 import sys
 from typing import Any
 
@@ -30,7 +29,8 @@ from fsdp_jax._src.state import ShardedTrainState
 from fsdp_jax._src.state_dict import full_optim_state_dict
 
 from checkpoint_worker import MP_PARAMS, SMALL
-from helpers import assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params
+from helpers import (Background, assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
+                     subprocess_env, train_steps)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoint_worker.py")
 WRAP = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
@@ -50,38 +50,19 @@ def _abstract(mesh, config, params=None, optimizer=OPT):
       config=config))
 
 
-class _Worker:
+def _worker(spec: dict, log: str, nproc: int = 0) -> Background:
   """A checkpoint_worker.py subprocess (``nproc``: that many processes under
-  ``python -m fsdp_jax.launch``) whose output goes to a log file (a pipe could
-  fill up and stall it while the tests run beside it)."""
-
-  def __init__(self, spec: dict, log: str, nproc: int = 0):
-    self.log = log
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                        "MASTER_PORT", "JAX_COORDINATOR_ADDRESS")}
-    env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, WORKER, json.dumps(spec)]
-    if nproc:
-      cmd = [sys.executable, "-m", "fsdp_jax.launch", "--nproc", str(nproc),
-             "--devices-per-proc", str(spec["devices"])] + cmd[1:]
-    with open(log, "w") as fh:
-      self.proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                   cwd=os.path.dirname(os.path.dirname(WORKER)))
-
-  def wait(self, timeout=400):
-    self.proc.wait(timeout=timeout)
-    with open(self.log) as fh:
-      return self.proc.returncode, fh.read()
-
-  def kill(self):
-    if self.proc.poll() is None:
-      self.proc.kill()
-      self.proc.wait()
+  ``python -m fsdp_jax.launch``)."""
+  cmd = [sys.executable, WORKER, json.dumps(spec)]
+  if nproc:
+    cmd = [sys.executable, "-m", "fsdp_jax.launch", "--nproc", str(nproc),
+           "--devices-per-proc", str(spec["devices"])] + cmd[1:]
+  # Started at the module's start, waited for after the in-process tests.
+  return Background(cmd, log, timeout=900, env=subprocess_env(JAX_PLATFORMS="cpu"))
 
 
-def _spawn(spec: dict) -> _Worker:
-  return _Worker(spec, spec.get("log") or spec["out"] + ".log")
+def _spawn(spec: dict) -> Background:
+  return _worker(spec, spec.get("log") or spec["out"] + ".log")
 
 
 def _with_step(state, step: int):
@@ -117,7 +98,7 @@ def background(tmp_path_factory):
            for where in ("write", "finalize")}
   spec = dict(mode="multiprocess", devices=2, orig=True, dir=str(base / "mp"),
               out=str(base / "mp"))
-  procs["multiprocess"] = (spec, _Worker(spec, str(base / "mp.log"), nproc=2))
+  procs["multiprocess"] = (spec, _worker(spec, str(base / "mp.log"), nproc=2))
   yield procs
   for _, proc in procs.values():
     proc.kill()
@@ -139,10 +120,7 @@ def run(tmp_path_factory, background):
   at_save = jax.device_get(state)
   mngr = CheckpointManager(directory, max_to_keep=3)
   assert mngr.save(state)
-  losses = []
-  for seed in SEEDS[BEFORE:]:
-    state, metrics = step(state, mlp_batch(seed=seed))
-    losses.append(float(metrics["loss"]))
+  state, losses = train_steps(step, state, [mlp_batch(seed=s) for s in SEEDS[BEFORE:]])
   mngr.close()
   workers = []
   for i, case in enumerate(RESTORE_CASES):
@@ -155,21 +133,21 @@ def run(tmp_path_factory, background):
     proc.kill()
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_exact(run):
   with CheckpointManager(run["dir"], read_only=True) as mngr:
     assert mngr.all_steps() == [BEFORE]
     restored = mngr.restore(_abstract(run["mesh"], run["config"]))
   assert int(restored.step) == BEFORE
   _assert_bitwise(restored, run["at_save"])
-  losses = []
-  for seed in SEEDS[BEFORE:]:
-    restored, metrics = run["step"](restored, mlp_batch(seed=seed))
-    losses.append(float(metrics["loss"]))
+  restored, losses = train_steps(run["step"], restored,
+                                 [mlp_batch(seed=s) for s in SEEDS[BEFORE:]])
   assert losses == run["losses"]
   _assert_bitwise(restored.params, run["final"].params)
   _assert_bitwise(restored.opt_state, run["final"].opt_state)
 
 
+@pytest.mark.slow
 def test_restore_on_4_2_3_devices_in_separate_processes(run):
   """Saved on 8 devices; each process restores onto its own device count,
   strategy and layout, and training continues with the same numbers."""
@@ -177,7 +155,7 @@ def test_restore_on_4_2_3_devices_in_separate_processes(run):
   expected = {".".join(fsdp_jax.state.key_name(k) for k in p): np.asarray(x) for p, x in
               jax.tree_util.tree_flatten_with_path(fsdp_jax.summon_full_params(run["final"]))[0]}
   for spec, proc in procs:
-    rc, log = proc.wait()
+    rc, log = proc.wait(), proc.output()
     assert rc == 0, f"worker {spec} failed:\n{log[-4000:]}"
     with np.load(spec["out"]) as res:  # allow_pickle=False by default
       assert int(res["devices"]) == spec["devices"]
@@ -187,6 +165,7 @@ def test_restore_on_4_2_3_devices_in_separate_processes(run):
         np.testing.assert_allclose(res[name], value, rtol=2e-4, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_restore_onto_other_strategy_and_layout_in_process(run):
   mesh = mesh_for(S._HYBRID_SHARD_ZERO2, 4, 2)
   config = _config(S._HYBRID_SHARD_ZERO2, orig=True)
@@ -237,13 +216,14 @@ def test_retention_and_save_interval(tmp_path):
     assert mngr.metadata(4)["saved_with"]["mesh"] == {"shard": 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["write", "finalize"])
 def test_killed_save_leaves_previous_checkpoint(where, background):
   """SIGKILL while the async save of step 2 writes its arrays, or after it
   wrote them but before the commit: step 1 restores, the half-written step
   is ignored and cleaned up, and saving goes on."""
   directory, proc = background[where]
-  rc, log = proc.wait()
+  rc, log = proc.wait(), proc.output()
   assert rc == -signal.SIGKILL, f"rc={rc}\n{log[-4000:]}"
   assert "KILLING" in log
   assert any(name.startswith("2") and name != "2" for name in os.listdir(directory)), \
@@ -263,12 +243,13 @@ def test_killed_save_leaves_previous_checkpoint(where, background):
   assert sorted(n for n in os.listdir(directory) if n[0].isdigit()) == ["1", "2"]
 
 
+@pytest.mark.slow
 def test_two_processes_state_dicts_and_checkpoint(background):
   """With 2 jax.distributed processes: rank0_only dicts are empty off process
   0, scatter_full_optim_state_dict takes the dict from process 0 only, and a
   checkpoint they save restores in this single process on 3 devices."""
   spec, proc = background["multiprocess"]
-  rc, log = proc.wait()
+  rc, log = proc.wait(), proc.output()
   assert rc == 0, log[-4000:]
   results = []
   for pid in range(2):

@@ -16,6 +16,9 @@ from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params
 
+# Each test trains, saves and restores a whole train state.
+pytestmark = pytest.mark.slow
+
 sd = importlib.import_module("fsdp_jax._src.state_dict")
 
 

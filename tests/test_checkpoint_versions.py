@@ -23,6 +23,9 @@ import pytest
 import fsdp_jax
 from fsdp_jax._src.checkpoint import CheckpointManager
 
+# Each test restores stored checkpoints of every layout and trains on.
+pytestmark = pytest.mark.slow
+
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
 ROOT = GOLDEN / "version_checkpoints"
 

@@ -248,6 +248,7 @@ def test_docs_have_examples():
   assert {"README.md", "migration.md", "faq.md"} <= names, names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", DOCS_WITH_CODE, ids=lambda p: p.name)
 def test_doc_examples_run(path, tmp_path):
   proc = run_doc(path, tmp_path)

@@ -39,6 +39,7 @@ def reference():
   return params, batches, losses, final
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_matches_unsharded_training(case, use_orig_params, reference):
@@ -70,6 +71,7 @@ def _operands(colls, kind, scalar=False):
           if (shape == ()) == scalar]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
 @pytest.mark.parametrize("strategy,n,replicate", [
     (S.FULL_SHARD, 8, None), (S.SHARD_GRAD_OP, 8, None), (S.NO_SHARD, 8, None),
@@ -112,6 +114,7 @@ def test_collectives_per_unit(strategy, n, replicate, use_orig_params):
   assert len(_operands(colls, "all-reduce", scalar=True)) == expected
 
 
+@pytest.mark.slow
 def test_bf16_gather_fp32_reduce_scatter():
   mp = fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
   plan, colls = _compiled_collectives(S.FULL_SHARD, 4, None, mixed_precision=mp)
@@ -177,6 +180,7 @@ def test_orig_layout_dim0_chunks():
   np.testing.assert_array_equal(np.asarray(state.params["a"])[5:], 0)
 
 
+@pytest.mark.slow
 def test_padding_gradients_stay_zero():
   params = mlp_params()
   mesh = mesh_for(S.FULL_SHARD, 8)

@@ -28,15 +28,17 @@ import importlib.util
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="uses Linux process groups")
+from helpers import Background, subprocess_env
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                 reason="uses Linux process groups")]
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -53,65 +55,10 @@ STEP_LINE = re.compile(r"^step\s+(\d+)\s+loss (\S+)(?:\s+grad_norm (\S+))?", re.
 FIRST_FINAL = re.compile(r"first (?:data )?loss (\S+) -> final (?:data )?loss (\S+)")
 
 
-def _env() -> dict:
-  """This environment without multi-process variables (a pytest run under a
-  launcher must not make the examples join it)."""
-  env = dict(os.environ)
-  for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-            "MASTER_ADDR", "MASTER_PORT", "JAX_COORDINATOR_ADDRESS",
-            "FSDP_JAX_DEVICES_PER_PROC", "FSDP_JAX_PLATFORM", "FSDP_JAX_LAUNCHED",
-            "FSDP_JAX_PEER_TIMEOUT"):
-    env.pop(k, None)
-  env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  env["FSDP_JAX_SHUTDOWN_TIMEOUT"] = "60"  # bound a stuck multi-process exit
-  return env
-
-
-class Job:
-  """A subprocess in the background, output to a log file, with a hard
-  timeout; killed (with its process group) if still running at teardown."""
-
-  def __init__(self, name: str, cmd: list[str], log_dir: Path, timeout: float = TIMEOUT_S):
-    self.name, self.cmd = name, cmd
-    self.log_path = log_dir / f"{name}.log"
-    self._log = open(self.log_path, "wb")
-    self._start = time.monotonic()
-    self.deadline = self._start + timeout
-    self.proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=self._log,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
-    self.returncode = None
-    self.seconds = None
-
-  def wait(self) -> "Job":
-    if self.returncode is None:
-      try:
-        self.returncode = self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
-      except subprocess.TimeoutExpired:
-        self.kill()
-        pytest.fail(f"{self.name} timed out; output:\n{self.output[-4000:]}")
-      self.seconds = time.monotonic() - self._start
-      self._log.close()
-    return self
-
-  def kill(self) -> None:
-    if self.proc.poll() is None:
-      os.killpg(self.proc.pid, 9)  # launcher workers die with it (PDEATHSIG) or here
-      self.proc.wait(timeout=30)
-    self._log.close()
-
-  @property
-  def output(self) -> str:
-    if not self._log.closed:
-      self._log.flush()
-    return self.log_path.read_text(errors="replace")
-
-  def ok(self) -> str:
-    """Waits; asserts exit status 0; returns the output."""
-    self.wait()
-    assert self.returncode == 0, (
-        f"{self.name} exited with {self.returncode} after {self.seconds:.0f}s\n"
-        f"command: {' '.join(self.cmd)}\noutput:\n{self.output[-6000:]}")
-    return self.output
+def Job(name: str, cmd: list[str], log_dir: Path, timeout: float = TIMEOUT_S) -> Background:
+  """An example run in the background, output to ``log_dir/name.log``."""
+  return Background(cmd, log_dir / f"{name}.log", timeout, name=name,
+                    env=subprocess_env(FSDP_JAX_SHUTDOWN_TIMEOUT="60"))  # bound a stuck exit
 
 
 def step_lines(output: str) -> dict[int, tuple[str, str | None]]:
@@ -147,7 +94,7 @@ class Jobs:
                                  "--steps", "40", "--log-every", "10", "--verify"], tmp)
     self._resume = None
 
-  def resume(self) -> Job:
+  def resume(self) -> Background:
     """Resumes from a copy of the gpt run's checkpoints without step 6 (so
     from step 3) up to step 6; started once the gpt run is done."""
     if self._resume is None:
@@ -244,14 +191,14 @@ def test_train_gpt_preemption(jobs, tmp_path):
   job = Job("gpt_preempt", cmd, tmp_path)
   try:
     deadline = time.monotonic() + TIMEOUT_S
-    while not re.search(r"^step\s+3\s", job.output, re.M):
-      assert job.proc.poll() is None and time.monotonic() < deadline, job.output[-4000:]
+    while not re.search(r"^step\s+3\s", job.output(), re.M):
+      assert job.proc.poll() is None and time.monotonic() < deadline, job.output()[-4000:]
       time.sleep(0.05)
     os.kill(job.proc.pid, signal.SIGTERM)
     job.wait()
   finally:
     job.kill()
-  out = job.output
+  out = job.output()
   assert job.returncode == 75, out[-4000:]
   m = re.search(r"preempted \(SIGTERM\): saved step (\d+) in (\S+); exiting with status 75", out)
   assert m and m.group(2) == str(ckpt), out[-4000:]

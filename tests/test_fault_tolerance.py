@@ -24,7 +24,6 @@ import os
 import random
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,8 +33,11 @@ import pytest
 
 from fsdp_jax._src import distributed
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="uses Linux process groups and signals")
+from helpers import Background, subprocess_env
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                 reason="uses Linux process groups and signals")]
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "tests" / "restart_worker.py")
@@ -45,48 +47,11 @@ LAUNCH = ["--nproc", "2", "--devices-per-proc", "2", "--platform", "cpu",
 
 
 def _env(**extra) -> dict:
-  env = dict(os.environ)
-  for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-            "MASTER_ADDR", "MASTER_PORT", "JAX_COORDINATOR_ADDRESS",
-            "FSDP_JAX_DEVICES_PER_PROC", "FSDP_JAX_PLATFORM", "FSDP_JAX_LAUNCHED",
-            "FSDP_JAX_PEER_TIMEOUT", "FSDP_JAX_RESTART_COUNT", "FSDP_JAX_MAX_RESTARTS"):
-    env.pop(k, None)
-  env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  env["FSDP_JAX_SHUTDOWN_TIMEOUT"] = "30"
-  env.update(extra)
-  return env
+  return subprocess_env(FSDP_JAX_SHUTDOWN_TIMEOUT="30", **extra)
 
 
-class Run:
-  """A command in the background (its own process group), output to a log
-  file, with a hard timeout."""
-
-  def __init__(self, cmd, log: Path, timeout: float, env=None):
-    self.log_path = log
-    self._log = open(log, "wb")
-    self.proc = subprocess.Popen(cmd, cwd=REPO, env=env or _env(), stdout=self._log,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
-    self.deadline = time.monotonic() + timeout
-
-  def wait(self) -> int:
-    try:
-      return self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      self.kill()
-      pytest.fail(f"timed out; output:\n{self.output()[-5000:]}")
-    finally:
-      self._log.close()
-
-  def kill(self) -> None:
-    if self.proc.poll() is None:
-      os.killpg(self.proc.pid, signal.SIGKILL)
-      self.proc.wait(timeout=30)
-    self._log.close()
-
-  def output(self) -> str:
-    if not self._log.closed:
-      self._log.flush()
-    return self.log_path.read_text(errors="replace")
+def Run(cmd, log: Path, timeout: float, env=None) -> Background:
+  return Background(cmd, log, timeout, env=env or _env())
 
 
 def _launcher(*args) -> list[str]:
@@ -101,7 +66,7 @@ def _worker_args(directory: Path, out: Path, progress: Path = None, sleep: float
   return args
 
 
-def _wait_for_step(progress: Path, rank: int, attempt: int, step: int, run: Run,
+def _wait_for_step(progress: Path, rank: int, attempt: int, step: int, run: Background,
                    timeout: float = 120) -> int:
   """Waits until worker ``rank`` of start ``attempt`` has finished ``step``
   (or more); returns its pid."""

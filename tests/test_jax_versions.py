@@ -26,6 +26,9 @@ from fsdp_jax._src import _compat
 import test_activation_checkpointing as ac
 import test_models as tm
 
+# Every test compiles a train step under each set of XLA flags.
+pytestmark = pytest.mark.slow
+
 FLAG_SETS = {
     "remat3": ("jax_remat3",),
     "scan3": ("jax_scan3",),

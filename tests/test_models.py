@@ -28,6 +28,12 @@ from flax import nnx
 
 import fsdp_jax
 
+import helpers
+from helpers import train_steps
+
+# Each test trains a real model (transformers, nn.scan stacks) and its reference.
+pytestmark = pytest.mark.slow
+
 FULL_SHARD = fsdp_jax.ShardingStrategy.FULL_SHARD
 SHARD_GRAD_OP = fsdp_jax.ShardingStrategy.SHARD_GRAD_OP
 HYBRID_SHARD = fsdp_jax.ShardingStrategy.HYBRID_SHARD
@@ -64,28 +70,11 @@ def make_mesh(shard, replicate=None, first_device=0):
 
 # The reference is compiled without LLVM optimizations: it is 2-3x faster to
 # compile and computes the same function.
-REFERENCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 def reference_train(loss_fn, params, optimizer, batches):
   """Single-device, unsharded training: the numbers fsdp_jax must reproduce."""
-
-  def ref_step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  device = jax.devices()[0]
-  params = jax.device_put(params, device)
-  opt_state = optimizer.init(params)
-  batches = jax.device_put(batches, device)
-  compiled = jax.jit(ref_step).lower(params, opt_state, batches[0]).compile(
-      compiler_options=REFERENCE_COMPILER_OPTIONS)
-  losses = []
-  for batch in batches:
-    params, opt_state, loss = compiled(params, opt_state, batch)
-    losses.append(float(loss))
-  return losses, jax.device_get(params)
+  return helpers.jit_reference_run(loss_fn, params, optimizer, batches)
 
 
 def assert_sharded(state):
@@ -102,16 +91,9 @@ def assert_sharded(state):
     assert x.addressable_shards[0].data.size * n == x.size, (x.shape,)
 
 
-def assert_trees_close(actual, expected, *, rtol=PARAM_RTOL, atol=PARAM_ATOL):
-  actual = jax.device_get(actual)
-  expected = jax.device_get(expected)
-  assert jax.tree.structure(actual) == jax.tree.structure(expected)
-  flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
-  flat_e = jax.tree_util.tree_leaves(expected)
-  for (path, a), e in zip(flat_a, flat_e):
-    assert np.shape(a) == np.shape(e), jax.tree_util.keystr(path)
-    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol,
-                               err_msg=jax.tree_util.keystr(path))
+# The reference's tolerances unless a test gives others.
+assert_trees_close = functools.partial(helpers.assert_trees_close, rtol=PARAM_RTOL,
+                                       atol=PARAM_ATOL)
 
 
 def assert_params_moved(new, old):
@@ -133,10 +115,7 @@ def fsdp_train(loss_fn, optimizer, mesh, config, batches, *, init_params=None,
     assert_trees_close(fsdp_jax.summon_full_params(state), init_params, rtol=1e-6, atol=1e-7)
   step = fsdp_jax.shard_train_step(loss_fn, optimizer, mesh=mesh, config=config)
   text = step.lower(state, batches[0]).compile().as_text() if hlo else None
-  losses = []
-  for batch in batches:
-    state, metrics = step(state, batch)  # donates the old state
-    losses.append(float(metrics["loss"]))
+  state, losses = train_steps(step, state, batches)
   assert int(state.step) == len(batches)
   assert_sharded(state)
   return fsdp_jax.summon_full_params(state), losses, state, text

@@ -39,9 +39,11 @@ from fsdp_jax._src import distributed
 from fsdp_jax.launch import WorkerGroup, free_port, worker_env
 
 import mp_worker
+from helpers import Background, subprocess_env
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="multi-process tests use Linux process groups")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                 reason="multi-process tests use Linux process groups")]
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "tests" / "mp_worker.py")
@@ -49,51 +51,8 @@ PEER_TIMEOUT = 5  # seconds; the workers' heartbeat timeout in failure tests
 STRATEGIES = ("FULL_SHARD", "HYBRID_SHARD")
 
 
-def _env() -> dict:
-  env = dict(os.environ)
-  for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-            "MASTER_PORT", "JAX_COORDINATOR_ADDRESS", "FSDP_JAX_PEER_TIMEOUT"):
-    env.pop(k, None)
-  env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-  return env
-
-
 def _launcher(*args) -> list[str]:
   return [sys.executable, "-m", "fsdp_jax.launch", *args]
-
-
-class _Background:
-  """A launcher run in the background (so the in-process reference can
-  compute meanwhile), with a hard timeout; killed if never waited for."""
-
-  def __init__(self, cmd, log: Path, timeout: float):
-    self.log_path = log
-    self._log = open(log, "wb")
-    self.proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=self._log,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
-    self.deadline = time.monotonic() + timeout
-    self.seconds = None
-    self._start = time.monotonic()
-
-  def wait(self) -> int:
-    try:
-      code = self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-      self.kill()
-      pytest.fail(f"launcher timed out; output:\n{self.output()[-4000:]}")
-    self.seconds = time.monotonic() - self._start
-    self._log.close()
-    return code
-
-  def kill(self):
-    if self.proc.poll() is None:
-      os.killpg(self.proc.pid, 9)  # the launcher's workers die with it
-      self.proc.wait(timeout=30)
-    self._log.close()
-
-  def output(self) -> str:
-    self._log.flush()
-    return self.log_path.read_text(errors="replace")
 
 
 # --------------------------------------------------------------------------
@@ -104,7 +63,7 @@ class _Background:
 def two_process_run(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("mp_train")
   out = tmp / "result.json"
-  run = _Background(_launcher("--nproc", "2", "--devices-per-proc", "4", "--platform", "cpu",
+  run = Background(_launcher("--nproc", "2", "--devices-per-proc", "4", "--platform", "cpu",
                               WORKER, "train", "--out", str(out),
                               "--strategies", ",".join(STRATEGIES)),
                     tmp / "launcher.log", timeout=240)
@@ -169,7 +128,7 @@ def test_checkpoint_crosses_process_counts(tmp_path):
       _launcher("--nproc", "2", "--devices-per-proc", "4", "--platform", "cpu", WORKER,
                 "checkpoint", "--save-dir", str(two_dir), "--restore-dir", str(one_dir),
                 "--out", str(out)),
-      cwd=REPO, env=_env(), capture_output=True, text=True, timeout=200)
+      cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=200)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   got = json.loads(out.read_text())
   # saved by 1 process, resumed by 2
@@ -193,7 +152,7 @@ def test_checkpoint_crosses_process_counts(tmp_path):
 
 def _start_fail_run(tmp_path, victim, how, **extra_env):
   port = free_port()
-  base = dict(_env(), **extra_env)
+  base = dict(subprocess_env(), **extra_env)
   envs = [worker_env(rank=r, world_size=2, local_rank=r, local_world_size=2,
                      master_addr="127.0.0.1", master_port=port, devices_per_proc=4,
                      platform="cpu", peer_timeout=PEER_TIMEOUT, base=base)
@@ -285,7 +244,7 @@ def test_monitored_barrier_names_missing_process(tmp_path):
       _launcher("--nproc", "2", "--devices-per-proc", "1", "--platform", "cpu",
                 "--peer-timeout", "10", WORKER, "barrier", "--out", str(out),
                 "--timeout", "2"),
-      cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+      cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   seen = json.loads(out.read_text())
   assert seen["pass"] == "ok"
@@ -401,7 +360,7 @@ def test_launcher_sets_environment_and_forwards_arguments(tmp_path):
   """)
   proc = subprocess.run(_launcher("--nproc", "3", "--devices-per-proc", "2", "--platform", "cpu",
                                   "--peer-timeout", "7", script, "--lr", "0.1", "pos"),
-                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+                        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60)
   assert proc.returncode == 0, proc.stderr
   envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(3)]
   port = envs[0]["MASTER_PORT"]
@@ -428,7 +387,7 @@ def test_launcher_stops_others_and_forwards_failure(tmp_path, how, expected_stat
   """)
   start = time.monotonic()
   proc = subprocess.run(_launcher("--nproc", "3", "--kill-grace", "2", script),
-                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+                        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60)
   took = time.monotonic() - start
   assert proc.returncode == expected_status, proc.stderr
   assert took < 30, f"launcher took {took:.1f} s to stop the other workers"
@@ -454,7 +413,7 @@ def test_launcher_max_restarts(tmp_path):
   logs = tmp_path / "logs"
   proc = subprocess.run(_launcher("--nproc", "2", "--max-restarts", "2", "--kill-grace", "2",
                                   "--log-dir", str(logs), script),
-                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=90)
+                        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=90)
   assert proc.returncode == 0, proc.stderr
   assert re.findall(r"restarting all 2 worker\(s\) \(restart (\d) of 2\)", proc.stderr) == \
       ["1", "2"], proc.stderr
@@ -468,7 +427,7 @@ def test_launcher_max_restarts(tmp_path):
   # One restart fewer than needed: the failure's status, and why.
   proc = subprocess.run(_launcher("--nproc", "2", "--max-restarts", "1", "--kill-grace", "2",
                                   script),
-                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=90)
+                        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=90)
   assert proc.returncode == 3, proc.stderr
   assert "no restarts left (--max-restarts 1 used up). Exiting with status 3." in proc.stderr
 
@@ -493,7 +452,7 @@ def test_launcher_forwards_sigterm(tmp_path, how, expected, words):
   """)
   proc = subprocess.Popen(_launcher("--nproc", "2", "--max-restarts", "3", "--term-timeout", "2",
                                     script),
-                          cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                          cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True)
   try:
     deadline = time.monotonic() + 30
@@ -533,7 +492,7 @@ def test_workers_die_with_the_launcher(tmp_path):
           f.write(str(os.getpid()))
       time.sleep(120)
   """)
-  proc = subprocess.Popen(_launcher("--nproc", "2", script), cwd=REPO, env=_env(),
+  proc = subprocess.Popen(_launcher("--nproc", "2", script), cwd=REPO, env=subprocess_env(),
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                           start_new_session=True)
   pids = []
@@ -570,7 +529,7 @@ def test_exit_without_shutdown_is_clean(tmp_path):
   """)
   procs = [subprocess.Popen(_launcher("--nproc", "2", "--platform", "cpu", "--log-dir",
                                       str(tmp_path / f"logs{i}"), script),
-                            cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
            for i in range(4)]
   try:
@@ -590,7 +549,7 @@ def test_launcher_success_module_mode_and_log_dir(tmp_path):
   pkg.mkdir()
   (pkg / "__init__.py").write_text("")
   (pkg / "main.py").write_text("import os\nprint('hello from', os.environ['RANK'])\n")
-  env = _env()
+  env = subprocess_env()
   env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
   logs = tmp_path / "logs"
   proc = subprocess.run(_launcher("--nproc", "2", "--log-dir", str(logs), "-m",
@@ -615,7 +574,7 @@ def test_slurm_job_is_detected(tmp_path):
   port = free_port()
   envs = []
   for r in range(2):
-    env = _env()
+    env = subprocess_env()
     env.update(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
                SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS_PER_NODE="2",
                JAX_COORDINATOR_PORT=str(port), FSDP_JAX_DEVICES_PER_PROC="2",
@@ -636,7 +595,7 @@ def test_slurm_job_is_detected(tmp_path):
 
 def test_sync_module_states_starts_every_process_from_process_0(tmp_path):
   out = tmp_path / "sync.json"
-  run = _Background(_launcher("--nproc", "2", "--devices-per-proc", "4", "--platform", "cpu",
+  run = Background(_launcher("--nproc", "2", "--devices-per-proc", "4", "--platform", "cpu",
                               WORKER, "sync", "--out", str(out)),
                     tmp_path / "launcher.log", timeout=240)
   code = run.wait()
@@ -688,7 +647,7 @@ def test_worker_names_busy_coordinator_port(tmp_path):
     port = squatter.getsockname()[1]
     env = worker_env(rank=0, world_size=2, local_rank=0, local_world_size=2,
                      master_addr="127.0.0.1", master_port=port, devices_per_proc=1,
-                     platform="cpu", base=_env())
+                     platform="cpu", base=subprocess_env())
     start = time.monotonic()
     proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
                           timeout=120)
@@ -781,7 +740,7 @@ def test_coordinator_listens_only_where_it_must(tmp_path, where):
       distributed.shutdown()
   """)
   log = tmp_path / "launcher.log"
-  run = _Background(_launcher("--nproc", "2", "--devices-per-proc", "1", "--platform", "cpu",
+  run = Background(_launcher("--nproc", "2", "--devices-per-proc", "1", "--platform", "cpu",
                               *extra, script), log, timeout=120)
   try:
     ready = {}

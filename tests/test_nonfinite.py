@@ -51,6 +51,7 @@ def _build(case, use_orig_params, nonfinite, opt=None, **step_kw):
   return state, step, opt
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_metrics_report_the_global_norm(case):
   state, step, opt = _build(case, False, "propagate")
@@ -62,6 +63,7 @@ def test_metrics_report_the_global_norm(case):
   assert metrics["nonfinite"].dtype == jnp.bool_ and not bool(metrics["nonfinite"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_skip_leaves_the_state_bitwise_unchanged(case, use_orig_params):
@@ -100,6 +102,7 @@ def _one_bad_leaf_loss(params, batch):
   return base + jnp.mean(jnp.sqrt(jnp.abs(batch["z"][:, :1] * b[None, :])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
 def test_raise_names_the_step_and_the_parameter(use_orig_params):
   opt = optax.adam(1e-2)
@@ -124,6 +127,7 @@ def test_raise_names_the_step_and_the_parameter(use_orig_params):
   assert int(e.value.state.step) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulation", ["no_sync", "sharded"])
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
 def test_skip_under_gradient_accumulation(accumulation, use_orig_params):

@@ -109,6 +109,7 @@ CHECKS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", _notebooks())
 def test_notebook_runs(name, tmp_path):
   nb = nbformat.read(NOTEBOOKS / name, as_version=4)

@@ -19,7 +19,7 @@ from fsdp_jax._src.state_dict import (load_state_dict, optim_state_dict, optim_s
                                  state_dict)
 
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
-                     reference_run)
+                     reference_run, train_steps)
 
 WRAP = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
 OFFLOAD = fsdp_jax.CPUOffload(offload_params=True)
@@ -57,14 +57,6 @@ def _assert_bitwise(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def _train(state, step, batches):
-  losses = []
-  for b in batches:
-    state, metrics = step(state, b)
-    losses.append(float(metrics["loss"]))
-  return state, losses
-
-
 # ---------------------------------------------------------------------------
 # Training matches the unsharded reference
 
@@ -86,6 +78,7 @@ def _id(case):
           + (f"-clip{clip}" if clip else ""))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_matches_unsharded_training(case):
   strategy, n, r, orig, max_norm = case
@@ -119,6 +112,7 @@ def test_matches_unsharded_training(case):
     assert min(norms) > max_norm  # the clip was active on every step
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision():
   mp = fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
   params, batches = mlp_params(), _batches()
@@ -135,7 +129,7 @@ def test_bf16_mixed_precision():
     opt = optax.adam(1e-2)
     state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=config)
     step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config)
-    state, losses = _train(state, step, batches)
+    state, losses = train_steps(step, state, batches)
     if offloaded:
       _assert_offloaded(state)
       assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
@@ -149,6 +143,7 @@ def test_bf16_mixed_precision():
   assert_trees_close(finals[0], finals[1], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_init_fn_frozen_and_ignored_leaves():
   """Params from init_fn, a frozen unit and an ignored leaf: all stored on the
   host; training equals the same run without offload."""
@@ -165,7 +160,7 @@ def test_init_fn_frozen_and_ignored_leaves():
     if offloaded:
       _assert_offloaded(state)
     step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config)
-    state, losses = _train(state, step, batches)
+    state, losses = train_steps(step, state, batches)
     if offloaded:
       _assert_offloaded(state)
     results.append((losses, fsdp_jax.summon_full_params(state)))
@@ -184,6 +179,7 @@ def _shard_bytes(tree) -> int:
              for x in jax.tree.leaves(tree))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,n,r", [(S.FULL_SHARD, 8, None), (S.HYBRID_SHARD, 2, 2)])
 def test_compiled_step_keeps_params_and_opt_state_on_host(strategy, n, r):
   mesh = mesh_for(strategy, n, r)
@@ -231,6 +227,7 @@ def test_entry_memory_bytes_parses_tuples_and_scalars():
 # Full parameters, state dicts
 
 
+@pytest.mark.slow
 def test_full_param_access_and_write_back():
   params = mlp_params()
   mesh = mesh_for(S.FULL_SHARD, 3)
@@ -258,7 +255,7 @@ def test_full_param_access_and_write_back():
   batches = _batches()
   ref_losses, ref_final = reference_run(mlp_loss, expected, batches, optax.adam(1e-2))
   step = fsdp_jax.shard_train_step(mlp_loss, OPT, mesh=mesh, config=config)
-  state, losses = _train(state, step, batches)
+  state, losses = train_steps(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_final)
 
@@ -277,7 +274,7 @@ class _Run:
                                      optimizer=OPT, mesh=self.mesh, config=self.config)
 
   def train(self, batches, state=None):
-    return _train(self.init() if state is None else state, self.step, batches)
+    return train_steps(self.step, self.init() if state is None else state, batches)
 
 
 @pytest.fixture(scope="module")
@@ -352,6 +349,7 @@ def test_checkpoint_bitwise_resume(tmp_path, runs):
   _assert_bitwise(resumed.opt_state, whole.opt_state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("save_offloaded", [False, True], ids=["device-to-host", "host-to-device"])
 def test_checkpoint_across_offload_strategies_and_device_counts(tmp_path, runs, save_offloaded):
   batches = _batches(3)
@@ -372,7 +370,7 @@ def test_checkpoint_across_offload_strategies_and_device_counts(tmp_path, runs, 
   # Both continue the same training.
   dst_step = fsdp_jax.shard_train_step(mlp_loss, OPT, mesh=dst_mesh, config=dst_cfg)
   a, la = run.train(batches[2:], src)
-  b, lb = _train(restored, dst_step, batches[2:])
+  b, lb = train_steps(dst_step, restored, batches[2:])
   np.testing.assert_allclose(la, lb, rtol=0, atol=1e-6)
   assert_trees_close(state_dict(a, offload_to_cpu=True), state_dict(b, offload_to_cpu=True),
                      rtol=1e-5, atol=1e-7)

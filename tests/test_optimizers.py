@@ -198,6 +198,7 @@ OPTIMIZERS = _every_optimizer()
 NEEDS_VALUE = {"polyak_sgd", "momo", "momo_adam", "reduce_on_plateau"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_optimizer_update_matches_optax(name, use_orig_params):
@@ -214,6 +215,7 @@ KEY_OPTIMIZERS = ["clip_by_global_norm+adamw", "clip+sgd", "lamb", "adafactor",
                   "adamw(mask=tree)", "multi_transform", "muon", "MultiSteps"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
 @pytest.mark.parametrize("case", UPDATE_CASES, ids=_case_id)
 @pytest.mark.parametrize("name", KEY_OPTIMIZERS)
@@ -247,6 +249,7 @@ def _named_state(opt_state, plan):
   return {"state": state, "groups": groups}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
 def test_global_mode_matches(use_orig_params):
   """``optimizer_update="global"`` (the compiler partitions the update)
@@ -380,6 +383,7 @@ TRAIN_RUNS = ([(name, TRAIN_CASES[0]) for name in TRAIN_OPTIMIZERS]
                  for case in TRAIN_CASES[1:]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
 @pytest.mark.parametrize("name,case", TRAIN_RUNS,
                          ids=[f"{n}-{_case_id(c)}" for n, c in TRAIN_RUNS])
@@ -404,6 +408,7 @@ def test_training_matches_single_device(name, case, use_orig_params):
   assert_close_to_largest(fsdp_jax.summon_full_params(state), ref_p)
 
 
+@pytest.mark.slow
 def test_clip_by_global_norm_costs_one_scalar_all_reduce():
   """clip_by_global_norm + adamw compiles to adamw's collectives plus one
   scalar all-reduce: no gather of the model."""
@@ -434,6 +439,7 @@ def _adafactor_state(use_orig_params, n=3):
   return opt, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
 def test_factored_state_is_replicated_and_named_per_parameter(use_orig_params):
   opt, state = _adafactor_state(use_orig_params)

@@ -17,7 +17,7 @@ from fsdp_jax import hlo
 from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
-                     reference_run, sharded_run)
+                     reference_run, sharded_run, train_steps)
 
 WRAP_BLOCKS = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
 BF16 = fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32,
@@ -137,6 +137,7 @@ def bn_loss(model):
   return loss_fn
 
 
+@pytest.mark.slow
 def test_batch_norm_state_replicated_and_matches_per_device_reference():
   model = BNNet()
   x = jnp.ones((2, 5))
@@ -240,10 +241,7 @@ def test_frozen_parameters(use_orig_params):
                                     requires_grad=mask)
   step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config)
   text = step.lower(state, batches[0]).compile().as_text()
-  losses = []
-  for batch in batches:
-    state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
+  state, losses = train_steps(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
   full = fsdp_jax.summon_full_params(state)
   # Frozen leaves never change; trainable ones match the reference.
@@ -307,6 +305,7 @@ def _emulate_low_precision_hook(params, batch, world, dtype):
   return jax.tree.map(lambda x: (x / jnp.asarray(post, dtype)).astype(jnp.float32), summed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hook,dtype", [(fsdp_jax.hooks.fp16_compress_hook, jnp.float16),
                                         (fsdp_jax.hooks.bf16_compress_hook, jnp.bfloat16)])
 @pytest.mark.parametrize("strategy,n,r", [(S.FULL_SHARD, 4, None), (S.HYBRID_SHARD, 2, 2)])

@@ -70,6 +70,7 @@ ALL = list(itertools.product([BP.BACKWARD_PRE, BP.BACKWARD_POST, None], [False, 
 # Numbers: every setting trains exactly like the unsharded reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bp,fp,limit", ALL, ids=lambda v: str(getattr(v, "name", v)))
 def test_every_setting_matches_unsharded_training(bp, fp, limit):
   params, batch = mlp_params(blocks=BLOCKS), mlp_batch(n=12)
@@ -81,6 +82,7 @@ def test_every_setting_matches_unsharded_training(bp, fp, limit):
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,n,replicate", [
     (FS.HYBRID_SHARD, 2, 2), (FS._HYBRID_SHARD_ZERO2, 2, 2), (FS.SHARD_GRAD_OP, 3, None),
     (FS.NO_SHARD, 4, None)], ids=lambda v: str(getattr(v, "name", v)))
@@ -96,6 +98,7 @@ def test_other_strategies_with_settings(strategy, n, replicate, bp):
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_params)
 
 
+@pytest.mark.slow
 def test_settings_compose_with_accumulation_and_clipping():
   params, batch = mlp_params(blocks=BLOCKS), mlp_batch(n=16)
   opt = optax.sgd(0.1)
@@ -190,6 +193,7 @@ def test_no_backward_prefetch_gathers_next_unit_after_current_reduce_scatter():
     assert pos[("reduce-scatter", c)] < pos[("all-gather", n)], (c, n, pos)
 
 
+@pytest.mark.slow
 def test_backward_pre_holds_two_units_post_and_none_one():
   """PyTorch: BACKWARD_PRE holds the current and next unit's parameters at
   the peak; BACKWARD_POST and None free the current unit first."""
@@ -200,6 +204,7 @@ def test_backward_pre_holds_two_units_post_and_none_one():
   assert peaks == {BP.BACKWARD_PRE: 2, BP.BACKWARD_POST: 1, None: 1}
 
 
+@pytest.mark.slow
 def test_reduce_scatters_run_in_gradient_order():
   for bp in (BP.BACKWARD_PRE, BP.BACKWARD_POST, None):
     order = [u for kind, u in hlo.collective_order(_compiled(bp, False, True))
@@ -207,6 +212,7 @@ def test_reduce_scatters_run_in_gradient_order():
     assert order == FORWARD[::-1], (bp, order)
 
 
+@pytest.mark.slow
 def test_shard_grad_op_keeps_units_gathered_for_backward():
   """SHARD_GRAD_OP does not free units after forward (PyTorch's rate limiter
   has nothing to wait for): one gather per unit, reductions in order."""

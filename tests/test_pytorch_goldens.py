@@ -22,6 +22,9 @@ from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import mesh_for, mlp_loss
 
+# Each test trains several steps against stored PyTorch runs.
+pytestmark = pytest.mark.slow
+
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 WRAP_BLOCKS = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
 

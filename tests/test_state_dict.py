@@ -158,6 +158,7 @@ def test_round_trips(case, orig, states):
   assert_storage_equal(opt, state.opt_state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("orig", [False, True], ids=["flat", "orig"])
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_load_onto_other_mesh_strategy_layout(case, orig, states):
@@ -221,6 +222,7 @@ def test_full_optim_state_dict_matches_unsharded_optax(trained):
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_params)
 
 
+@pytest.mark.slow
 def test_full_then_shard_then_load_trains_the_same(trained):
   """PyTorch's documented relationship: full_optim_state_dict ->
   shard_full_optim_state_dict (or scatter_full_optim_state_dict) -> load, with
@@ -385,6 +387,7 @@ def test_masked_optimizer_state():
   assert int(other.step) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("orig", [False, True], ids=["flat", "orig"])
 def test_stacked_layers_round_trip_and_unstack(orig):
   """A stacked unit (leading layer axis, sharded layer by layer) converts to

@@ -14,11 +14,12 @@ from fsdp_jax import hlo
 from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
-                     reference_run)
+                     reference_run, train_steps)
 
 WRAP_BLOCKS = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("accumulation", ["no_sync", "sharded"])
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
@@ -32,10 +33,7 @@ def test_accumulation_equals_one_step(k, accumulation, use_orig_params):
   state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=config)
   step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config,
                                    gradient_accumulation_steps=k, accumulation=accumulation)
-  losses = []
-  for batch in batches:
-    state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
+  state, losses = train_steps(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, atol=1e-5, rtol=0)
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_final, rtol=1e-5)
 
@@ -59,6 +57,7 @@ def _reductions(accumulation, k, strategy=S.FULL_SHARD):
   return len(state.plan.units), in_loop, total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", [S.FULL_SHARD, S.NO_SHARD])
 def test_no_sync_reduces_once_per_unit_per_step(strategy):
   units, in_loop, total = _reductions("no_sync", 3, strategy)
@@ -91,6 +90,7 @@ def test_clipping_with_non_positive_max_norm():
     fsdp_jax.custom.clip_grad_norm({}, plan=None, max_norm=-1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,n,r", [(S.NO_SHARD, 4, None), (S.HYBRID_SHARD, 2, 2),
                                           (S.FULL_SHARD, 3, None)])
 @pytest.mark.parametrize("norm_type", [2.0, 3.0, float("inf")])
@@ -131,6 +131,7 @@ STRATEGY_CASES = [(S.FULL_SHARD, 3, None), (S.SHARD_GRAD_OP, 4, None), (S.NO_SHA
                   (S.HYBRID_SHARD, 2, 2), (S._HYBRID_SHARD_ZERO2, 4, 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
 @pytest.mark.parametrize("strategy,n,r", STRATEGY_CASES)
 def test_full_param_access_and_write_back_round_trip(strategy, n, r, use_orig_params):
@@ -198,6 +199,7 @@ def test_sync_module_states_single_process_is_a_no_op():
 # A custom step from the building blocks (docs/custom_step.md)
 
 
+@pytest.mark.slow
 def test_custom_step_with_two_losses_and_ema():
   """Two losses, gradient clipping and an EMA of the weights, written with
   fsdp_jax's building blocks; checked against the same math unsharded."""

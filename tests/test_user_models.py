@@ -46,14 +46,19 @@ from flax import nnx
 import fsdp_jax
 from fsdp_jax import CheckpointManager
 
+from helpers import (REFERENCE_COMPILER_OPTIONS, assert_trees_close, jit_reference_run,
+                     train_steps)
+
+# Each test compiles a real model (a transformer, a ResNet) sharded and as the
+# jitted reference: seconds apiece.
+pytestmark = pytest.mark.slow
+
 S = fsdp_jax.ShardingStrategy
 FULL_SHARD, SHARD_GRAD_OP, NO_SHARD = S.FULL_SHARD, S.SHARD_GRAD_OP, S.NO_SHARD
 HYBRID_SHARD, HYBRID_ZERO2 = S.HYBRID_SHARD, S._HYBRID_SHARD_ZERO2
 
 NUM_STEPS = 3
 LOSS_ATOL = 1e-5
-# Reference compiles without LLVM optimisations (faster, same function).
-REF_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 def make_mesh(shard, replicate=None):
@@ -65,36 +70,11 @@ def world_of(shard, replicate):
   return shard * (replicate or 1)
 
 
-def plain(tree):
-  """Host arrays; typed PRNG keys as their key data."""
-  return jax.device_get(jax.tree.map(
-      lambda x: jax.random.key_data(x)
-      if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree))
-
-
-def assert_trees_close(actual, expected, *, rtol=2e-4, atol=1e-6):
-  actual, expected = plain(actual), plain(expected)
-  assert jax.tree.structure(actual) == jax.tree.structure(expected), (
-      jax.tree.structure(actual), jax.tree.structure(expected))
-  flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
-  for (path, a), e in zip(flat_a, jax.tree.leaves(expected)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol,
-                               err_msg=jax.tree_util.keystr(path))
-
-
 def assert_moved(new, old, atol=1e-5):
   """Training changed the parameters (so matching means something)."""
   diffs = [np.max(np.abs(np.asarray(a) - np.asarray(b))) for a, b in
            zip(jax.tree.leaves(jax.device_get(new)), jax.tree.leaves(jax.device_get(old)))]
   assert max(diffs) > atol and np.mean([d > atol for d in diffs]) > 0.5, diffs
-
-
-def train(step, state, batches):
-  losses = []
-  for batch in batches:
-    state, metrics = step(state, batch)
-    losses.append(float(metrics["loss"]))
-  return state, losses
 
 
 def device_keys(rng, step, world, micro=1):
@@ -299,7 +279,8 @@ def lm_reference():
   batches = lm_batches(LM_ROWS)
   params = lm_init_params()
   opt_state = LM_OPT.init(params)
-  compiled = jax.jit(ref_step).lower(params, opt_state, batches[0]).compile(REF_OPTIONS)
+  compiled = jax.jit(ref_step).lower(params, opt_state, batches[0]).compile(
+      REFERENCE_COMPILER_OPTIONS)
   losses, first_grads = [], None
   for batch in batches:
     params, opt_state, loss, grads = compiled(params, opt_state, batch)
@@ -350,7 +331,7 @@ def test_lm1b_weighted_loss_matches_global_batch_jit(strategy, shard, replicate,
         state, with_grads=True, grads=fsdp_jax.custom.sharded_grads(loss_fn, state, batches[0]))[1]
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
   step = fsdp_jax.shard_train_step(loss_fn, LM_OPT, mesh=mesh, config=config, **kw)
-  state, losses = train(step, state, batches)
+  state, losses = train_steps(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-6)
   assert_moved(ref_params, params0)
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_params, rtol=1e-4, atol=1e-6)
@@ -376,7 +357,8 @@ def lm_dropout_reference(world, micro):
   opt_state = LM_OPT.init(params)
   rng = jax.random.key(7)
   keys0 = device_keys(rng, 0, world, micro)
-  compiled = jax.jit(ref_step).lower(params, opt_state, batches[0], keys0).compile(REF_OPTIONS)
+  compiled = jax.jit(ref_step).lower(params, opt_state, batches[0], keys0).compile(
+      REFERENCE_COMPILER_OPTIONS)
   losses = []
   for i, batch in enumerate(batches):
     params, opt_state, loss = compiled(params, opt_state, batch,
@@ -409,7 +391,7 @@ def test_lm1b_dropout_keys_per_step_and_device_and_resume(strategy, shard, repli
   assert jax.dtypes.issubdtype(state.rng.dtype, jax.dtypes.prng_key)
   step = fsdp_jax.shard_train_step(lm_loss_rng(lm_model(False)), LM_OPT, mesh=mesh,
                                    config=config, **kw)
-  final, losses = train(step, state, batches)
+  final, losses = train_steps(step, state, batches)
   # Each device's rows dropped out with fold_in(fold_in(rng, step), device):
   # the same numbers as the reference that uses exactly those keys.
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
@@ -419,7 +401,7 @@ def test_lm1b_dropout_keys_per_step_and_device_and_resume(strategy, shard, repli
 
   # Resume: two steps, a checkpoint, a restore into a state built with
   # another key, the last step: bitwise the uninterrupted run.
-  state, _ = train(step, fresh(7), batches[:2])
+  state, _ = train_steps(step, fresh(7), batches[:2])
   with CheckpointManager(tmp_path / "ckpt") as manager:
     manager.save(state)
     manager.wait_until_finished()
@@ -427,7 +409,7 @@ def test_lm1b_dropout_keys_per_step_and_device_and_resume(strategy, shard, repli
   np.testing.assert_array_equal(jax.random.key_data(restored.rng),
                                 jax.random.key_data(jax.random.key(7)))
   assert int(restored.step) == 2
-  resumed, last = train(step, restored, batches[2:])
+  resumed, last = train_steps(step, restored, batches[2:])
   assert last == losses[2:]
   for a, b in zip(jax.tree.leaves(fsdp_jax.summon_full_params(resumed)),
                   jax.tree.leaves(fsdp_jax.summon_full_params(final))):
@@ -543,7 +525,8 @@ def resnet_reference():
 
   batches = resnet_batches()
   opt_state = RESNET_OPT.init(params)
-  step = jax.jit(ref_step).lower(params, stats, opt_state, batches[0]).compile(REF_OPTIONS)
+  step = jax.jit(ref_step).lower(params, stats, opt_state, batches[0]).compile(
+      REFERENCE_COMPILER_OPTIONS)
   p, s, losses = params, stats, []
   for batch in batches:
     p, s, opt_state, loss = step(p, s, opt_state, batch)
@@ -571,7 +554,7 @@ def test_resnet_synced_batch_norm_matches_global_batch_jit(strategy, shard, repl
   assert_trees_close(state.model_state, {"batch_stats": variables["batch_stats"]}, rtol=0, atol=0)
   assert [u.name for u in state.plan.units] == ["params.ResNetBlock_0", "params.ResNetBlock_1", ""]
   step = fsdp_jax.shard_train_step(resnet_loss(ResNet()), RESNET_OPT, mesh=mesh, config=config)
-  state, losses = train(step, state, batches)
+  state, losses = train_steps(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
   assert_moved(ref_params, {"params": variables["params"]})
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_params)
@@ -817,7 +800,7 @@ def test_nnx_transformer_matches_nnx_jit(strategy, shard, replicate, orig):
   assert [u.name for u in state.plan.units] == ["blocks.0", "blocks.1", ""]
   assert not any("rngs" in l.name or l.name.startswith("norm.mean") for l in state.plan.leaves)
   step = fsdp_jax.shard_train_step(nnx_loss_fn(graphdef), NNX_OPT, mesh=mesh, config=config)
-  state, losses = train(step, state, batches)
+  state, losses = train_steps(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
   assert_moved(ref_params, params0)
   params = fsdp_jax.summon_full_params(state)
@@ -845,7 +828,7 @@ def test_nnx_dropout_rng_state_per_device_and_resume(tmp_path):
           if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
   assert keys  # the dropout streams' RngKey: typed keys in the model state
   step = fsdp_jax.shard_train_step(nnx_loss_fn(graphdef), NNX_OPT, mesh=mesh, config=config)
-  final, losses = train(step, state, batches)
+  final, losses = train_steps(step, state, batches)
   # Device d drew its masks from fold_in(key, d) at the stream's count.
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
   assert_trees_close(fsdp_jax.summon_full_params(final), ref_params)
@@ -853,12 +836,12 @@ def test_nnx_dropout_rng_state_per_device_and_resume(tmp_path):
   assert abs(losses[0] - nnx_reference(0.0, None)[2][0]) > 1e-3  # dropout is on
 
   # The model state's keys and counts are checkpointed: resume is bitwise.
-  state, _ = train(step, fresh(0)[1], batches[:2])
+  state, _ = train_steps(step, fresh(0)[1], batches[:2])
   with CheckpointManager(tmp_path / "ckpt") as manager:
     manager.save(state)
     manager.wait_until_finished()
     restored = manager.restore(fresh(5)[1])
-  resumed, last = train(step, restored, batches[2:])
+  resumed, last = train_steps(step, restored, batches[2:])
   assert last == losses[2:]
   for a, b in zip(jax.tree.leaves((fsdp_jax.summon_full_params(resumed), resumed.model_state)),
                   jax.tree.leaves((fsdp_jax.summon_full_params(final), final.model_state))):
@@ -1023,7 +1006,7 @@ def test_equinox_transformer_matches_filter_jit(strategy, shard, replicate, orig
       return eqx_loss(eqx.combine(params, static), batch)
 
   step = fsdp_jax.shard_train_step(loss_fn, EQX_OPT, mesh=mesh, config=config)
-  state, losses = train(step, state, batches)
+  state, losses = train_steps(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=LOSS_ATOL)
   assert_moved(ref_params, params0)
   trained = fsdp_jax.summon_full_params(state)
@@ -1079,19 +1062,8 @@ def scan_reference():
   batches = [{"x": rng.normal(size=(12, SCAN_IN)).astype(np.float32),
               "y": rng.integers(0, SCAN_OUT, 12).astype(np.int32)} for _ in range(NUM_STEPS)]
   params = jax.jit(scan_init)(jax.random.key(2))
-
-  def ref_step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(scan_loss)(params, batch)
-    updates, opt_state = SCAN_OPT.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  opt_state = SCAN_OPT.init(params)
-  step = jax.jit(ref_step).lower(params, opt_state, batches[0]).compile(REF_OPTIONS)
-  p, losses = params, []
-  for batch in batches:
-    p, opt_state, loss = step(p, opt_state, batch)
-    losses.append(float(loss))
-  return batches, params, losses, jax.device_get(p)
+  losses, final = jit_reference_run(scan_loss, params, SCAN_OPT, batches)
+  return batches, params, losses, final
 
 
 def fsdp_warnings(record):
@@ -1112,7 +1084,7 @@ def test_linen_scan_stack_without_stacked_layers_is_flagged_with_the_fix():
           in str(state.plan)), str(state.plan)
   step = fsdp_jax.shard_train_step(scan_loss, SCAN_OPT, mesh=mesh, config=config)
   with pytest.warns(UserWarning) as record:
-    state, losses = train(step, state, batches)
+    state, losses = train_steps(step, state, batches)
   msgs = fsdp_warnings(record)
   assert msgs and all("scans over the parameters params.blocks." in m for m in msgs), msgs
   assert "FSDPConfig(stacked_layers=('params.blocks',))" in msgs[0], msgs[0]
@@ -1137,7 +1109,7 @@ def test_linen_scan_remat_stack_declared_stacked_matches_jit(strategy, shard, re
     state = fsdp_jax.init_train_state(params=params0, optimizer=SCAN_OPT, mesh=mesh,
                                       config=config)
     step = fsdp_jax.shard_train_step(scan_loss, SCAN_OPT, mesh=mesh, config=config)
-    state, losses = train(step, state, batches)
+    state, losses = train_steps(step, state, batches)
   assert not fsdp_warnings(record), fsdp_warnings(record)
   blocks = state.plan.unit_by_name("params.blocks")
   assert blocks.stacked and blocks.num_layers == SCAN_LAYERS

@@ -22,7 +22,7 @@ import pytest
 import fsdp_jax
 from fsdp_jax._src import hlo, quantization
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
-                     reference_run, sharded_run)
+                     reference_run, sharded_run, train_steps)
 
 S = fsdp_jax.ShardingStrategy
 Q = fsdp_jax.Quantization
@@ -69,6 +69,7 @@ HPZ_CASES = [  # (strategy, shard size, replicate, k)
     (S.FULL_SHARD, 4, None, 2), (S.HYBRID_SHARD, 4, 2, 2), (S.FULL_SHARD, 4, 2, 4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("orig", [False, True], ids=["flat", "orig"])
 @pytest.mark.parametrize("case", HPZ_CASES,
                          ids=lambda c: f"{c[0].name}-{c[2] or 1}x{c[1]}-k{c[3]}")
@@ -94,10 +95,7 @@ def test_reshard_after_forward_k_with_bf16_accumulation_and_clipping():
     state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=cfg)
     step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=cfg, max_norm=0.5,
                                      gradient_accumulation_steps=3)
-    losses = []
-    for batch in batches:
-      state, metrics = step(state, batch)
-      losses.append(float(metrics["loss"]))
+    state, losses = train_steps(step, state, batches)
     out[k] = losses, fsdp_jax.summon_full_params(state)
   assert out[True][0] == out[2][0]
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
@@ -109,6 +107,7 @@ def test_reshard_after_forward_k_with_bf16_accumulation_and_clipping():
     (S.HYBRID_SHARD, 4, 2, 2, _consecutive(2, 8)),  # pairs inside each "shard" row
     (S.FULL_SHARD, 4, 2, 4, _consecutive(4, 8)),    # over ("replicate", "shard"): one row each
 ])
+@pytest.mark.slow
 def test_backward_gathers_run_within_groups_of_k(strategy, n, replicate, k, groups):
   mesh = mesh_for(strategy, n, replicate)
   state, compiled = _compile(mlp_params(), mlp_batch(), mesh, sharding_strategy=strategy,
@@ -128,6 +127,7 @@ def test_backward_gathers_run_within_groups_of_k(strategy, n, replicate, k, grou
   assert f"groups of {k}" in str(state.plan)
 
 
+@pytest.mark.slow
 def test_stacked_unit_regathers_within_groups_inside_the_loop():
   """A scan over stacked layers: the backward loop gathers each layer within
   groups of k; training is bitwise FULL_SHARD's."""
@@ -162,6 +162,7 @@ def test_stacked_unit_regathers_within_groups_inside_the_loop():
   assert len(in_loop) == 2  # the forward loop's gather over 8, the backward's within 4
 
 
+@pytest.mark.slow
 def test_memory_falls_between_full_shard_and_shard_grad_op():
   """compiled.memory_analysis() temporaries, and what the plan says is kept
   from forward to backward (4 blocks of 256 x 256 on 8 devices)."""
@@ -308,6 +309,7 @@ def test_stochastic_rounding_is_unbiased_within_one_step(q):
   assert float(jnp.sum(jnp.where(mask, jnp.abs(back), 0))) / count > 0.2  # not all 0
 
 
+@pytest.mark.slow
 def test_non_finite_values_are_never_hidden():
   for q in FORMATS:
     x = jnp.array([1.0, jnp.nan, 2.0, jnp.inf, -3.0])
@@ -326,6 +328,7 @@ def _bytes(compiled, kind):
   return cs, sum(c.bytes for c in cs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q,ratio", [
     (Q(dtype=jnp.int8), 0.3), (Q(dtype="int4"), 0.17), (Q(dtype=jnp.float8_e4m3fn), 0.3),
     (Q(dtype=jnp.float8_e4m3fn, block_size=None), 0.3)],
@@ -343,6 +346,7 @@ def test_quantized_gathers_move_fewer_bytes(q, ratio):
   assert got == expected and got <= ratio * base_bytes, (got, base_bytes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q,ratio", [(Q(dtype=jnp.int8), 0.3), (Q(dtype="int4"), 0.17)],
                          ids=["int8", "int4"])
 def test_quantized_reduction_moves_fewer_bytes(q, ratio):
@@ -363,6 +367,7 @@ def test_quantized_reduction_moves_fewer_bytes(q, ratio):
     (S.HYBRID_SHARD, [("all-to-all", _consecutive(4, 8)), ("all-to-all", ((0, 4), (1, 5), (2, 6), (3, 7))),
                       ("all-gather", ((0, 4), (1, 5), (2, 6), (3, 7)))]),
 ])
+@pytest.mark.slow
 def test_quantized_reduction_is_hierarchical_on_a_2d_mesh(strategy, hops):
   """In-node (within "shard") first, then across "replicate"; every gradient
   collective moves uint8."""
@@ -384,6 +389,7 @@ def _local_grads(params, batch, devices):
           for j in range(devices)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,n,replicate,hops", [
     (S.FULL_SHARD, 8, None, 1), (S.FULL_SHARD, 4, 2, 2), (S.HYBRID_SHARD, 4, 2, 3)])
 @pytest.mark.parametrize("q", [Q(dtype=jnp.int8, rounding="nearest"),
@@ -415,6 +421,7 @@ def test_quantized_reduction_error_is_bounded(strategy, n, replicate, hops, q):
   assert 0 < err <= bound, (err, bound)
 
 
+@pytest.mark.slow
 def test_quantized_gather_is_straight_through_and_masters_stay_exact():
   """The forward sees the dequantized gathered copy (within half a step of
   each block's scale of the exact parameters); the gradient is the exact
@@ -463,6 +470,7 @@ def test_quantized_gather_is_straight_through_and_masters_stay_exact():
                fsdp_jax.summon_full_params(frozen), params)
 
 
+@pytest.mark.slow
 def test_quantized_training_stays_close_to_unquantized():
   """30 Adam steps of the MLP (the GPT curves are in the strategies
   notebook): every quantized setting ends within 2% of the exact loss."""
@@ -540,6 +548,7 @@ def test_backward_prefetch_units_gather_before_the_units_reduce_scatter():
   assert pos[("all-gather", "blocks.1")] > pos[("reduce-scatter", "blocks.3")]
 
 
+@pytest.mark.slow
 def test_explicit_prefetch_keeps_the_numbers():
   params, batch = mlp_params(blocks=4), mlp_batch(n=12)
   opt = optax.adam(1e-2)
