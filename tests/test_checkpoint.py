@@ -152,7 +152,7 @@ def test_restore_on_4_2_3_devices_in_separate_processes(run):
   """Saved on 8 devices; each process restores onto its own device count,
   strategy and layout, and training continues with the same numbers."""
   procs = run["workers"]
-  expected = {".".join(fsdp_jax.state.key_name(k) for k in p): np.asarray(x) for p, x in
+  expected = {".".join(fsdp_jax._src.state.key_name(k) for k in p): np.asarray(x) for p, x in
               jax.tree_util.tree_flatten_with_path(fsdp_jax.summon_full_params(run["final"]))[0]}
   for spec, proc in procs:
     rc, log = proc.wait(), proc.output()

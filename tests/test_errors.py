@@ -130,7 +130,7 @@ def test_params_or_init_fn():
 
 
 def _hook_forgets_state(state, grad, spec):
-  return fsdp_jax.collectives.reduce_gradient(grad, spec)  # no state
+  return fsdp_jax.custom.reduce_gradient(grad, spec)  # no state
 
 
 def _hook_returns_unreduced(state, grad, spec):
@@ -144,7 +144,7 @@ class _StatefulForgetsState:
     return jnp.zeros(shape, jnp.float32)
 
   def __call__(self, state, grad, spec):
-    return fsdp_jax.collectives.reduce_gradient(grad, spec)
+    return fsdp_jax.custom.reduce_gradient(grad, spec)
 
   def __repr__(self):
     return "StatefulForgetsState()"
@@ -153,7 +153,7 @@ class _StatefulForgetsState:
 class _StatefulDropsARow(_StatefulForgetsState):
 
   def __call__(self, state, grad, spec):
-    return fsdp_jax.collectives.reduce_gradient(grad, spec), state[1:]
+    return fsdp_jax.custom.reduce_gradient(grad, spec), state[1:]
 
   def __repr__(self):
     return "StatefulDropsARow()"

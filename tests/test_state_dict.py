@@ -49,7 +49,7 @@ def build(case, orig, params=None, optimizer=OPT):
 
 
 def by_name(tree):
-  return {".".join(fsdp_jax.state.key_name(k) for k in p): np.asarray(x)
+  return {".".join(fsdp_jax._src.state.key_name(k) for k in p): np.asarray(x)
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
