@@ -22,9 +22,15 @@ from fsdp_jax._src.state import ShardedTrainState
 
 
 def check_batch(plan: Plan, batch) -> None:
-  """Every batch leaf is split along dim 0 over the data-parallel world."""
+  """Every batch leaf is split along dim 0 over the data-parallel world.
+
+  A leaf whose leading dimension the data-parallel size does not divide is an
+  error naming every such leaf (path, shape), the mesh axes and their sizes,
+  and the fix, like ``jax.shard_map``'s own check.
+  """
   world = plan.axes.world_size
   axes = plan.axes.data_axes
+  bad = []
   for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
     shape = np.shape(x)
     name = jax.tree_util.keystr(path) or "batch"
@@ -34,12 +40,23 @@ def check_batch(plan: Plan, batch) -> None:
           f"batch dimension to split over the data-parallel mesh axes {axes} "
           f"(size {world}). Put per-step constants in the loss function instead.")
     if shape[0] % world:
-      raise ValueError(
-          f"Batch leaf {name} has shape {tuple(shape)}: its leading dimension "
-          f"{shape[0]} is not divisible by the data-parallel size {world} "
-          f"(mesh axes {axes} of sizes {dict(plan.mesh.shape)}). Fix: use a "
-          f"global batch size that is a multiple of {world}, e.g. "
-          f"{-(-shape[0] // world) * world}.")
+      bad.append((name, tuple(shape)))
+  if not bad:
+    return
+  where = f"the data-parallel size {world} (mesh axes {axes} of sizes {dict(plan.mesh.shape)})"
+  fix = (f"Fix: use a global batch size that is a multiple of {world}, e.g. "
+         f"{-(-bad[0][1][0] // world) * world}.")
+  if len(bad) == 1:
+    name, shape = bad[0]
+    raise ValueError(
+        f"Batch leaf {name} has shape {shape}: its leading dimension "
+        f"{shape[0]} is not divisible by {where}. {fix}")
+  lines = "\n".join(
+      f"  * {name} of shape {shape}: leading dimension {shape[0]} "
+      f"(nearest multiple {-(-shape[0] // world) * world})" for name, shape in bad)
+  raise ValueError(
+      f"{len(bad)} batch leaves have a leading dimension that is not divisible by "
+      f"{where}:\n{lines}\n{fix}")
 
 
 def _check_state(state, plan_cfg: FSDPConfig, mesh: Mesh, optimizer):
