@@ -32,10 +32,9 @@ PUBLIC_MODULES = ("fsdp_jax", "fsdp_jax.custom", "fsdp_jax.hooks", "fsdp_jax.hlo
 # Public callables whose docstring has no example yet: this list may only
 # shrink. Add an example (tiny meshes, tiny params) rather than a name here.
 WITHOUT_EXAMPLE = {
-    "fsdp_jax.BackwardPrefetch", "fsdp_jax.CheckpointError", "fsdp_jax.DistributedInfo",
-    "fsdp_jax.MonitoredBarrierError", "fsdp_jax.Node", "fsdp_jax.NonFiniteError",
-    "fsdp_jax.OptimStateKeyType", "fsdp_jax.Plan", "fsdp_jax.ShardedTrainState",
-    "fsdp_jax.ShardingStrategy", "fsdp_jax.StateDictType", "fsdp_jax.TrainStep",
+    "fsdp_jax.BackwardPrefetch", "fsdp_jax.DistributedInfo",
+    "fsdp_jax.MonitoredBarrierError", "fsdp_jax.Node", "fsdp_jax.OptimStateKeyType",
+    "fsdp_jax.ShardingStrategy", "fsdp_jax.StateDictType",
     "fsdp_jax.lambda_auto_wrap_policy", "fsdp_jax.monitored_barrier",
     "fsdp_jax.hooks.DefaultHook", "fsdp_jax.hooks.ErrorFeedbackHook",
     "fsdp_jax.hooks.LowPrecisionHook", "fsdp_jax.hooks.allreduce_hook",
@@ -47,7 +46,7 @@ WITHOUT_EXAMPLE = {
     "fsdp_jax.distributed.gpu_count", "fsdp_jax.distributed.handle_preemption",
     "fsdp_jax.distributed.info", "fsdp_jax.distributed.is_initialized",
     "fsdp_jax.distributed.monitored_barrier", "fsdp_jax.distributed.should_stop",
-    "fsdp_jax.distributed.shutdown", "fsdp_jax.launch.WorkerResult", "fsdp_jax.launch.main",
+    "fsdp_jax.distributed.shutdown",
 }
 
 

@@ -47,6 +47,14 @@ class ShardedTrainState:
       ``loss_fn`` that accepts ``rng=`` gets ``fold_in(fold_in(rng, step),
       device_index)`` at each step. Saved and restored by checkpoints.
     plan: the :class:`~fsdp_jax.Plan` (units, layout, mesh, config).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> int(state.step), jax.tree.map(jnp.shape, state.params)  # one flat shard per device
+    (0, {'_flat_param': (8,)})
   """
 
   step: jax.Array

@@ -348,7 +348,22 @@ class NonFiniteError(FloatingPointError):
   ``FSDPConfig(nonfinite="raise")``. ``error.state`` is the train state as
   it was before the step (the update was not applied); ``error.step`` the
   step's index; ``error.parameters`` the names of the parameters whose
-  gradients were not finite."""
+  gradients were not finite.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> config = fsdp_jax.FSDPConfig(nonfinite="raise")
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=config)
+    >>> step = fsdp_jax.shard_train_step(lambda p, b: jnp.mean(jnp.sqrt(b["x"] @ p["w"])),
+    ...     optax.sgd(0.1), mesh=mesh, config=config)
+    >>> try:
+    ...   step(state, {"x": -jnp.ones((2, 4))})  # sqrt of a negative number
+    ... except fsdp_jax.NonFiniteError as e:
+    ...   print(e.step, e.parameters, int(e.state.step))
+    0 ['w'] 0
+  """
 
   def __init__(self, message, *, state, step, parameters):
     super().__init__(message)
@@ -436,6 +451,17 @@ class TrainStep:
   batch)`` lowers it for inspection (``.compile().as_text()``,
   ``.compile().memory_analysis()``); ``step.jitted`` is the ``jax.jit``
   function itself, taking global arrays.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> step = fsdp_jax.shard_train_step(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2),
+    ...     optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> state, metrics = step(state, {"x": jnp.ones((2, 4))})
+    >>> float(metrics["loss"]), int(state.step)
+    (16.0, 1)
   """
 
   def __init__(self, jitted, mesh: Mesh, config: FSDPConfig):
