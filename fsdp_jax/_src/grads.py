@@ -136,7 +136,7 @@ def optimizer_step(optimizer, grads, opt_state, params, *, plan: Plan, value=Non
   Runs ``optimizer.update`` and ``optax.apply_updates`` on the tree passed to
   ``init_train_state`` (its paths, unpadded shapes and dtypes; frozen leaves
   are ``None``), evaluated on this device's shards so that the result is what
-  the optimizer computes unsharded (see :mod:`fsdp_jax._src.optim`): elementwise
+  the optimizer computes unsharded (see docs/optimizers.md): elementwise
   work stays local, a whole-parameter reduction costs one scalar all-reduce,
   an operation that needs a whole parameter gathers it.
 
