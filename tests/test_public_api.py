@@ -174,3 +174,38 @@ def test_public_callables_have_docstring_examples():
   for qual in WITHOUT_EXAMPLE:
     mod_name, _, name = qual.rpartition(".")
     assert name in importlib.import_module(mod_name).__all__, f"stale entry {qual}"
+
+
+def test_name_patterns_as_documented():
+  """docs/migration.md: in wrap-policy, ignored_states and stacked_layers
+  patterns, '*' and '?' stay within one dotted segment, '**' crosses dots,
+  and brackets match themselves."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  params = {"blocks": {"b0": {"dense": {"w": jnp.ones(4)}}, "b1": {"dense": {"w": jnp.ones(4)}}},
+            "head": {"w": jnp.ones(2)}, "x[0]": jnp.ones(2)}
+  mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+
+  def units(pattern):
+    config = fsdp_jax.FSDPConfig(auto_wrap_policy=fsdp_jax.ModuleWrapPolicy({pattern}))
+    state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+                                      config=config)
+    return [u.display_name for u in state.plan.units if u.display_name != "<root>"]
+
+  assert units("blocks.*") == ["blocks.b0", "blocks.b1"]        # not blocks.b0.dense
+  assert units("blocks.b?") == ["blocks.b0", "blocks.b1"]
+  assert units("blocks.**.dense") == ["blocks.b0.dense", "blocks.b1.dense"]
+  assert units("**.dense") == ["blocks.b0.dense", "blocks.b1.dense"]
+  with pytest.raises(ValueError, match=r"claims no parameter"):  # '*' does not cross a dot
+    units("*.dense")
+  with pytest.raises(ValueError, match=r"matches no parameter"):
+    fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+                              config=fsdp_jax.FSDPConfig(ignored_states=["*.dense.w"]))
+  state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+                                    config=fsdp_jax.FSDPConfig(ignored_states=["**.dense.w"]))
+  assert len(state.plan.ignored_leaves) == 2
+  state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+                                    config=fsdp_jax.FSDPConfig(ignored_states=["x[0]"]))
+  assert len(state.plan.ignored_leaves) == 1  # brackets are literal, not a character class
