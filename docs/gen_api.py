@@ -5,13 +5,15 @@
     python docs/gen_api.py --check   # exit 1 if docs/api.md is out of date
 
 One section per name in ``fsdp_jax.__all__`` (its signature and docstring;
-the public methods of classes, the members of enums, the contents of
-sub-modules), grouped by the module that defines it, then the public
-sub-modules that are imported by path (``fsdp_jax.hlo``,
-``fsdp_jax.distributed``, ...). Docstrings are Google style with RST inline
-markup; they are turned into Markdown: ``Args:`` lists become bullet lists,
-``>>>`` examples become ``pycon`` blocks, ``::`` literal blocks and RST
-tables become code blocks. ``tests/test_docs.py`` runs ``--check``.
+the public methods of classes, the members of enums), grouped by what it is
+for; then the custom-step building blocks of ``fsdp_jax.custom``; then the
+public sub-modules (``fsdp_jax.hooks``, ``fsdp_jax.hlo``,
+``fsdp_jax.distributed``, ``fsdp_jax.launch``); then the deprecated names of
+``fsdp_jax/_src/deprecations.py`` and what replaces each. Docstrings are
+Google style with RST inline markup; they are turned into Markdown: ``Args:``
+lists become bullet lists, ``>>>`` examples become ``pycon`` blocks, ``::``
+literal blocks and RST tables become code blocks. ``tests/test_docs.py`` runs
+``--check``.
 """
 
 from __future__ import annotations
@@ -34,38 +36,32 @@ sys.path.insert(0, str(ROOT))
 
 import fsdp_jax  # noqa: E402  (after the path set-up, so the checkout is documented)
 
-# Sections in this order; a module not listed here comes after them.
+# Sections of the top level, in this order, by the (private) module that
+# defines each name; a module not listed here comes after them.
 MODULE_ORDER = [
-    "fsdp_jax.config", "fsdp_jax.quantization", "fsdp_jax.mesh", "fsdp_jax.state",
-    "fsdp_jax.step", "fsdp_jax.loss", "fsdp_jax.wrap", "fsdp_jax.full", "fsdp_jax.grads",
-    "fsdp_jax.plan",
-    "fsdp_jax.state_dict", "fsdp_jax.checkpoint", "fsdp_jax.hooks",
+    "fsdp_jax._src.config", "fsdp_jax._src.quantization", "fsdp_jax._src.wrap",
+    "fsdp_jax._src.mesh", "fsdp_jax._src.state", "fsdp_jax._src.plan",
+    "fsdp_jax._src.step", "fsdp_jax._src.loss", "fsdp_jax._src.full",
+    "fsdp_jax._src.state_dict", "fsdp_jax._src.checkpoint", "fsdp_jax._src.distributed",
 ]
-# Section titles of the defining modules (else the module's first docstring line).
+# Section titles (the implementation modules are private: titles only).
 TITLES = {
-    "fsdp_jax.config": "Configuration",
-    "fsdp_jax.quantization": "Quantized collectives",
-    "fsdp_jax.mesh": "Devices and meshes",
-    "fsdp_jax.state": "The sharded train state",
-    "fsdp_jax.step": "The train step",
-    "fsdp_jax.loss": "The loss function",
-    "fsdp_jax.wrap": "Wrap policies",
-    "fsdp_jax.full": "Full parameters",
-    "fsdp_jax.grads": "Building blocks for custom steps",
-    "fsdp_jax.plan": "The plan",
-    "fsdp_jax.state_dict": "State dicts",
-    "fsdp_jax.checkpoint": "Checkpoints",
-    "fsdp_jax.hooks": "Communication hooks",
-    "fsdp_jax.distributed": "Several processes",
+    "fsdp_jax._src.config": "Configuration",
+    "fsdp_jax._src.quantization": "Quantized collectives",
+    "fsdp_jax._src.wrap": "Wrap policies",
+    "fsdp_jax._src.mesh": "Devices and meshes",
+    "fsdp_jax._src.state": "The sharded train state",
+    "fsdp_jax._src.plan": "The plan",
+    "fsdp_jax._src.step": "The train step",
+    "fsdp_jax._src.loss": "The loss function",
+    "fsdp_jax._src.full": "Full parameters",
+    "fsdp_jax._src.state_dict": "State dicts",
+    "fsdp_jax._src.checkpoint": "Checkpoints",
+    "fsdp_jax._src.distributed": "Several processes",
 }
-# Public sub-modules users import by path, and which of their names to list
-# (None: the module's __all__, else every public function/class it defines).
-EXTRA_MODULES = {
-    "fsdp_jax.hlo": None,
-    "fsdp_jax.collectives": ["GatherSpec", "reduce_gradient"],
-    "fsdp_jax.distributed": None,
-    "fsdp_jax.launch": None,
-}
+# The custom-step building blocks, then the public sub-modules, in this order.
+CUSTOM_MODULE = "fsdp_jax.custom"
+SUBMODULES = ["fsdp_jax.hooks", "fsdp_jax.hlo", "fsdp_jax.distributed", "fsdp_jax.launch"]
 
 _SECTION = re.compile(
     r"^(Args|Arguments|Attributes|Returns|Yields|Raises|Example|Examples|Note|Notes)"
@@ -342,7 +338,7 @@ def _own_members(cls) -> list[tuple[str, object]]:
 
 def _constant_comment(name: str) -> str:
   """The comment block above ``NAME = ...`` in fsdp_jax's sources."""
-  for path in sorted((ROOT / "fsdp_jax").glob("*.py")):
+  for path in sorted((ROOT / "fsdp_jax").rglob("*.py")):
     lines = path.read_text().splitlines()
     for i, line in enumerate(lines):
       if re.match(rf"^{re.escape(name)}\s*(:[^=]*)?=", line):
@@ -364,7 +360,7 @@ def document(obj, qualname: str, level: int = 3) -> list[str]:
     members = module_members(obj)
     top = [n for n, m in members if n in fsdp_jax.__all__ and getattr(fsdp_jax, n) is m]
     if top:
-      out.extend(["Also exported by `fsdp_jax` (documented in this section): "
+      out.extend(["Also exported by `fsdp_jax` (documented there): "
                   + ", ".join(f"[`fsdp_jax.{n}`](#{_anchor('fsdp_jax.' + n)})" for n in top)
                   + ".", ""])
     for name, member in members:
@@ -448,10 +444,51 @@ def _anchor(title: str) -> str:
   return a.replace(" ", "-")
 
 
+def _deprecated_names() -> list[str]:
+  """The "Deprecated names" section, from fsdp_jax/_src/deprecations.py."""
+  from fsdp_jax._src import deprecations  # pylint: disable=import-outside-toplevel
+  public = {"fsdp_jax": fsdp_jax}
+  for mod in [CUSTOM_MODULE, *SUBMODULES]:
+    public[mod] = importlib.import_module(mod)
+  out = [
+      "## Deprecated names",
+      "",
+      "These still work and warn with a `DeprecationWarning` that names the",
+      "replacement; they will be removed in a later release. The old module",
+      "paths are aliases of the private implementation modules: each public",
+      "name read through one warns and names its public spelling.",
+      "",
+      "| Deprecated | Use instead |",
+      "|---|---|",
+  ]
+  for name, (new, _, _) in deprecations.MOVED_NAMES.items():
+    out.append(f"| `fsdp_jax.{name}` | `{new}` |")
+  for module in deprecations.MOVED_MODULES:
+    impl = importlib.import_module(f"fsdp_jax._src.{module}")
+    src = pathlib.Path(impl.__file__).read_text()
+    homes = []
+    for home, mod in public.items():
+      for n in getattr(mod, "__all__", ()):
+        obj = getattr(mod, n)
+        if (getattr(obj, "__module__", None) == impl.__name__ if inspect.isclass(obj)
+            or inspect.isfunction(obj)
+            else re.search(rf"^{re.escape(n)}\s*(:[^=]*)?=", src, re.M)):
+          homes.append(home)
+          break
+    where = (" and ".join(f"`{h}`" for h in homes) + " (each name where `__all__` lists it)"
+             if homes else "nothing public: internal, may change without notice")
+    out.append(f"| module `fsdp_jax.{module}` (`from fsdp_jax.{module} import ...`) "
+               f"| {where} |")
+  out.append("")
+  return out
+
+
 def generate() -> str:
   groups: dict[str, list[tuple[str, object]]] = {}
   for name in fsdp_jax.__all__:
     obj = getattr(fsdp_jax, name)
+    if isinstance(obj, types.ModuleType):
+      continue  # the public sub-modules have their own sections
     groups.setdefault(_module_of(name, obj), []).append((name, obj))
   order = [m for m in MODULE_ORDER if m in groups] + sorted(set(groups) - set(MODULE_ORDER))
   out = [
@@ -459,34 +496,41 @@ def generate() -> str:
       "",
       "<!-- Generated by docs/gen_api.py from the docstrings: do not edit by hand. -->",
       "",
-      "Everything below is importable from `fsdp_jax` (its `__all__`), grouped by",
-      "the module that defines it, followed by the public sub-modules that are",
-      "imported by path. Generated from the docstrings by `python docs/gen_api.py`.",
+      "The top level, `fsdp_jax` (its `__all__`), holds what a training script",
+      "needs. The building blocks of a hand-written step are in `fsdp_jax.custom`;",
+      "communication hooks, compiled-program inspection, multi-process set-up and",
+      "the launcher are the public sub-modules `fsdp_jax.hooks`, `fsdp_jax.hlo`,",
+      "`fsdp_jax.distributed` and `fsdp_jax.launch`. Everything under",
+      "`fsdp_jax._src` is private. Old names keep working for now, with a",
+      "warning: see [Deprecated names](#deprecated-names). Generated from the",
+      "docstrings by `python docs/gen_api.py`.",
       "",
       "## Contents",
       "",
   ]
   for mod in order:
-    title = _group_title(mod)
     names = ", ".join(f"[`{n}`](#{_anchor('fsdp_jax.' + n)})"
                       for n, _ in sorted(groups[mod], key=lambda t: t[0].lower()))
-    out.append(f"- **{title}**: {names}")
-  extra = [m for m in EXTRA_MODULES if m not in order]
-  for mod in extra:
+    out.append(f"- **{_group_title(mod)}**: {names}")
+  custom = importlib.import_module(CUSTOM_MODULE)
+  names = ", ".join(f"[`{n}`](#{_anchor(f'{CUSTOM_MODULE}.{n}')})"
+                    for n in sorted(custom.__all__, key=str.lower))
+  out.append(f"- **Custom steps (`{CUSTOM_MODULE}`)**: {names}")
+  for mod in SUBMODULES:
     out.append(f"- [`{mod}`](#{_anchor(mod)})")
-  out.append("")
+  out.extend(["- [Deprecated names](#deprecated-names)", ""])
   for mod in order:
     out.extend([f"## {_group_title(mod)}", ""])
     for name, obj in sorted(groups[mod], key=lambda t: t[0].lower()):
       out.extend(document(obj, f"fsdp_jax.{name}"))
-  out.extend(["## Sub-modules imported by path", ""])
-  for mod in extra:
-    names = EXTRA_MODULES[mod]
-    module = importlib.import_module(mod)
-    out.extend([f"### `{mod}`", ""])
-    out.append(render_doc(inspect.getdoc(module) or ""))
-    for name, member in module_members(module, names):
-      out.extend(document(member, f"{mod}.{name}", 4))
+  out.extend([f"## Custom steps (`{CUSTOM_MODULE}`)", ""])
+  out.append(render_doc(inspect.getdoc(custom) or ""))
+  for name, member in sorted(module_members(custom), key=lambda t: t[0].lower()):
+    out.extend(document(member, f"{CUSTOM_MODULE}.{name}"))
+  out.extend(["## Public sub-modules", ""])
+  for mod in SUBMODULES:
+    out.extend(document(importlib.import_module(mod), mod))
+  out.extend(_deprecated_names())
   text = "\n".join(out)
   text = re.sub(r"\n{3,}", "\n\n", text)
   return text.rstrip() + "\n"
@@ -494,11 +538,10 @@ def generate() -> str:
 
 def _group_title(mod: str) -> str:
   if mod in TITLES:
-    return f"{TITLES[mod]} (`{mod}`)"
+    return TITLES[mod]
   module = importlib.import_module(mod)
   first = (inspect.getdoc(module) or mod).strip().splitlines()[0].rstrip(".")
-  first = re.sub(r"``([^`]+)``", r"\1", first)
-  return f"{first} (`{mod}`)"
+  return re.sub(r"``([^`]+)``", r"\1", first)
 
 
 def main(argv=None) -> int:

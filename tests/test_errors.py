@@ -37,6 +37,22 @@ def test_batch_not_divisible_by_data_parallel_size():
     assert part in msg, msg
 
 
+def test_batch_not_divisible_names_every_bad_leaf():
+  """Like shard_map's check: every leaf whose leading dimension does not divide
+  is named, not only the first one."""
+  state, step = _state_and_step()
+  batch = dict(mlp_batch(n=20), w=jnp.ones((12, 3)), ok=jnp.ones((16,)))
+  with pytest.raises(ValueError) as e:
+    step(state, batch)
+  msg = str(e.value)
+  for part in ("3 batch leaves", "['w'] of shape (12, 3)", "['x'] of shape (20, 5)",
+               "['y'] of shape (20, 3)",
+               "not divisible by the data-parallel size 8", "mesh axes ('shard',)",
+               "{'shard': 8}", "Fix: use a global batch size that is a multiple of 8"):
+    assert part in msg, msg
+  assert "['ok']" not in msg, msg
+
+
 def test_hybrid_world_is_replicate_times_shard():
   state, step = _state_and_step(strategy=S.HYBRID_SHARD, n=2, replicate=2)
   with pytest.raises(ValueError, match=r"data-parallel size 4 \(mesh axes \('replicate', 'shard'\)"):

@@ -55,7 +55,26 @@ _MAX_LINES = 25
 
 class CheckpointError(Exception):
   """A checkpoint on disk cannot be read: incomplete, damaged, or not written
-  by fsdp_jax. The message names the directory, the step and the fix."""
+  by fsdp_jax. The message names the directory, the step and the fix.
+
+  Example:
+    >>> import pathlib, shutil, tempfile, jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> directory = pathlib.Path(tempfile.mkdtemp())
+    >>> manager = fsdp_jax.CheckpointManager(directory)
+    >>> manager.save(state)
+    True
+    >>> manager.wait_until_finished()
+    >>> shutil.rmtree(directory / "0" / "meta")  # damage step 0
+    >>> try:
+    ...   manager.restore(state)
+    ... except fsdp_jax.CheckpointError as e:
+    ...   print(str(e)[:60])  # doctest: +ELLIPSIS
+    Fix: delete ... and save again. Cannot read t...
+    >>> manager.close(); shutil.rmtree(directory)
+  """
 
 
 # ---------------------------------------------------------------------------

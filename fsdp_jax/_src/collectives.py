@@ -54,6 +54,23 @@ class GatherSpec:
   ``reduce_quant`` the :class:`~fsdp_jax.Quantization` of the all-gather and
   of the gradient reduction (or None); ``axis_sizes`` the sizes of the mesh
   axes in ``shard_axes`` and ``reduce_axes``.
+
+  A communication hook receives one as ``spec``. Example:
+
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> seen = []
+    >>> def my_hook(hook_state, grad, spec):  # the default reduction, written out
+    ...   seen.append((spec.shard_axes, spec.reduce_dtype, grad.shape))
+    ...   return fsdp_jax.custom.reduce_gradient(grad, spec), hook_state
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> config = fsdp_jax.FSDPConfig(comm_hook=my_hook)
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=config)
+    >>> step = fsdp_jax.shard_train_step(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2),
+    ...     optax.sgd(0.1), mesh=mesh, config=config)
+    >>> state, metrics = step(state, {"x": jnp.ones((2, 4))})
+    >>> seen  # one unit: its (N, S) gradient buffer, N = 2 devices
+    [(('shard',), dtype('float32'), (2, 4))]
   """
 
   flat: bool
@@ -244,7 +261,25 @@ def _group_gather_abstract_eval(sec, *, spec: GatherSpec):
 
 def reduce_gradient(g, spec: GatherSpec, *, tiled: bool = False):
   """The default reduction of a unit's (prefix..., N, S) gradient buffer
-  (``tiled``: the same buffer as (prefix..., N * S))."""
+  (``tiled``: the same buffer as (prefix..., N * S)).
+
+  What a communication hook calls to reduce the way FSDP does. Example:
+
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> seen = []
+    >>> def my_hook(hook_state, grad, spec):  # the default reduction, written out
+    ...   seen.append((spec.shard_axes, spec.reduce_dtype, grad.shape))
+    ...   return fsdp_jax.custom.reduce_gradient(grad, spec), hook_state
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> config = fsdp_jax.FSDPConfig(comm_hook=my_hook)
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=config)
+    >>> step = fsdp_jax.shard_train_step(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2),
+    ...     optax.sgd(0.1), mesh=mesh, config=config)
+    >>> state, metrics = step(state, {"x": jnp.ones((2, 4))})
+    >>> seen  # one unit: its (N, S) gradient buffer, N = 2 devices
+    [(('shard',), dtype('float32'), (2, 4))]
+  """
   p = g.ndim - (1 if tiled else 2)
   g = g.astype(spec.reduce_dtype)
   if spec.pre_divide != 1.0:

@@ -33,6 +33,12 @@ class ShardingStrategy(enum.Enum):
     replication across the ``"replicate"`` mesh axis.
   * ``_HYBRID_SHARD_ZERO2``: ``SHARD_GRAD_OP`` inside each ``"shard"`` group,
     replicated across ``"replicate"``.
+
+  Example:
+    >>> import fsdp_jax
+    >>> fsdp_jax.FSDPConfig(sharding_strategy=fsdp_jax.ShardingStrategy.SHARD_GRAD_OP
+    ...                     ).reshard_after_forward
+    False
   """
 
   FULL_SHARD = enum.auto()
@@ -49,14 +55,26 @@ RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD,
 
 
 class BackwardPrefetch(enum.Enum):
-  """PyTorch's backward prefetch modes (``BACKWARD_PRE`` is the default)."""
+  """PyTorch's backward prefetch modes (``BACKWARD_PRE`` is the default).
+
+  Example:
+    >>> import fsdp_jax
+    >>> fsdp_jax.FSDPConfig().backward_prefetch is fsdp_jax.BackwardPrefetch.BACKWARD_PRE
+    True
+  """
 
   BACKWARD_PRE = enum.auto()
   BACKWARD_POST = enum.auto()
 
 
 class StateDictType(enum.Enum):
-  """PyTorch's state-dict kinds."""
+  """PyTorch's state-dict kinds.
+
+  Example:
+    >>> import fsdp_jax
+    >>> [t.name for t in fsdp_jax.StateDictType]  # doctest: +ELLIPSIS
+    ['FULL_STATE_DICT', ...]
+  """
 
   FULL_STATE_DICT = enum.auto()
   LOCAL_STATE_DICT = enum.auto()

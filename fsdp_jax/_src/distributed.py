@@ -211,6 +211,11 @@ def gpu_count() -> int:
   """Number of GPUs ``nvidia-smi -L`` lists (0 without ``nvidia-smi``).
 
   Never touches JAX, so it is safe to call before :func:`initialize`.
+
+  Example:
+    >>> from fsdp_jax import distributed
+    >>> distributed.gpu_count() >= 0
+    True
   """
   exe = shutil.which("nvidia-smi")
   if exe is None:
@@ -226,7 +231,13 @@ def gpu_count() -> int:
 
 def detect_platform() -> str:
   """``"cpu"`` or ``"gpu"``: ``FSDP_JAX_PLATFORM``, else ``JAX_PLATFORMS``,
-  else whether ``nvidia-smi`` lists a GPU."""
+  else whether ``nvidia-smi`` lists a GPU.
+
+  Example:
+    >>> from fsdp_jax import distributed
+    >>> distributed.detect_platform() in ("cpu", "gpu")
+    True
+  """
   value = os.environ.get("FSDP_JAX_PLATFORM", "").strip().lower()
   if value:
     if value not in ("cpu", "gpu", "cuda"):
@@ -659,7 +670,13 @@ def _adopt_jax_distributed(peer_timeout, watchdog) -> DistributedInfo:
 
 
 def is_initialized() -> bool:
-  """Whether :func:`initialize` has run in this process."""
+  """Whether :func:`initialize` has run in this process.
+
+  Example:
+    >>> from fsdp_jax import distributed
+    >>> distributed.is_initialized()  # nothing set up in this process
+    False
+  """
   return _info is not None
 
 
@@ -672,21 +689,39 @@ def info() -> DistributedInfo:
 
 
 def get_rank() -> int:
-  """This process's index (PyTorch ``dist.get_rank()``); 0 without set-up."""
+  """This process's index (PyTorch ``dist.get_rank()``); 0 without set-up.
+
+  Example (one process, no set-up):
+    >>> from fsdp_jax import distributed
+    >>> distributed.get_rank(), distributed.get_world_size(), distributed.get_local_rank()
+    (0, 1, 0)
+  """
   if _info is not None:
     return _info.rank
   return jax.process_index() if _jax_client() is not None else 0
 
 
 def get_world_size() -> int:
-  """Number of processes (PyTorch ``dist.get_world_size()``); 1 without set-up."""
+  """Number of processes (PyTorch ``dist.get_world_size()``); 1 without set-up.
+
+  Example (one process, no set-up):
+    >>> from fsdp_jax import distributed
+    >>> distributed.get_world_size()
+    1
+  """
   if _info is not None:
     return _info.world_size
   return jax.process_count() if _jax_client() is not None else 1
 
 
 def get_local_rank() -> int:
-  """Index of this process on its machine (torchrun's ``LOCAL_RANK``)."""
+  """Index of this process on its machine (torchrun's ``LOCAL_RANK``).
+
+  Example (one process, no set-up):
+    >>> from fsdp_jax import distributed
+    >>> distributed.get_local_rank()
+    0
+  """
   if _info is not None:
     return _info.local_rank
   return _env_int("LOCAL_RANK", 0)

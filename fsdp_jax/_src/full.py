@@ -206,6 +206,19 @@ def sharded_grads(loss_fn: Callable, state: ShardedTrainState, batch):
   layout, as global arrays, in device memory also with CPU offload), without
   updating the state. Pass them to ``summon_full_params(with_grads=True,
   grads=...)`` to see full gradients.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+    >>> grads = fsdp_jax.custom.sharded_grads(loss_fn, state, {"x": jnp.ones((2, 4))})
+    >>> grads["_flat_param"].shape  # the flat parameter's gradient, sharded
+    (8,)
+    >>> params, full_grads = fsdp_jax.summon_full_params(state, with_grads=True, grads=grads)
+    >>> full_grads["w"].tolist()
+    [[4.0, 4.0], [4.0, 4.0], [4.0, 4.0], [4.0, 4.0]]
   """
   from fsdp_jax._src.step import place_batch  # pylint: disable=import-outside-toplevel
   plan = state.plan

@@ -41,13 +41,33 @@ from fsdp_jax._src.plan import Plan
 
 
 def param_specs(plan: Plan):
-  """``PartitionSpec`` of every stored parameter array (``state.params``)."""
+  """``PartitionSpec`` of every stored parameter array (``state.params``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> from jax.sharding import PartitionSpec as P
+    >>> fsdp_jax.custom.param_specs(state.plan) == {"_flat_param": P("shard")}  # one flat param
+    True
+  """
   return jax.tree.map(lambda s: s.spec, plan.storage_shardings(),
                       is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
 def batch_spec(plan: Plan) -> P:
-  """Batch leaves are split along dim 0 over all data-parallel mesh axes."""
+  """Batch leaves are split along dim 0 over all data-parallel mesh axes.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> from jax.sharding import PartitionSpec as P
+    >>> fsdp_jax.custom.batch_spec(state.plan) == P("shard")  # dim 0 over the data axes
+    True
+  """
   axes = plan.axes.data_axes
   return P(axes[0] if len(axes) == 1 else axes)
 
@@ -67,6 +87,15 @@ def split_trainable(plan: Plan, params):
   Flat layout: two dicts of flat parameters (a unit is all frozen or all
   trainable). Original layout: two trees shaped like the params, with
   ``None`` in place of the other kind's leaves.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> trainable, frozen = fsdp_jax.custom.split_trainable(state.plan, state.params)
+    >>> sorted(trainable), frozen
+    (['_flat_param'], {})
   """
   if not plan.use_orig_params:
     frozen_keys = {u.flat_key for u in plan.units if u not in plan.trainable_units}
@@ -81,7 +110,17 @@ def split_trainable(plan: Plan, params):
 
 
 def merge_trainable(plan: Plan, trainable, frozen):
-  """Inverse of :func:`split_trainable`."""
+  """Inverse of :func:`split_trainable`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> parts = fsdp_jax.custom.split_trainable(state.plan, state.params)
+    >>> fsdp_jax.custom.merge_trainable(state.plan, *parts) == state.params
+    True
+  """
   if not plan.use_orig_params:
     out = {**frozen, **trainable}
     return {k: out[k] for k in sorted(out)}
@@ -97,7 +136,7 @@ def optimizer_step(optimizer, grads, opt_state, params, *, plan: Plan, value=Non
   Runs ``optimizer.update`` and ``optax.apply_updates`` on the tree passed to
   ``init_train_state`` (its paths, unpadded shapes and dtypes; frozen leaves
   are ``None``), evaluated on this device's shards so that the result is what
-  the optimizer computes unsharded (see :mod:`fsdp_jax._src.optim`): elementwise
+  the optimizer computes unsharded (see docs/optimizers.md): elementwise
   work stays local, a whole-parameter reduction costs one scalar all-reduce,
   an operation that needs a whole parameter gathers it.
 
@@ -113,11 +152,32 @@ def optimizer_step(optimizer, grads, opt_state, params, *, plan: Plan, value=Non
   Returns:
     ``(new params, new opt_state)`` in the stored layout.
 
-  Example (inside the body of a ``jax.shard_map``; see docs/custom_step.md)::
+  Example: a whole step (see docs/custom_step.md):
 
-    out, grads, _ = vg(params, batch)
-    params, opt_state = fsdp_jax.custom.optimizer_step(opt, grads, opt_state, params,
-                                                plan=plan)
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> opt = optax.sgd(0.1)
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=opt, mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> plan = state.plan
+    >>> vg = fsdp_jax.custom.value_and_grad(
+    ...     lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2), plan=plan)
+    >>> p_specs = fsdp_jax.custom.param_specs(plan)
+    >>> o_specs, _ = fsdp_jax.custom.opt_state_specs(plan, opt)
+    >>> def body(params, opt_state, batch):
+    ...   out, grads, _ = vg(params, batch)
+    ...   grads, norm = fsdp_jax.custom.clip_grad_norm(grads, plan=plan, max_norm=1.0)
+    ...   params, opt_state = fsdp_jax.custom.optimizer_step(
+    ...       opt, grads, opt_state, params, plan=plan)
+    ...   return params, opt_state, out.loss, norm
+    >>> step = jax.jit(jax.shard_map(body, mesh=mesh,
+    ...     in_specs=(p_specs, o_specs, fsdp_jax.custom.batch_spec(plan)),
+    ...     out_specs=(p_specs, o_specs, P(), P()), check_vma=False))
+    >>> params, opt_state, loss, norm = step(state.params, state.opt_state,
+    ...                                      {"x": jnp.ones((2, 4))})
+    >>> print(f"loss {float(loss):.1f}, gradient norm before clipping {float(norm):.1f}")
+    loss 16.0, gradient norm before clipping 11.3
   """
   trainable, frozen = split_trainable(plan, params)
   optimizer = optim.as_transformation(optimizer)
@@ -690,6 +750,33 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
   ``out.weight`` the global weight.
 
   ``forward_inputs``: see :func:`make_local_loss`.
+
+  Example: a whole step (see docs/custom_step.md):
+
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> opt = optax.sgd(0.1)
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=opt, mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> plan = state.plan
+    >>> vg = fsdp_jax.custom.value_and_grad(
+    ...     lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2), plan=plan)
+    >>> p_specs = fsdp_jax.custom.param_specs(plan)
+    >>> o_specs, _ = fsdp_jax.custom.opt_state_specs(plan, opt)
+    >>> def body(params, opt_state, batch):
+    ...   out, grads, _ = vg(params, batch)
+    ...   grads, norm = fsdp_jax.custom.clip_grad_norm(grads, plan=plan, max_norm=1.0)
+    ...   params, opt_state = fsdp_jax.custom.optimizer_step(
+    ...       opt, grads, opt_state, params, plan=plan)
+    ...   return params, opt_state, out.loss, norm
+    >>> step = jax.jit(jax.shard_map(body, mesh=mesh,
+    ...     in_specs=(p_specs, o_specs, fsdp_jax.custom.batch_spec(plan)),
+    ...     out_specs=(p_specs, o_specs, P(), P()), check_vma=False))
+    >>> params, opt_state, loss, norm = step(state.params, state.opt_state,
+    ...                                      {"x": jnp.ones((2, 4))})
+    >>> print(f"loss {float(loss):.1f}, gradient norm before clipping {float(norm):.1f}")
+    loss 16.0, gradient norm before clipping 11.3
   """
   if accumulation not in ("no_sync", "sharded"):
     raise ValueError(f"accumulation={accumulation!r}: use 'no_sync' or 'sharded'.")
@@ -901,6 +988,33 @@ def clip_grad_norm(grads, *, plan: Plan, max_norm: float, norm_type: float = 2.0
 
   Returns ``(clipped_grads, total_norm)``; the norm is the pre-clip norm in
   the promoted dtype of the gradients, as in PyTorch.
+
+  Example: a whole step (see docs/custom_step.md):
+
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> opt = optax.sgd(0.1)
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=opt, mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> plan = state.plan
+    >>> vg = fsdp_jax.custom.value_and_grad(
+    ...     lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2), plan=plan)
+    >>> p_specs = fsdp_jax.custom.param_specs(plan)
+    >>> o_specs, _ = fsdp_jax.custom.opt_state_specs(plan, opt)
+    >>> def body(params, opt_state, batch):
+    ...   out, grads, _ = vg(params, batch)
+    ...   grads, norm = fsdp_jax.custom.clip_grad_norm(grads, plan=plan, max_norm=1.0)
+    ...   params, opt_state = fsdp_jax.custom.optimizer_step(
+    ...       opt, grads, opt_state, params, plan=plan)
+    ...   return params, opt_state, out.loss, norm
+    >>> step = jax.jit(jax.shard_map(body, mesh=mesh,
+    ...     in_specs=(p_specs, o_specs, fsdp_jax.custom.batch_spec(plan)),
+    ...     out_specs=(p_specs, o_specs, P(), P()), check_vma=False))
+    >>> params, opt_state, loss, norm = step(state.params, state.opt_state,
+    ...                                      {"x": jnp.ones((2, 4))})
+    >>> print(f"loss {float(loss):.1f}, gradient norm before clipping {float(norm):.1f}")
+    loss 16.0, gradient norm before clipping 11.3
   """
   max_norm = float(max_norm)
   norm_type = float(norm_type)

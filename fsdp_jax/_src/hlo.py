@@ -29,6 +29,17 @@ class Collective:
   ``computation`` the HLO computation holding it (a loop body for gathers
   inside ``scan``), ``replica_groups`` the groups as XLA printed them (its
   format changed between releases: :attr:`groups` reads every one).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, fsdp_jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "shard"), mesh=mesh,
+    ...                           in_specs=P("shard"), out_specs=P()))
+    >>> text = f.lower(jnp.ones(4)).compile().as_text()
+    >>> (c,) = fsdp_jax.hlo.collectives(text)
+    >>> c.kind, c.shapes, c.dtypes, c.bytes, c.groups
+    ('all-reduce', ((2,),), ('f32',), 8, ((0, 1),))
   """
 
   kind: str
@@ -103,7 +114,18 @@ def replica_groups(text: str) -> tuple[tuple[int, ...], ...]:
 
 
 def collectives(hlo_text: str) -> list[Collective]:
-  """All collectives of an HLO module (``compiled.as_text()``), in order."""
+  """All collectives of an HLO module (``compiled.as_text()``), in order.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, fsdp_jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "shard"), mesh=mesh,
+    ...                           in_specs=P("shard"), out_specs=P()))
+    >>> text = f.lower(jnp.ones(4)).compile().as_text()
+    >>> [(c.kind, c.shapes) for c in fsdp_jax.hlo.collectives(text)]
+    [('all-reduce', ((2,),))]
+  """
   out = []
   comp = ""
   for line in hlo_text.splitlines():
@@ -130,7 +152,18 @@ def collectives(hlo_text: str) -> list[Collective]:
 
 
 def summarize(hlo_text: str) -> dict[str, dict[str, int]]:
-  """``{kind: {"ops": n, "operands": m, "bytes": b}}`` over the module."""
+  """``{kind: {"ops": n, "operands": m, "bytes": b}}`` over the module.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, fsdp_jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "shard"), mesh=mesh,
+    ...                           in_specs=P("shard"), out_specs=P()))
+    >>> text = f.lower(jnp.ones(4)).compile().as_text()
+    >>> fsdp_jax.hlo.summarize(text)
+    {'all-reduce': {'ops': 1, 'operands': 1, 'bytes': 8}}
+  """
   out: dict = {}
   for c in collectives(hlo_text):
     d = out.setdefault(c.kind, {"ops": 0, "operands": 0, "bytes": 0})
@@ -146,7 +179,17 @@ _CALLS = re.compile(r"\b(?:to_apply|calls|body|condition|branch_computations)=\{
 
 def loop_bodies(hlo_text: str) -> set[str]:
   """Names of the computations that run inside a ``while`` loop: the loop
-  bodies and everything they call."""
+  bodies and everything they call.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, fsdp_jax
+    >>> loop = jax.jit(lambda x: jax.lax.fori_loop(0, 3, lambda i, y: y * 2, x))
+    >>> text = loop.lower(jnp.ones(3)).compile().as_text()
+    >>> len(fsdp_jax.hlo.loop_bodies(text)) > 0
+    True
+    >>> fsdp_jax.hlo.loop_bodies(jax.jit(jnp.sin).lower(1.0).compile().as_text())
+    set()
+  """
   calls: dict[str, set[str]] = {}
   comp = ""
   bodies: set[str] = set()
@@ -181,7 +224,19 @@ _ALIASING = ("bitcast", "copy", "reshape")
 
 @dataclasses.dataclass(frozen=True)
 class Instruction:
-  """One instruction of a computation, as printed by ``as_text()``."""
+  """One instruction of a computation, as printed by ``as_text()``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, fsdp_jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "shard"), mesh=mesh,
+    ...                           in_specs=P("shard"), out_specs=P()))
+    >>> text = f.lower(jnp.ones(4)).compile().as_text()
+    >>> ins = [i for i in fsdp_jax.hlo.entry_instructions(text) if i.opcode == "all-reduce"]
+    >>> len(ins), ins[0].tuple_size
+    (1, 0)
+  """
 
   name: str
   opcode: str
@@ -205,7 +260,19 @@ def _closing(s: str, start: int) -> int:
 
 def entry_instructions(hlo_text: str) -> list[Instruction]:
   """The ENTRY computation's instructions in order. For a scheduled module
-  (``compiled.as_text()`` on CPU and GPU) the order is the execution order."""
+  (``compiled.as_text()`` on CPU and GPU) the order is the execution order.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, fsdp_jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> f = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, "shard"), mesh=mesh,
+    ...                           in_specs=P("shard"), out_specs=P()))
+    >>> text = f.lower(jnp.ones(4)).compile().as_text()
+    >>> ops = [i.opcode for i in fsdp_jax.hlo.entry_instructions(text)]
+    >>> ops[0], "all-reduce" in ops
+    ('parameter', True)
+  """
   out, inside = [], False
   for line in hlo_text.splitlines():
     if line.startswith("ENTRY"):
@@ -241,7 +308,20 @@ def entry_instructions(hlo_text: str) -> list[Instruction]:
 def collective_order(hlo_text: str) -> list[tuple[str, str]]:
   """``[(kind, unit), ...]``: the entry computation's all-gathers and
   reduce-scatters in execution order, with the unit each belongs to (from the
-  ``fsdp_all_gather[unit]`` / ``fsdp_reduce_scatter[unit]`` scopes)."""
+  ``fsdp_all_gather[unit]`` / ``fsdp_reduce_scatter[unit]`` scopes).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> config = fsdp_jax.FSDPConfig()
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=config)
+    >>> step = fsdp_jax.shard_train_step(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2),
+    ...     optax.sgd(0.1), mesh=mesh, config=config)
+    >>> text = step.lower(state, {"x": jnp.ones((2, 4))}).compile().as_text()
+    >>> fsdp_jax.hlo.collective_order(text)  # one unit: the root
+    [('all-gather', '<root>'), ('reduce-scatter', '<root>')]
+  """
   out = []
   for ins in entry_instructions(hlo_text):
     kind = ins.opcode.replace("-start", "")
@@ -260,6 +340,19 @@ def live_gathered_units(hlo_text: str) -> list[frozenset]:
   ``fsdp_all_gather[unit]`` scope (the all-gather and its unpacking), followed
   through tuples, optimization barriers, get-tuple-element, bitcasts and
   copies. A value is live from its instruction to its last reader.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> config = fsdp_jax.FSDPConfig()
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=config)
+    >>> step = fsdp_jax.shard_train_step(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2),
+    ...     optax.sgd(0.1), mesh=mesh, config=config)
+    >>> text = step.lower(state, {"x": jnp.ones((2, 4))}).compile().as_text()
+    >>> live = fsdp_jax.hlo.live_gathered_units(text)
+    >>> max(len(units) for units in live), sorted(set().union(*live))
+    (1, ['<root>'])
   """
   instrs = entry_instructions(hlo_text)
   pos = {ins.name: k for k, ins in enumerate(instrs)}

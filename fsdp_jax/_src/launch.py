@@ -160,7 +160,13 @@ def exit_status(code: int) -> int:
 
 @dataclasses.dataclass
 class WorkerResult:
-  """How one worker ended."""
+  """How one worker ended.
+
+  Example:
+    >>> from fsdp_jax.launch import WorkerResult
+    >>> WorkerResult(rank=1, local_rank=1, pid=1234, returncode=-9).describe()
+    'worker RANK=1 (LOCAL_RANK=1, pid 1234): killed by signal SIGKILL (9)'
+  """
 
   rank: int
   local_rank: int
@@ -476,7 +482,15 @@ def _validate(p: argparse.ArgumentParser, args) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """The launcher's entry point; returns the exit status."""
+  """The launcher's entry point; returns the exit status.
+
+  Example (what ``python -m fsdp_jax.launch --nproc 2 train.py`` runs):
+    >>> import pathlib, tempfile, fsdp_jax.launch
+    >>> script = pathlib.Path(tempfile.mkdtemp()) / "train.py"
+    >>> _ = script.write_text("import os\\n")
+    >>> fsdp_jax.launch.main(["--nproc", "2", "--platform", "cpu", str(script)])
+    0
+  """
   parser = build_parser()
   args = parser.parse_args(argv)
   _validate(parser, args)

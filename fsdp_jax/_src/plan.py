@@ -85,7 +85,19 @@ class UnitSpec:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-  """Static description of how a parameter tree is sharded."""
+  """Static description of how a parameter tree is sharded.
+
+  ``print(plan)`` shows it (units, layout, collectives, memory).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> plan = state.plan
+    >>> [u.display_name for u in plan.units], dict(plan.mesh.shape)
+    (['<root>'], {'shard': 2})
+  """
 
   treedef: Any
   leaves: tuple[LeafSpec, ...]

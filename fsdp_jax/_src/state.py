@@ -47,6 +47,14 @@ class ShardedTrainState:
       ``loss_fn`` that accepts ``rng=`` gets ``fold_in(fold_in(rng, step),
       device_index)`` at each step. Saved and restored by checkpoints.
     plan: the :class:`~fsdp_jax.Plan` (units, layout, mesh, config).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> int(state.step), jax.tree.map(jnp.shape, state.params)  # one flat shard per device
+    (0, {'_flat_param': (8,)})
   """
 
   step: jax.Array
@@ -353,6 +361,22 @@ def opt_state_specs(plan: Plan, optimizer: optax.GradientTransformation):
   factored statistics) is replicated. ``specs`` are the ``PartitionSpec`` s
   for ``jax.shard_map``; ``shapes`` the ``jax.ShapeDtypeStruct`` s (with
   shardings) of the stored state.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> opt = optax.adam(1e-3)
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=opt, mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> specs, shapes = fsdp_jax.custom.opt_state_specs(state.plan, opt)
+    >>> specs.slots == {"0.mu": {"_flat_param": P("shard")},
+    ...                 "0.nu": {"_flat_param": P("shard")}}  # sharded like the params
+    True
+    >>> specs.leaves == {"0.count": P()}  # replicated
+    True
+    >>> shapes.slots["0.mu"]["_flat_param"].shape  # the global (padded) shape
+    (8,)
   """
   lay = optim.layout_for(plan, optim.as_transformation(optimizer))
   return optim.stored_specs(plan, lay), optim.stored_shapes(plan, lay)

@@ -73,6 +73,11 @@ class OptimStateKeyType(enum.Enum):
   ``PARAM_ID``: integer ids, the parameter's position in
   ``jax.tree_util.tree_leaves(params)`` of the unsharded tree (the order an
   unsharded optax state holds them in).
+
+  Example:
+    >>> import fsdp_jax
+    >>> [t.name for t in fsdp_jax.OptimStateKeyType]
+    ['PARAM_NAME', 'PARAM_ID']
   """
 
   PARAM_NAME = enum.auto()

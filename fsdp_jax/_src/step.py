@@ -22,9 +22,15 @@ from fsdp_jax._src.state import ShardedTrainState
 
 
 def check_batch(plan: Plan, batch) -> None:
-  """Every batch leaf is split along dim 0 over the data-parallel world."""
+  """Every batch leaf is split along dim 0 over the data-parallel world.
+
+  A leaf whose leading dimension the data-parallel size does not divide is an
+  error naming every such leaf (path, shape), the mesh axes and their sizes,
+  and the fix, like ``jax.shard_map``'s own check.
+  """
   world = plan.axes.world_size
   axes = plan.axes.data_axes
+  bad = []
   for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
     shape = np.shape(x)
     name = jax.tree_util.keystr(path) or "batch"
@@ -34,12 +40,23 @@ def check_batch(plan: Plan, batch) -> None:
           f"batch dimension to split over the data-parallel mesh axes {axes} "
           f"(size {world}). Put per-step constants in the loss function instead.")
     if shape[0] % world:
-      raise ValueError(
-          f"Batch leaf {name} has shape {tuple(shape)}: its leading dimension "
-          f"{shape[0]} is not divisible by the data-parallel size {world} "
-          f"(mesh axes {axes} of sizes {dict(plan.mesh.shape)}). Fix: use a "
-          f"global batch size that is a multiple of {world}, e.g. "
-          f"{-(-shape[0] // world) * world}.")
+      bad.append((name, tuple(shape)))
+  if not bad:
+    return
+  where = f"the data-parallel size {world} (mesh axes {axes} of sizes {dict(plan.mesh.shape)})"
+  fix = (f"Fix: use a global batch size that is a multiple of {world}, e.g. "
+         f"{-(-bad[0][1][0] // world) * world}.")
+  if len(bad) == 1:
+    name, shape = bad[0]
+    raise ValueError(
+        f"Batch leaf {name} has shape {shape}: its leading dimension "
+        f"{shape[0]} is not divisible by {where}. {fix}")
+  lines = "\n".join(
+      f"  * {name} of shape {shape}: leading dimension {shape[0]} "
+      f"(nearest multiple {-(-shape[0] // world) * world})" for name, shape in bad)
+  raise ValueError(
+      f"{len(bad)} batch leaves have a leading dimension that is not divisible by "
+      f"{where}:\n{lines}\n{fix}")
 
 
 def _check_state(state, plan_cfg: FSDPConfig, mesh: Mesh, optimizer):
@@ -331,7 +348,22 @@ class NonFiniteError(FloatingPointError):
   ``FSDPConfig(nonfinite="raise")``. ``error.state`` is the train state as
   it was before the step (the update was not applied); ``error.step`` the
   step's index; ``error.parameters`` the names of the parameters whose
-  gradients were not finite."""
+  gradients were not finite.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> config = fsdp_jax.FSDPConfig(nonfinite="raise")
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=config)
+    >>> step = fsdp_jax.shard_train_step(lambda p, b: jnp.mean(jnp.sqrt(b["x"] @ p["w"])),
+    ...     optax.sgd(0.1), mesh=mesh, config=config)
+    >>> try:
+    ...   step(state, {"x": -jnp.ones((2, 4))})  # sqrt of a negative number
+    ... except fsdp_jax.NonFiniteError as e:
+    ...   print(e.step, e.parameters, int(e.state.step))
+    0 ['w'] 0
+  """
 
   def __init__(self, message, *, state, step, parameters):
     super().__init__(message)
@@ -419,6 +451,17 @@ class TrainStep:
   batch)`` lowers it for inspection (``.compile().as_text()``,
   ``.compile().memory_analysis()``); ``step.jitted`` is the ``jax.jit``
   function itself, taking global arrays.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> step = fsdp_jax.shard_train_step(lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2),
+    ...     optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> state, metrics = step(state, {"x": jnp.ones((2, 4))})
+    >>> float(metrics["loss"]), int(state.step)
+    (16.0, 1)
   """
 
   def __init__(self, jitted, mesh: Mesh, config: FSDPConfig):

@@ -29,6 +29,19 @@ class Node:
     module_type: the Flax module class that owns this subtree, when known.
     numel: the number of parameters under this node.
     is_sequence: whether the node is a list/tuple (PyTorch's ``ModuleList``).
+
+  Example: the nodes a policy sees.
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> seen = []
+    >>> def policy(node):
+    ...   seen.append((node.name, node.numel))
+    ...   return node.name == "b"
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(
+    ...     params={"a": {"w": jnp.ones(4)}, "b": {"w": jnp.ones(6)}}, optimizer=optax.sgd(0.1),
+    ...     mesh=mesh, config=fsdp_jax.FSDPConfig(auto_wrap_policy=fsdp_jax.CustomPolicy(policy)))
+    >>> sorted(set(seen))
+    [('a', 4), ('b', 6)]
   """
 
   path: tuple[str, ...]
@@ -69,7 +82,20 @@ def size_based_auto_wrap_policy(
 
 def lambda_auto_wrap_policy(module: Node, recurse: bool, nonwrapped_numel: int,
                             lambda_fn: Callable[[Node], bool]) -> bool:
-  """PyTorch's lambda policy: wrap every node for which ``lambda_fn(node)``."""
+  """PyTorch's lambda policy: wrap every node for which ``lambda_fn(node)``.
+
+  Example:
+    >>> import functools, jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> policy = functools.partial(fsdp_jax.lambda_auto_wrap_policy,
+    ...                            lambda_fn=lambda node: node.name.startswith("layers."))
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(
+    ...     params={"layers": [{"w": jnp.ones(4)}, {"w": jnp.ones(4)}], "head": jnp.ones(2)},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh,
+    ...     config=fsdp_jax.FSDPConfig(auto_wrap_policy=policy))
+    >>> [u.display_name for u in state.plan.units]
+    ['layers.0', 'layers.1', '<root>']
+  """
   del nonwrapped_numel
   if recurse:
     return True
