@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import jax
@@ -85,8 +86,64 @@ def _canon_dtype(dtype):
   return None if dtype is None else jnp.dtype(dtype)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class MixedPrecision:
+def value_key(value):
+  """What configuration values compare and hash by: their contents.
+
+  Two configs built separately from equal parts are equal (and hash equal,
+  so a jitted step compiled for one is reused for the other). Dataclasses
+  compare field by field, ``functools.partial`` objects by function and
+  arguments (``functools.partial(size_based_auto_wrap_policy,
+  min_num_params=...)`` is PyTorch's idiom; partials themselves compare by
+  identity), containers by their items, dtypes by ``jnp.dtype``. A plain
+  function compares by identity: the same function object is the same
+  policy, and nothing else can honestly be said of two functions.
+
+  Example:
+    >>> import functools, fsdp_jax
+    >>> from fsdp_jax._src.config import value_key
+    >>> p = lambda: functools.partial(fsdp_jax.size_based_auto_wrap_policy,
+    ...                               min_num_params=100)
+    >>> value_key(p()) == value_key(p())
+    True
+  """
+  if isinstance(value, functools.partial):
+    return ("partial", value_key(value.func), value_key(value.args),
+            value_key(value.keywords))
+  if hasattr(value, "_value_key") and not isinstance(value, type):
+    return (type(value), value._value_key())  # pylint: disable=protected-access
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    return (type(value), tuple((f.name, value_key(getattr(value, f.name)))
+                               for f in dataclasses.fields(value) if f.compare))
+  if isinstance(value, (list, tuple)):
+    return ("seq", tuple(value_key(v) for v in value))
+  if isinstance(value, (set, frozenset)):
+    return ("set", frozenset(value_key(v) for v in value))
+  if isinstance(value, Mapping):
+    return ("map", frozenset((value_key(k), value_key(v)) for k, v in value.items()))
+  if isinstance(value, type) and issubclass(value, np.generic):
+    return np.dtype(value)  # np.float32
+  if isinstance(getattr(value, "dtype", None), np.dtype) and callable(value):
+    return value.dtype  # jnp.bfloat16 and the other jnp scalar types
+  try:
+    hash(value)
+  except TypeError:
+    return ("id", id(value))
+  return value
+
+
+class _ValueEquality:
+  """``==`` and ``hash`` by :func:`value_key` (for frozen dataclasses declared
+  with ``eq=False``)."""
+
+  def __eq__(self, other):
+    return type(other) is type(self) and value_key(self) == value_key(other)
+
+  def __hash__(self):
+    return hash(value_key(self))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class MixedPrecision(_ValueEquality):
   """PyTorch's ``MixedPrecision``: the dtypes used in forward, backward and
   gradient reduction.
 
@@ -95,7 +152,22 @@ class MixedPrecision:
   the bytes of an fp32 one. Gradients are reduced in ``reduce_dtype``, which
   falls back to ``param_dtype`` when unset, and are returned to the optimizer
   in the stored precision unless ``keep_low_precision_grads``. Only floating
-  point values are cast.
+  point values are cast. Keyword-only, frozen, compared by value.
+
+  Args:
+    param_dtype: the dtype units are gathered and computed in (PyTorch
+      ``param_dtype``); ``None``: the stored dtype.
+    reduce_dtype: the dtype gradients are reduced in; ``None``: falls back to
+      ``param_dtype`` (PyTorch's rule), then the stored dtype.
+    buffer_dtype: the dtype of floating model state (Flax collections such as
+      BatchNorm statistics) in the forward; ``None``: as stored.
+    keep_low_precision_grads: return gradients to the optimizer in the
+      reduced dtype instead of the stored one (default ``False``).
+    cast_forward_inputs: cast floating inputs of every unit to its
+      ``param_dtype`` (default ``False``, as in PyTorch).
+    cast_root_forward_inputs: cast the floating batch leaves (or only
+      ``shard_train_step(forward_inputs=...)``) to ``param_dtype`` (default
+      ``True``, as in PyTorch).
 
   Example:
     >>> import jax.numpy as jnp
@@ -132,8 +204,8 @@ class MixedPrecision:
     return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CPUOffload:
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class CPUOffload(_ValueEquality):
   """PyTorch's ``CPUOffload(offload_params=False)``.
 
   With ``offload_params=True`` the sharded parameters and the optimizer state
@@ -145,7 +217,11 @@ class CPUOffload:
   state are written in host memory. The step counter, ``model_state`` and a
   communication hook's state stay on the device. The devices must have a
   ``pinned_host`` memory kind; ``init_train_state`` raises a ``ValueError``
-  otherwise.
+  otherwise. Keyword-only, frozen, compared by value.
+
+  Args:
+    offload_params: keep parameter shards, gradients and optimizer state in
+      host memory (default ``False``, as in PyTorch).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax
@@ -161,8 +237,8 @@ class CPUOffload:
   offload_params: bool = False
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FSDPConfig:
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class FSDPConfig(_ValueEquality):
   """The ``FullyShardedDataParallel`` constructor's options, keyword-only.
 
   Args:

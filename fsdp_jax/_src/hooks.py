@@ -62,7 +62,7 @@ class DefaultHook:
     16.0
   """
 
-  name: str
+  name: str  # "reduce_scatter" or "allreduce" (PyTorch's hook names)
   stateful = False
 
   def __call__(self, state, grad, spec: GatherSpec):
@@ -96,8 +96,11 @@ class LowPrecisionHook:
     16.0
   """
 
-  dtype: Any
+  dtype: Any  # the dtype the gradient is cast to and reduced in
   stateful = False
+
+  def __post_init__(self):
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
 
   def __call__(self, state, grad, spec: GatherSpec):
     low = dataclasses.replace(spec, reduce_dtype=jnp.dtype(self.dtype))
@@ -128,8 +131,11 @@ class ErrorFeedbackHook:
     [(2, 2, 4)]
   """
 
-  dtype: Any = jnp.bfloat16
+  dtype: Any = jnp.bfloat16  # the dtype the compensated gradient is reduced in
   stateful = True
+
+  def __post_init__(self):
+    object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
 
   def init(self, shape, dtype):
     return jnp.zeros(shape, jnp.float32)

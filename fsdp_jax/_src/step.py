@@ -59,11 +59,28 @@ def check_batch(plan: Plan, batch) -> None:
       f"{where}:\n{lines}\n{fix}")
 
 
-def _check_state(state, plan_cfg: FSDPConfig, mesh: Mesh, optimizer):
+def check_setup(mesh: Mesh, config: FSDPConfig, *, stacklevel: int = 2) -> None:
+  """What a step can check once its mesh and config are known: the backend
+  supports offload, and the CPU flags FULL_SHARD's memory relies on."""
+  if offload.offloads(config):
+    offload.check_backend(mesh)
+  if (jax.devices()[0].platform == "cpu" and not cpu_flags_active()
+      and config.reshard_after_forward):
+    # Python's default warning filter shows this once per calling line.
+    warnings.warn(
+        "fsdp_jax: on the CPU backend XLA merges FULL_SHARD's backward "
+        "re-gather into the forward gather unless fsdp_jax.CPU_XLA_FLAGS are "
+        "set (call fsdp_jax.simulate_cpu_devices() before JAX starts); "
+        "results are the same, memory is not.", stacklevel=stacklevel + 1)
+
+
+def _check_state(state, plan_cfg: Optional[FSDPConfig], mesh: Optional[Mesh], optimizer):
   if not isinstance(state, ShardedTrainState):
     raise TypeError("step(state, batch) needs the ShardedTrainState built by "
                     f"fsdp_jax.init_train_state; got {type(state).__name__}.")
   plan = state.plan
+  plan_cfg = plan.config if plan_cfg is None else plan_cfg
+  mesh = plan.mesh if mesh is None else mesh
   if plan.config != plan_cfg:
     raise ValueError(
         "The state was built with a different FSDPConfig than this step:\n"
@@ -91,12 +108,10 @@ def _check_state(state, plan_cfg: FSDPConfig, mesh: Mesh, optimizer):
   return optim.stored_specs(plan, lay)
 
 
-_warned_cpu = []
-
-
 def shard_train_step(loss_fn: Callable[..., Any],
-                     optimizer: optax.GradientTransformation, *, mesh: Mesh,
-                     config: FSDPConfig, max_norm: Optional[float] = None,
+                     optimizer: optax.GradientTransformation, *,
+                     mesh: Optional[Mesh] = None, config: Optional[FSDPConfig] = None,
+                     max_norm: Optional[float] = None,
                      norm_type: float = 2.0, gradient_accumulation_steps: int = 1,
                      accumulation: str = "no_sync", forward_inputs=None,
                      donate: bool = True):
@@ -156,8 +171,13 @@ def shard_train_step(loss_fn: Callable[..., Any],
       same result as unsharded training; whole-tensor transforms such as
       ``optax.clip_by_global_norm`` would see only local shards: use
       ``max_norm`` instead.
-    mesh: the mesh the state lives on.
-    config: the :class:`FSDPConfig` the state was built with.
+    mesh: the mesh the state lives on; default: the state's
+      (``state.plan.mesh``), read when the step is called.
+    config: the :class:`FSDPConfig` the state was built with; default: the
+      state's (``state.plan.config``). When given, ``mesh`` and ``config`` must
+      equal the state's (by value: a config built separately from the same
+      options is the same config), else the step raises a ``ValueError``
+      naming both.
     max_norm: clip gradients to this total norm (``None``: no clipping).
     norm_type: the p of the norm (``2.0``, any ``p > 0``, or ``inf``).
     gradient_accumulation_steps: split each device's batch into this many
@@ -196,26 +216,23 @@ def shard_train_step(loss_fn: Callable[..., Any],
   if not callable(loss_fn):
     raise TypeError("loss_fn must be callable as loss_fn(params, batch).")
   optimizer = optim.as_transformation(optimizer)
-  if not isinstance(config, FSDPConfig):
+  if config is not None and not isinstance(config, FSDPConfig):
     raise TypeError(f"config must be a fsdp_jax.FSDPConfig, got {type(config).__name__}.")
+  if mesh is not None and not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh (e.g. fsdp_jax.make_mesh(...)), "
+                    f"got {type(mesh).__name__}.")
   if max_norm is not None and not float(max_norm) > 0:
     raise ValueError(f"max_norm={max_norm} must be positive (or None for no clipping).")
-  if offload.offloads(config):
-    offload.check_backend(mesh)
-  if (jax.devices()[0].platform == "cpu" and not cpu_flags_active()
-      and config.reshard_after_forward and not _warned_cpu):
-    _warned_cpu.append(True)
-    warnings.warn(
-        "fsdp_jax: on the CPU backend XLA merges FULL_SHARD's backward "
-        "re-gather into the forward gather unless fsdp_jax.CPU_XLA_FLAGS are "
-        "set (call fsdp_jax.simulate_cpu_devices() before JAX starts); "
-        "results are the same, memory is not.", stacklevel=2)
+  if mesh is not None and config is not None:
+    check_setup(mesh, config, stacklevel=3)
 
   forward_inputs = grads_lib.check_forward_inputs(forward_inputs)
 
   def step(state: ShardedTrainState, batch):
     opt_specs = _check_state(state, config, mesh, optimizer)
     plan = state.plan
+    config_ = plan.config if config is None else config
+    mesh_ = plan.mesh if mesh is None else mesh
     check_batch(plan, batch)
     if gradient_accumulation_steps > 1:
       grads_lib.check_microbatches(
@@ -232,10 +249,10 @@ def shard_train_step(loss_fn: Callable[..., Any],
                                   accumulation=accumulation,
                                   forward_inputs=forward_inputs)
     data_axes = plan.axes.data_axes
-    offloaded = offload.offloads(config)
+    offloaded = offload.offloads(config_)
 
     mode = plan.opt_update.mode if plan.opt_update is not None else "sharded"
-    policy = config.nonfinite
+    policy = config_.nonfinite
     own_grads = any(l.ignored and not l.frozen for l in plan.leaves)
 
     def body(params, opt_state, model_state, hook_state, batch_local, rng, step_count):
@@ -309,7 +326,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
                                           (new_ms, new_hook_state))
       return new_params, new_opt_state, new_ms, new_hook_state, metrics
 
-    fn = jax.shard_map(body, mesh=mesh,
+    fn = jax.shard_map(body, mesh=mesh_,
                        in_specs=(p_specs, opt_specs, ms_specs, h_specs, b_specs, rng_specs, P()),
                        out_specs=(p_specs, opt_specs, ms_specs, h_specs, P()),
                        check_vma=False)
@@ -464,16 +481,21 @@ class TrainStep:
     (16.0, 1)
   """
 
-  def __init__(self, jitted, mesh: Mesh, config: FSDPConfig):
+  def __init__(self, jitted, mesh: Optional[Mesh], config: Optional[FSDPConfig]):
     self.jitted = jitted
-    self.mesh = mesh
-    self.config = config
+    self.mesh = mesh  # None: the state's
+    self.config = config  # None: the state's
     self._checked_shapes = None
+    self._checked_setup = mesh is not None and config is not None
 
   def _place(self, state, batch):
     if not isinstance(state, ShardedTrainState):
       raise TypeError("step(state, batch) needs the ShardedTrainState built by "
                       f"fsdp_jax.init_train_state; got {type(state).__name__}.")
+    if not self._checked_setup:  # mesh or config taken from the state
+      check_setup(self.mesh or state.plan.mesh, self.config or state.plan.config,
+                  stacklevel=4)
+      self._checked_setup = True
     if jax.process_count() == 1:
       check_batch(state.plan, batch)
     else:
@@ -485,7 +507,8 @@ class TrainStep:
 
   def __call__(self, state, batch):
     new_state, metrics = self.jitted(state, self._place(state, batch))
-    if self.config.nonfinite == "raise":
+    config = state.plan.config if self.config is None else self.config
+    if config.nonfinite == "raise":
       # One host read of a replicated flag per step: every process decides
       # the same way.
       if bool(jax.device_get(metrics["nonfinite"])):

@@ -102,7 +102,9 @@ def lambda_auto_wrap_policy(module: Node, recurse: bool, nonwrapped_numel: int,
   return bool(lambda_fn(module))
 
 
-@functools.lru_cache(maxsize=None)
+# Compiled patterns, reused across the tree walk (a policy is asked about
+# every node). Bounded; ``_name_regex.cache_clear()`` empties it.
+@functools.lru_cache(maxsize=1024)
 def _name_regex(pattern: str) -> "re.Pattern":
   out = []
   i = 0
@@ -179,6 +181,17 @@ class ModuleWrapPolicy:
   def __repr__(self):
     return f"ModuleWrapPolicy({self._module_classes!r})"
 
+  # A value: equal entries (in any order) make an equal policy, so two configs
+  # built separately with ModuleWrapPolicy({"l1"}) are the same config.
+  def _value_key(self):
+    return frozenset(self._module_classes)
+
+  def __eq__(self, other):
+    return type(other) is type(self) and self._value_key() == other._value_key()
+
+  def __hash__(self):
+    return hash(self._value_key())
+
 
 class CustomPolicy:
   """PyTorch's ``CustomPolicy``: ``lambda_fn(node)`` returns ``True`` to wrap
@@ -202,6 +215,19 @@ class CustomPolicy:
   def overrides(self, module: Node) -> dict:
     out = self._lambda_fn(module)
     return dict(out) if isinstance(out, dict) else {}
+
+  def __repr__(self):
+    return f"CustomPolicy({self._lambda_fn!r})"
+
+  # Equal when built around the same function (functions compare by identity).
+  def _value_key(self):
+    return self._lambda_fn
+
+  def __eq__(self, other):
+    return type(other) is type(self) and self._value_key() == other._value_key()
+
+  def __hash__(self):
+    return hash(self._value_key())
 
 
 @dataclasses.dataclass
