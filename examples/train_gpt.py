@@ -541,7 +541,10 @@ def main(argv=None) -> dict:
   if launched():
     # Started by python -m fsdp_jax.launch: initialize() sets up this
     # process's devices (the launcher's --devices-per-proc) and joins the
-    # others through jax.distributed.
+    # others through jax.distributed. Under srun/mpirun (no launcher) the
+    # failure hooks make a crashing process stop the others promptly; the
+    # launcher installs them itself, so there this call does nothing.
+    fsdp_jax.distributed.install_failure_hooks()
     info = fsdp_jax.distributed.initialize()
     platform = info.platform
   else:

@@ -317,6 +317,9 @@ def main(argv=None):
   exit_after(args.max_seconds, "mp_worker")
 
   from fsdp_jax import distributed
+  # Some tests start this worker directly, not through the launcher: the
+  # explicit call a script run that way makes (a no-op under the launcher).
+  distributed.install_failure_hooks()
   info = distributed.initialize()  # first thing: before JAX starts
   print(f"rank {info.rank}/{info.world_size} local {info.local_rank} "
         f"source {info.source}", flush=True)

@@ -729,8 +729,9 @@ def get_local_rank() -> int:
 
 def shutdown() -> None:
   """Stops the watchdog and ``jax.distributed`` (PyTorch
-  ``destroy_process_group``). Optional: a process that exits normally does
-  it at exit.
+  ``destroy_process_group``). Optional where :func:`install_failure_hooks`
+  ran (every worker of ``python -m fsdp_jax.launch``): a process that exits
+  normally then does it at exit.
 
   ``jax.distributed.shutdown`` waits at a barrier for every process to shut
   down (at most ``FSDP_JAX_SHUTDOWN_TIMEOUT`` seconds). Also puts back the
@@ -943,8 +944,7 @@ def handle_preemption(*, timeout: float = 120.0) -> None:
   p.install()
   if multi:
     p.agent = _PreemptionAgent(p, get_rank(), get_world_size(), float(timeout))
-    p.agent.start()
-    atexit.register(_stop_preemption_agent)
+    p.agent.start()  # stopped by shutdown(), or at exit by install_failure_hooks()'s handler
   _preemption = p
 
 
@@ -1283,6 +1283,43 @@ def _start_watchdog(info: DistributedInfo, peer_timeout: float) -> None:
   _watchdog = _Watchdog(info, peer_timeout)
   _watchdog.start()
 
+
+# Whether install_failure_hooks() ran in this process: the hooks are
+# process-wide by nature (sys.excepthook, atexit), so this flag is too.
+_failure_hooks_installed = False
+
+
+def install_failure_hooks() -> None:
+  """Installs the two process-wide hooks that make a failing worker stop the
+  whole job promptly and name the cause.
+
+  * ``sys.excepthook``: an uncaught exception in a process that called
+    :func:`initialize` is published to the other processes (which then stop
+    with an error naming this process and the exception), after waiting
+    briefly for the watchdog when the exception is a collective's failure
+    caused by a lost peer.
+  * ``atexit``: at exit, shuts :func:`initialize`'s state down in order
+    (a failed process leaves at once instead of waiting at JAX's shutdown
+    barrier for peers that have stopped).
+
+  ``python -m fsdp_jax.launch`` calls this in every worker before running the
+  script, so a launched script does not. A script started another way (for
+  example ``srun python train.py``) calls it once, first thing, to get the
+  same behaviour; without it, a lost process is still detected by the
+  watchdog, only less promptly and with a less precise message. Importing
+  fsdp_jax or calling :func:`initialize` installs nothing. Calling it again
+  does nothing.
+
+  Example::
+
+      from fsdp_jax import distributed
+      distributed.install_failure_hooks()
+      info = distributed.initialize()
+  """
+  global _failure_hooks_installed
+  if _failure_hooks_installed:
+    return
+  _failure_hooks_installed = True
   previous_hook = sys.excepthook
 
   def excepthook(exc_type, exc, tb):
@@ -1290,6 +1327,7 @@ def _start_watchdog(info: DistributedInfo, peer_timeout: float) -> None:
     if wd is None or issubclass(exc_type, KeyboardInterrupt):
       previous_hook(exc_type, exc, tb)
       return
+    info = wd.info
     first = (str(exc).strip().splitlines() or [""])[0][:300]
     own = f"{exc_type.__name__}: {first}"
     # A collective that fails because a peer died ("Gloo AllGather failed:
@@ -1325,7 +1363,9 @@ def _is_communication_error(exc: BaseException) -> bool:
 
 
 def _at_exit() -> None:
-  """Runs before JAX's own exit handler (atexit is last-in, first-out)."""
+  """Runs before JAX's own exit handler (atexit is last-in, first-out; JAX
+  registers its handler when jax is imported, before this module is)."""
+  _stop_preemption_agent()
   wd = _watchdog
   if wd is None:
     return

@@ -518,7 +518,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
   world = args.nnodes * args.nproc
   ranks = [args.node_rank * args.nproc + i for i in range(args.nproc)]
-  cmd = [sys.executable]
+  # Every worker starts through the worker entry point, which installs the
+  # failure hooks (fsdp_jax/_src/worker.py) and runs the script as __main__.
+  cmd = [sys.executable, "-m", "fsdp_jax._src.worker"]
   cmd += ["-m", args.script] if args.module else [args.script]
   cmd += list(args.script_args)
 
