@@ -66,7 +66,7 @@ from fsdp_jax._src.full import (
 )
 
 # State dicts and checkpoints.
-from fsdp_jax._src.state_dict import (
+from fsdp_jax._src.state_dicts import (
     OptimStateKeyType as OptimStateKeyType,
     full_optim_state_dict as full_optim_state_dict,
     load_state_dict as load_state_dict,

@@ -27,7 +27,7 @@ def restore_and_train(spec):
   import optax
   import fsdp_jax
   from fsdp_jax._src.checkpoint import CheckpointManager
-  from fsdp_jax._src.state_dict import state_dict
+  from fsdp_jax._src.state_dicts import state_dict
   from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params, train_steps
 
   strategy = fsdp_jax.ShardingStrategy[spec["strategy"]]
@@ -119,7 +119,7 @@ def multiprocess(spec):
   import optax
   import fsdp_jax
   from fsdp_jax._src.checkpoint import CheckpointManager
-  from fsdp_jax._src.state_dict import (full_optim_state_dict, load_state_dict, optim_state_dict,
+  from fsdp_jax._src.state_dicts import (full_optim_state_dict, load_state_dict, optim_state_dict,
                                    scatter_full_optim_state_dict, state_dict)
 
   T = fsdp_jax.StateDictType

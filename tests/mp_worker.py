@@ -215,7 +215,7 @@ def main_checkpoint(args, info):
   """Saves ``--save-dir`` from this run and resumes ``--restore-dir``;
   also takes a FULL state dict (rank0_only) across the processes."""
   import fsdp_jax
-  from fsdp_jax._src.state_dict import state_dict
+  from fsdp_jax._src.state_dicts import state_dict
 
   out = {}
   loss, params = checkpoint_round(args.save_dir)

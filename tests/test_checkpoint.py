@@ -26,7 +26,7 @@ import fsdp_jax
 from fsdp_jax._src.checkpoint import CheckpointError, CheckpointManager, export_params, import_params
 from fsdp_jax._src.config import ShardingStrategy as S
 from fsdp_jax._src.state import ShardedTrainState
-from fsdp_jax._src.state_dict import full_optim_state_dict
+from fsdp_jax._src.state_dicts import full_optim_state_dict
 
 from checkpoint_worker import MP_PARAMS, SMALL
 from helpers import (Background, assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
@@ -182,7 +182,7 @@ def test_restore_onto_other_strategy_and_layout_in_process(run):
 
 def _full_from_host(host_state):
   plan = host_state.plan
-  return jax.jit(lambda s: fsdp_jax.state.unpack_all(plan, s))(host_state.params)
+  return jax.jit(lambda s: fsdp_jax._src.state.unpack_all(plan, s))(host_state.params)
 
 
 # ---------------------------------------------------------------------------
@@ -204,8 +204,16 @@ def test_retention_and_save_interval(tmp_path):
     mngr.wait_until_finished()
     assert mngr.all_steps() == [2, 4, 5]
     assert mngr.latest_step() == 5
-    with pytest.raises(ValueError, match="step 5 is already saved"):
+    with pytest.raises(ValueError, match=r"step 5 is already saved.*manager\.delete\(5\)") as e:
       mngr.save(_with_step(state, 5), force=True)
+    assert "manager.manager" not in str(e.value)  # names the public method
+    mngr.delete(5)  # what the message says to do
+    assert mngr.all_steps() == [2, 4]
+    assert mngr.save(_with_step(state, 5), force=True)
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [2, 4, 5]
+    with pytest.raises(ValueError, match="no checkpoint of step 7"):
+      mngr.delete(7)
   with CheckpointManager(tmp_path / "every2", save_interval_steps=2,
                          enable_async_checkpointing=False) as mngr:
     assert mngr.save(_with_step(state, 1))  # orbax always writes a run's first save

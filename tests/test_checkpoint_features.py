@@ -19,7 +19,7 @@ from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params
 # Each test trains, saves and restores a whole train state.
 pytestmark = pytest.mark.slow
 
-sd = importlib.import_module("fsdp_jax._src.state_dict")
+sd = importlib.import_module("fsdp_jax._src.state_dicts")
 
 
 def loss_with_state(params, batch, model_state):

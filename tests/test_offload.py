@@ -15,7 +15,7 @@ from fsdp_jax._src import offload
 from fsdp_jax._src.checkpoint import CheckpointManager
 from fsdp_jax._src.config import ShardingStrategy as S
 from fsdp_jax._src.offload import entry_memory_bytes
-from fsdp_jax._src.state_dict import (load_state_dict, optim_state_dict, optim_state_dict_to_load,
+from fsdp_jax._src.state_dicts import (load_state_dict, optim_state_dict, optim_state_dict_to_load,
                                  state_dict)
 
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,

@@ -42,7 +42,7 @@ WITHOUT_EXAMPLE = {
     "fsdp_jax.distributed.MonitoredBarrierError", "fsdp_jax.distributed.describe_process",
     "fsdp_jax.distributed.handle_preemption", "fsdp_jax.distributed.info",
     "fsdp_jax.distributed.monitored_barrier", "fsdp_jax.distributed.should_stop",
-    "fsdp_jax.distributed.shutdown",
+    "fsdp_jax.distributed.shutdown", "fsdp_jax.distributed.install_failure_hooks",
 }
 
 
@@ -85,14 +85,15 @@ def test_moved_name_warns_and_works(name):
 
 @pytest.mark.parametrize("module", deprecations.MOVED_MODULES)
 def test_moved_module_warns_and_works(module):
-  impl = importlib.import_module(f"fsdp_jax._src.{module}")
+  impl = importlib.import_module(deprecations._implementation(module))
   alias = importlib.import_module(f"fsdp_jax.{module}")
   # A public name read through the old path: the same object, and a warning
   # naming its public spelling; one with no public spelling says it is internal.
   public = {}
   for mod_name, name in _public_names():
     obj = getattr(importlib.import_module(mod_name), name)
-    if getattr(obj, "__module__", None) == impl.__name__ and (
+    home = str(getattr(obj, "__module__", None))
+    if (home == impl.__name__ or home.startswith(impl.__name__ + ".")) and (
         inspect.isclass(obj) or inspect.isfunction(obj)):
       public.setdefault(name, f"{mod_name}.{name}")
   names = sorted(public) or sorted(n for n, v in vars(impl).items()
@@ -124,7 +125,7 @@ def test_from_old_module_path_import_warns():
 
 
 def test_state_dict_stays_the_function():
-  from fsdp_jax._src.state_dict import state_dict as impl
+  from fsdp_jax._src.state_dicts import state_dict as impl
   assert fsdp_jax.state_dict is impl
   with pytest.warns(DeprecationWarning, match=r"fsdp_jax\.full_optim_state_dict"):
     from fsdp_jax.state_dict import full_optim_state_dict  # noqa: F401

@@ -16,7 +16,7 @@ import pytest
 import fsdp_jax
 from fsdp_jax._src.config import ShardingStrategy as S, StateDictType as T
 from fsdp_jax._src.state import ShardedTrainState
-from fsdp_jax._src.state_dict import (OptimStateKeyType, canonical_sharding, full_optim_state_dict,
+from fsdp_jax._src.state_dicts import (OptimStateKeyType, canonical_sharding, full_optim_state_dict,
                                  load_state_dict,
                                  optim_state_dict, optim_state_dict_to_load,
                                  rekey_optim_state_dict, scatter_full_optim_state_dict,

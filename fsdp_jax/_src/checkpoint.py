@@ -25,7 +25,6 @@ unpickled: arrays are read by tensorstore, descriptions are JSON.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
 from typing import Optional
 
@@ -38,10 +37,24 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from fsdp_jax._src import offload
 from fsdp_jax._src.plan import Plan
 from fsdp_jax._src.state import ShardedTrainState
+# The state dicts' interface for checkpoints: names, layouts, conversions.
+from fsdp_jax._src.state_dicts.convert import (
+    OPT_STATE,
+    PARAMS,
+    ROOT,
+    canonical_sharding,
+    data_fields,
+    dtype_name,
+    is_key_dtype,
+    leaves_to_storage,
+    opt_layout,
+    param_names,
+    path_name,
+    problems,
+    require_state,
+    storage_to_leaves)
+from fsdp_jax._src.state_dicts.optim import load_named_opt, named_needs, optim_named
 
-# The module itself, even when fsdp_jax/__init__.py binds the name
-# ``fsdp_jax.state_dict`` to the function of that name.
-sd = importlib.import_module("fsdp_jax._src.state_dict")
 
 __all__ = ["CheckpointError", "CheckpointManager", "export_params", "import_params"]
 
@@ -83,8 +96,8 @@ class CheckpointError(Exception):
 
 def _leaf_desc(x) -> dict:
   dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-  out = {"shape": [int(d) for d in np.shape(x)], "dtype": sd._dtype_name(dtype)}
-  if sd._is_key_dtype(dtype):
+  out = {"shape": [int(d) for d in np.shape(x)], "dtype": dtype_name(dtype)}
+  if is_key_dtype(dtype):
     out["prng"] = True
   return out
 
@@ -93,7 +106,7 @@ def _other_fields(state) -> list[str]:
   """Data fields other than params/opt_state that hold at least one leaf (an
   empty field, e.g. ``model_state=None``, is neither saved nor compared, so
   states that differ only in unused fields restore into each other)."""
-  return [f for f in sd.data_fields(state) if f not in (sd.PARAMS, sd.OPT_STATE)
+  return [f for f in data_fields(state) if f not in (PARAMS, OPT_STATE)
           and jax.tree_util.tree_leaves(getattr(state, f))]
 
 
@@ -101,8 +114,8 @@ def _field_leaves(value):
   """``(kind, [(name, leaf)], treedef)`` of a data field."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(value)
   if jax.tree_util.treedef_is_leaf(treedef) and len(flat) == 1:
-    return "leaf", [(sd._ROOT, flat[0][1])], treedef
-  return "tree", [(sd.path_name(p), x) for p, x in flat], treedef
+    return "leaf", [(ROOT, flat[0][1])], treedef
+  return "tree", [(path_name(p), x) for p, x in flat], treedef
 
 
 def describe(state) -> dict:
@@ -111,15 +124,15 @@ def describe(state) -> dict:
   Works on concrete states and on abstract ones (``jax.eval_shape`` of
   ``init_train_state``)."""
   plan = state.plan
-  names = sd.param_names(plan)
+  names = param_names(plan)
   params = {}
   for i, leaf in enumerate(plan.leaves):
-    params[names[i]] = {"shape": list(leaf.shape), "dtype": sd._dtype_name(leaf.dtype)}
-  lay = sd.opt_layout(plan, state.opt_state)
+    params[names[i]] = {"shape": list(leaf.shape), "dtype": dtype_name(leaf.dtype)}
+  lay = opt_layout(plan, state.opt_state)
   opt_state: dict = {}
   groups: dict = {}
-  for nd in sd._named_needs(plan, lay):
-    desc = {"shape": list(nd.shape), "dtype": sd._dtype_name(nd.dtype)}
+  for nd in named_needs(plan, lay):
+    desc = {"shape": list(nd.shape), "dtype": dtype_name(nd.dtype)}
     if nd.slot is None:
       groups[nd.key] = desc
     else:
@@ -143,7 +156,7 @@ def _copy(x):
   """A private copy of a leaf, so a donated train state cannot be overwritten
   while an async save still reads it."""
   if isinstance(x, jax.Array):
-    if sd._is_key_dtype(x.dtype):
+    if is_key_dtype(x.dtype):
       return jax.random.key_data(x)
     default = offload.default_memory_kind(x.sharding)
     if getattr(x.sharding, "memory_kind", None) not in (None, default):
@@ -157,22 +170,22 @@ def checkpoint_tree(state: ShardedTrainState):
   """``(tree, meta)``: the canonical arrays orbax writes, and their JSON
   description."""
   plan = state.plan
-  names = sd.param_names(plan)
-  leaves = sd.storage_to_leaves(plan, state.params)
-  osd = sd._optim_named(state, replicated=False)
+  names = param_names(plan)
+  leaves = storage_to_leaves(plan, state.params)
+  osd = optim_named(state, replicated=False)
   group = {k: _copy(v) for k, v in osd["param_groups"][0].items() if k != "params"}
   tree: dict = {
-      sd.PARAMS: {names[i]: leaves[i] for i in range(len(names))},
-      sd.OPT_STATE: {"state": osd["state"], "param_groups": [group]},
+      PARAMS: {names[i]: leaves[i] for i in range(len(names))},
+      OPT_STATE: {"state": osd["state"], "param_groups": [group]},
   }
   meta = describe(state)
   for f in _other_fields(state):
     kind, items, _ = _field_leaves(getattr(state, f))
     for n, x in items:
-      if isinstance(x, jax.Array) and sd._is_key_dtype(x.dtype):
+      if isinstance(x, jax.Array) and is_key_dtype(x.dtype):
         meta["fields"][f]["leaves"][n]["prng_impl"] = str(jax.random.key_impl(x))
     values = {n: _copy(x) for n, x in items}
-    tree[f] = values[sd._ROOT] if kind == "leaf" else values
+    tree[f] = values[ROOT] if kind == "leaf" else values
   meta = {"format": FORMAT, "version": VERSION, "step": int(jax.device_get(state.step)),
           "saved_with": _plan_summary(plan), **meta}
   return tree, meta
@@ -238,43 +251,43 @@ def _abstract_tree(target, meta: dict):
   """ShapeDtypeStructs (with shardings on the target's mesh) of the canonical
   tree, for orbax to read each device's slice into."""
   plan = target.plan
-  names = sd.param_names(plan)
+  names = param_names(plan)
   params = {names[i]: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                           sharding=sd.canonical_sharding(plan, leaf))
+                                           sharding=canonical_sharding(plan, leaf))
             for i, leaf in enumerate(plan.leaves)}
-  lay = sd.opt_layout(plan, target.opt_state)
+  lay = opt_layout(plan, target.opt_state)
   state: dict = {}
   group: dict = {}
   scalars = dict(lay.scalars)
-  for nd in sd._named_needs(plan, lay):
+  for nd in named_needs(plan, lay):
     if nd.slot is None:
       group[nd.key] = jax.ShapeDtypeStruct(nd.shape, nd.dtype,
                                            sharding=_target_sharding(plan, scalars[nd.key]))
     elif nd.sharded:
       leaf = plan.leaves[nd.index]
       state.setdefault(nd.key, {})[nd.slot] = jax.ShapeDtypeStruct(
-          leaf.shape, nd.dtype, sharding=sd.canonical_sharding(plan, leaf))
+          leaf.shape, nd.dtype, sharding=canonical_sharding(plan, leaf))
     else:  # per-parameter state of another shape: replicated
       state.setdefault(nd.key, {})[nd.slot] = jax.ShapeDtypeStruct(
           nd.shape, nd.dtype, sharding=NamedSharding(plan.mesh, P()))
-  tree = {sd.PARAMS: params, sd.OPT_STATE: {"state": state, "param_groups": [group]}}
+  tree = {PARAMS: params, OPT_STATE: {"state": state, "param_groups": [group]}}
   for f in _other_fields(target):
     kind, items, _ = _field_leaves(getattr(target, f))
     values = {}
     for n, x in items:
       dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-      if sd._is_key_dtype(dtype):
+      if is_key_dtype(dtype):
         s = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(np.shape(x), dtype))
         values[n] = jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(plan.mesh, P()))
       else:
         values[n] = jax.ShapeDtypeStruct(np.shape(x), dtype, sharding=_target_sharding(plan, x))
-    tree[f] = values[sd._ROOT] if kind == "leaf" else values
+    tree[f] = values[ROOT] if kind == "leaf" else values
   return tree
 
 
 def _field_value(x, restored, leaf_meta: dict, plan: Plan):
   if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-    if sd._is_key_dtype(x.dtype):
+    if is_key_dtype(x.dtype):
       impl = leaf_meta.get("prng_impl")
       return jax.random.wrap_key_data(restored, impl=impl) if impl else \
           jax.random.wrap_key_data(restored)
@@ -290,16 +303,16 @@ def _field_value(x, restored, leaf_meta: dict, plan: Plan):
 def from_checkpoint_tree(target: ShardedTrainState, restored: dict, meta: dict):
   """Builds the target's train state from the restored canonical tree."""
   plan = target.plan
-  names = sd.param_names(plan)
-  leaves = {i: restored[sd.PARAMS][n] for i, n in enumerate(names)}
-  params = offload.place_state_tree(plan.config, sd.leaves_to_storage(plan, leaves, target.params))
-  ro = restored[sd.OPT_STATE]
+  names = param_names(plan)
+  leaves = {i: restored[PARAMS][n] for i, n in enumerate(names)}
+  params = offload.place_state_tree(plan.config, leaves_to_storage(plan, leaves, target.params))
+  ro = restored[OPT_STATE]
   osd = {"state": ro["state"], "param_groups": [dict(ro["param_groups"][0])]}
-  opt_state = sd._load_named_opt(target, osd, what="restore", check=False)
-  changes = {sd.PARAMS: params, sd.OPT_STATE: opt_state}
+  opt_state = load_named_opt(target, osd, what="restore", check=False)
+  changes = {PARAMS: params, OPT_STATE: opt_state}
   for f in _other_fields(target):
     kind, items, treedef = _field_leaves(getattr(target, f))
-    saved = restored[f] if kind == "tree" else {sd._ROOT: restored[f]}
+    saved = restored[f] if kind == "tree" else {ROOT: restored[f]}
     fmeta = meta["fields"][f]["leaves"]
     values = [_field_value(x, saved[n], fmeta.get(n, {}), plan) for n, x in items]
     changes[f] = treedef.unflatten(values)
@@ -384,6 +397,32 @@ class CheckpointManager:
     """The newest finished step, or None."""
     return self.manager.latest_step()
 
+  def delete(self, step: int) -> None:
+    """Deletes the saved checkpoint of ``step`` (orbax's
+    ``CheckpointManager.delete``), e.g. to save that step again.
+
+    Raises:
+      ValueError: no finished checkpoint of ``step`` is in the directory.
+
+    Example:
+      >>> import tempfile, jax, jax.numpy as jnp, optax, fsdp_jax
+      >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+      >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones(4)},
+      ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+      >>> with fsdp_jax.CheckpointManager(tempfile.mkdtemp()) as manager:
+      ...   _ = manager.save(state, force=True)
+      ...   manager.wait_until_finished()
+      ...   manager.delete(0)
+      ...   manager.all_steps()
+      []
+    """
+    self.manager.wait_until_finished()
+    if int(step) not in self.manager.all_steps():
+      raise ValueError(
+          f"CheckpointManager.delete: no checkpoint of step {step} in {self.directory} "
+          f"(saved steps: {self.all_steps()}).")
+    self.manager.delete(int(step))
+
   def wait_until_finished(self) -> None:
     """Blocks until a pending async save is written and committed."""
     self.manager.wait_until_finished()
@@ -416,7 +455,7 @@ class CheckpointManager:
     the same value on every process (a global position, from which each
     process derives its own part).
     """
-    sd._require_state(state, "CheckpointManager.save")
+    require_state(state, "CheckpointManager.save")
     if data_state is not None:
       data_state = _check_data_state(data_state)
     step = int(jax.device_get(state.step))
@@ -429,7 +468,7 @@ class CheckpointManager:
       raise ValueError(
           f"CheckpointManager.save: step {step} is already saved in {self.directory}. "
           "Fix: train further before saving again, or delete it first with "
-          f"manager.manager.delete({step}).")
+          f"manager.delete({step}).")
     args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(tree),
                                  META_ITEM: ocp.args.JsonSave(meta)})
     return bool(self.manager.save(step, args=args, force=force, metrics=metrics))
@@ -530,7 +569,7 @@ class CheckpointManager:
       CheckpointError: the step's files are damaged or not fsdp_jax's.
       ValueError: the saved tree does not match ``target``.
     """
-    sd._require_state(target, "CheckpointManager.restore")
+    require_state(target, "CheckpointManager.restore")
     self.wait_until_finished()
     step = self._choose_step(step)
     meta = self._read_meta(step)
@@ -540,7 +579,7 @@ class CheckpointManager:
       saved = meta.get("saved_with", {})
       raise ValueError(
           f"The checkpoint at {self.directory} (step {step}) does not match the target "
-          f"train state ({len(lines)} difference(s)):\n" + sd._problems(lines) +
+          f"train state ({len(lines)} difference(s)):\n" + problems(lines) +
           f"\nIt was saved with {saved.get('sharding_strategy')}, {saved.get('layout')} "
           f"parameters, mesh {saved.get('mesh')}; the target is "
           f"{plan.config.sharding_strategy.name}, "
@@ -662,15 +701,15 @@ def export_params(state: ShardedTrainState, directory, *, force: bool = False) -
     >>> jax.tree.map(lambda x: x.shape, tree)
     {'layers': [{'w': (4, 2)}, {'w': (2, 1)}]}
   """
-  plan = sd._require_state(state, "export_params")
-  names = sd.param_names(plan)
-  leaves = sd.storage_to_leaves(plan, state.params)
+  plan = require_state(state, "export_params")
+  names = param_names(plan)
+  leaves = storage_to_leaves(plan, state.params)
   values = [leaves[i] for i in range(len(names))]
   tree = jax.tree_util.tree_unflatten(plan.treedef, values)
   if not _plain(tree):
     tree = _nested(names, values)
   meta = {"format": PARAMS_FORMAT, "version": VERSION,
-          "params": {n: {"shape": list(l.shape), "dtype": sd._dtype_name(l.dtype)}
+          "params": {n: {"shape": list(l.shape), "dtype": dtype_name(l.dtype)}
                      for n, l in zip(names, plan.leaves)}}
   path = os.path.abspath(os.fspath(directory))
   if os.path.exists(path) and not force:

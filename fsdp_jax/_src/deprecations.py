@@ -42,6 +42,12 @@ MOVED_MODULES = (
     "layout", "loss", "mesh", "offload", "optim", "plan", "quantization",
     "schedule", "state", "state_dict", "step", "wrap",
 )
+# Where an old module's contents live now, when not at fsdp_jax._src.<same name>.
+_IMPLEMENTATION = {"state_dict": "state_dicts"}
+
+
+def _implementation(module: str) -> str:
+  return f"fsdp_jax._src.{_IMPLEMENTATION.get(module, module)}"
 
 
 def _public_spelling(module: str, name: str) -> str:
@@ -56,7 +62,7 @@ def _public_spelling(module: str, name: str) -> str:
     return MOVED_NAMES[name][0]
   if name == "entry_memory_bytes":
     return "fsdp_jax.hlo.entry_memory_bytes"
-  return f"fsdp_jax._src.{module}.{name} (internal: it may change without notice)"
+  return f"{_implementation(module)}.{name} (internal: it may change without notice)"
 
 
 class _MovedModule(types.ModuleType):
@@ -64,13 +70,13 @@ class _MovedModule(types.ModuleType):
 
   def __init__(self, package: str, module: str):
     super().__init__(f"{package}.{module}",
-                     f"Deprecated alias of fsdp_jax._src.{module}; see fsdp_jax.")
+                     f"Deprecated alias of {_implementation(module)}; see fsdp_jax.")
     self._fsdp_module = module
 
   def __getattr__(self, name: str):
     if name.startswith("__"):
       raise AttributeError(name)
-    target = importlib.import_module(f"fsdp_jax._src.{self._fsdp_module}")
+    target = importlib.import_module(_implementation(self._fsdp_module))
     value = getattr(target, name)  # AttributeError as usual for a wrong name
     warnings.warn(
         f"fsdp_jax.{self._fsdp_module}.{name} is deprecated: use "
@@ -79,7 +85,7 @@ class _MovedModule(types.ModuleType):
     return value
 
   def __dir__(self):
-    return dir(importlib.import_module(f"fsdp_jax._src.{self._fsdp_module}"))
+    return dir(importlib.import_module(_implementation(self._fsdp_module)))
 
 
 def register_moved_modules(package: str) -> None:
