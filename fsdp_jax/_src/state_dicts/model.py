@@ -3,23 +3,24 @@
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import functools
-from typing import Any, Callable, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from fsdp_jax._src import layout, offload
 from fsdp_jax._src.config import StateDictType
-from fsdp_jax._src.plan import LeafSpec, Plan, UnitSpec
-from fsdp_jax._src.state import ShardedTrainState, key_name
-
-from fsdp_jax._src.state_dicts.convert import (BUFFER_FIELDS, LOCAL_METADATA_KEY, MAX_LINES, PARAMS, canonical_sharding, data_fields, dtype_name, is_key_dtype, layer_axis, leaves_to_storage, on_devices, param_names, path_name, place, problems, replicated_sharding, require_state, require_type, shape_of, shard_desc, storage_from_items, storage_items, storage_shape_by_key, storage_sharding_by_key, storage_to_leaves, to_host, to_pinned)
+from fsdp_jax._src.plan import Plan
+from fsdp_jax._src.state import ShardedTrainState
+from fsdp_jax._src.state_dicts.convert import (BUFFER_FIELDS, LOCAL_METADATA_KEY,
+    MAX_LINES, PARAMS, canonical_sharding, data_fields, dtype_name, is_key_dtype,
+    layer_axis, leaves_to_storage, on_devices, param_names, path_name, place, problems,
+    replicated_sharding, require_state, require_type, shape_of, shard_desc,
+    storage_from_items, storage_items, storage_shape_by_key, storage_sharding_by_key,
+    storage_to_leaves, to_host, to_pinned)
 
 
 def _buffer_items(state) -> list[tuple[str, Any]]:

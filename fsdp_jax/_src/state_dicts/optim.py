@@ -5,8 +5,6 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
-import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -17,11 +15,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fsdp_jax._src import layout, offload
 from fsdp_jax._src.config import StateDictType
-from fsdp_jax._src.plan import LeafSpec, Plan, UnitSpec
-from fsdp_jax._src.state import ShardedTrainState, key_name
-
-from fsdp_jax._src.state_dicts.convert import (LOCAL_METADATA_KEY, OptLayout, OptimStateKeyType, canonical_sharding, ignored_entries, is_masked, leaves_to_storage, opt_layout, param_names, place, present, problems, replicated_sharding, require_state, require_type, shape_of, split_storage, storage_from_items, storage_items, storage_keys, storage_shape_by_key, storage_sharding_by_key, storage_to_leaves, to_host, to_pinned)
-from fsdp_jax._src.state_dicts.model import (check_local_metadata, local_metadata)
+from fsdp_jax._src.plan import Plan
+from fsdp_jax._src.state import ShardedTrainState
+from fsdp_jax._src.state_dicts.convert import (LOCAL_METADATA_KEY, OptLayout,
+    OptimStateKeyType, canonical_sharding, ignored_entries, is_masked, leaves_to_storage,
+    opt_layout, param_names, place, present, problems, replicated_sharding, require_state,
+    require_type, shape_of, split_storage, storage_from_items, storage_items, storage_keys,
+    storage_shape_by_key, storage_sharding_by_key, storage_to_leaves, to_host, to_pinned)
+from fsdp_jax._src.state_dicts.model import check_local_metadata, local_metadata
 
 
 def optim_named(state, *, replicated: bool, post=None) -> dict:
