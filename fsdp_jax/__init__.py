@@ -85,8 +85,8 @@ from fsdp_jax._src.checkpoint import (
 )
 
 # Multi-process.
+from fsdp_jax._src.cluster import DistributedInfo as DistributedInfo
 from fsdp_jax._src.distributed import (
-    DistributedInfo as DistributedInfo,
     MonitoredBarrierError as MonitoredBarrierError,
     monitored_barrier as monitored_barrier,
 )

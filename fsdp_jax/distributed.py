@@ -83,7 +83,7 @@ watchdog tears the process down for the same reason). JAX's own heartbeat
 timeout is set ``peer_timeout + 20`` seconds as a backstop.
 """
 
-from fsdp_jax._src.distributed import (
+from fsdp_jax._src.cluster import (
     DEFAULT_BARRIER_TIMEOUT as DEFAULT_BARRIER_TIMEOUT,
     DEFAULT_INIT_TIMEOUT as DEFAULT_INIT_TIMEOUT,
     DEFAULT_PEER_TIMEOUT as DEFAULT_PEER_TIMEOUT,
@@ -92,23 +92,27 @@ from fsdp_jax._src.distributed import (
     EXIT_PEER_LOST as EXIT_PEER_LOST,
     EXIT_RESTART as EXIT_RESTART,
     HEARTBEAT_INTERVAL as HEARTBEAT_INTERVAL,
-    MonitoredBarrierError as MonitoredBarrierError,
     default_coordinator_bind_address as default_coordinator_bind_address,
     describe_process as describe_process,
     detect_platform as detect_platform,
+    gpu_count as gpu_count,
+    port_problem as port_problem,
+)
+from fsdp_jax._src.distributed import (
+    MonitoredBarrierError as MonitoredBarrierError,
     get_local_rank as get_local_rank,
     get_rank as get_rank,
     get_world_size as get_world_size,
-    gpu_count as gpu_count,
-    handle_preemption as handle_preemption,
     info as info,
     initialize as initialize,
     install_failure_hooks as install_failure_hooks,
     is_initialized as is_initialized,
     monitored_barrier as monitored_barrier,
-    port_problem as port_problem,
-    should_stop as should_stop,
     shutdown as shutdown,
+)
+from fsdp_jax._src.preemption import (
+    handle_preemption as handle_preemption,
+    should_stop as should_stop,
 )
 
 __all__ = [

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_jax._src import distributed
+from fsdp_jax import distributed
+from fsdp_jax._src import preemption
 
 from helpers import Background, subprocess_env
 
@@ -215,9 +216,9 @@ def test_one_process_preemption_saves_and_resumes(tmp_path):
 @pytest.fixture
 def no_preemption(monkeypatch):
   """handle_preemption() in this (pytest) process, undone afterwards."""
-  monkeypatch.setattr(distributed, "_preemption", None)
+  monkeypatch.setattr(preemption, "_preemption", None)
   yield
-  p = distributed._preemption
+  p = preemption._preemption
   if p is not None:
     p.uninstall()
 
@@ -239,7 +240,7 @@ def test_should_stop_on_sigterm_in_one_process(no_preemption):
   time.sleep(0.1)
   assert distributed.should_stop(3)
   assert distributed.should_stop(4)  # stays True: save and exit
-  distributed._preemption.uninstall()
+  preemption._preemption.uninstall()
   assert signal.getsignal(signal.SIGTERM) == before
 
 

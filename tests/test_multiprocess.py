@@ -35,7 +35,9 @@ import numpy as np
 import pytest
 
 from fsdp_jax import launch
-from fsdp_jax._src import distributed
+from fsdp_jax import distributed
+from fsdp_jax._src import cluster
+from fsdp_jax._src import distributed as distributed_impl
 from fsdp_jax.launch import WorkerGroup, free_port, worker_env
 
 import mp_worker
@@ -269,7 +271,7 @@ def clean_dist_env(monkeypatch):
   for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "JAX_COORDINATOR_ADDRESS", "MASTER_ADDR",
             "MASTER_PORT", "FSDP_JAX_DEVICES_PER_PROC", "FSDP_JAX_PEER_TIMEOUT"):
     monkeypatch.delenv(k, raising=False)
-  monkeypatch.setattr(distributed, "_info", None)
+  monkeypatch.setattr(distributed_impl, "_info", None)
   return monkeypatch
 
 
@@ -779,9 +781,9 @@ def test_bind_address_rules(monkeypatch):
       r"^Fix: give the coordinator this machine's network address .* 'node0' resolves to "
       r"127\.0\.1\.1 on this machine, a loopback address, but 2 of the 4 processes run on "
       r"other machines")):
-    distributed._check_bind_address("127.0.1.1:29500", "node0:29500", 4, 2)
-  distributed._check_bind_address("127.0.1.1:29500", "node0:29500", 2, 2)  # one machine
-  distributed._check_bind_address("127.0.0.1:29500", "127.0.0.1:29500", 4, 2)  # meant
+    cluster.check_bind_address("127.0.1.1:29500", "node0:29500", 4, 2)
+  cluster.check_bind_address("127.0.1.1:29500", "node0:29500", 2, 2)  # one machine
+  cluster.check_bind_address("127.0.0.1:29500", "127.0.0.1:29500", 4, 2)  # meant
   monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "0.0.0.0:29500")
   assert distributed.default_coordinator_bind_address("node0:29500") == "0.0.0.0:29500"
-  distributed._check_bind_address("127.0.1.1:29500", "node0:29500", 4, 2)  # user's choice
+  cluster.check_bind_address("127.0.1.1:29500", "node0:29500", 4, 2)  # user's choice

@@ -495,7 +495,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parser.parse_args(argv)
   _validate(parser, args)
 
-  from fsdp_jax._src import distributed  # light: no JAX backend starts
+  from fsdp_jax._src import cluster as distributed  # light: no JAX backend starts
 
   platform = args.platform
   if platform == "auto":
@@ -597,7 +597,7 @@ def _check_coordinator_port(parser, args, address: str, port: int, world: int,
   server"."""
   bind = distributed.default_coordinator_bind_address(address)
   try:
-    distributed._check_bind_address(bind, address, world, args.nproc)
+    distributed.check_bind_address(bind, address, world, args.nproc)
   except ValueError as e:
     parser.error(str(e))
   problem = distributed.port_problem(bind)
@@ -614,7 +614,7 @@ def _supervise(group: WorkerGroup, args, received: list) -> str:
   """Waits for the workers: ``"done"`` when all exited (``group.first_failure``
   tells whether one failed), ``"signal"`` when the launcher got a signal
   (forwarded; the workers have exited or been killed)."""
-  from fsdp_jax._src.distributed import EXIT_RESTART
+  from fsdp_jax._src.cluster import EXIT_RESTART
   try:
     while group.running():
       if received:
@@ -666,7 +666,7 @@ def _forward(group: WorkerGroup, args, received: list) -> None:
 def _after_signal(group: WorkerGroup, sig: int) -> int:
   """The launcher's status after forwarding ``sig``: 0 if every worker
   finished, 75 if they all saved and asked to be restarted, else 128+sig."""
-  from fsdp_jax._src.distributed import EXIT_RESTART
+  from fsdp_jax._src.cluster import EXIT_RESTART
   results = group.results()
   codes = [r.returncode for r in results]
   if all(c == 0 for c in codes):
@@ -686,7 +686,7 @@ def _after_signal(group: WorkerGroup, sig: int) -> int:
 
 
 def _report_failure(group: WorkerGroup, args, failure: WorkerResult) -> None:
-  from fsdp_jax._src.distributed import EXIT_RESTART
+  from fsdp_jax._src.cluster import EXIT_RESTART
 
   def ended(r: WorkerResult) -> str:
     return r.describe() + (" (restart me)" if r.returncode == EXIT_RESTART else "")
