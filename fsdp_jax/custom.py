@@ -30,6 +30,7 @@ Example:
   True
 """
 
+from fsdp_jax._src.clipping import clip_grad_norm as clip_grad_norm
 from fsdp_jax._src.collectives import (
     GatherSpec as GatherSpec,
     reduce_gradient as reduce_gradient,
@@ -37,7 +38,6 @@ from fsdp_jax._src.collectives import (
 from fsdp_jax._src.full import sharded_grads as sharded_grads
 from fsdp_jax._src.grads import (
     batch_spec as batch_spec,
-    clip_grad_norm as clip_grad_norm,
     merge_trainable as merge_trainable,
     optimizer_step as optimizer_step,
     param_specs as param_specs,

@@ -26,7 +26,7 @@ import warnings
 MOVED_NAMES = {
     "full_params": ("fsdp_jax.summon_full_params", "fsdp_jax._src.full", "summon_full_params"),
     "value_and_grad": ("fsdp_jax.custom.value_and_grad", "fsdp_jax._src.grads", "value_and_grad"),
-    "clip_grad_norm": ("fsdp_jax.custom.clip_grad_norm", "fsdp_jax._src.grads", "clip_grad_norm"),
+    "clip_grad_norm": ("fsdp_jax.custom.clip_grad_norm", "fsdp_jax._src.clipping", "clip_grad_norm"),
     "optimizer_step": ("fsdp_jax.custom.optimizer_step", "fsdp_jax._src.grads", "optimizer_step"),
     "param_specs": ("fsdp_jax.custom.param_specs", "fsdp_jax._src.grads", "param_specs"),
     "batch_spec": ("fsdp_jax.custom.batch_spec", "fsdp_jax._src.grads", "batch_spec"),

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fsdp_jax._src import _compat
 from fsdp_jax._src import grads as grads_lib
 from fsdp_jax._src import loss as loss_lib
-from fsdp_jax._src import offload, optim
+from fsdp_jax._src import clipping, offload, optim
 from fsdp_jax._src.config import FSDPConfig, is_float_dtype
 from fsdp_jax._src.mesh import cpu_flags_active
 from fsdp_jax._src.plan import Plan
@@ -269,10 +269,10 @@ def shard_train_step(loss_fn: Callable[..., Any],
       metrics = {"loss": loss}
       if max_norm is not None:
         # Clipping sums over the shards (a collective): it runs on the device.
-        grads, norm = grads_lib.clip_grad_norm(grads, plan=plan, max_norm=max_norm,
+        grads, norm = clipping.clip_grad_norm(grads, plan=plan, max_norm=max_norm,
                                                norm_type=norm_type)
       else:
-        norm = grads_lib.grad_norm(grads, plan=plan)
+        norm = clipping.grad_norm(grads, plan=plan)
       metrics["grad_norm"] = norm
       bad = ~(jnp.isfinite(norm.astype(jnp.float32)) & jnp.isfinite(loss))
       if own_grads:
@@ -280,7 +280,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
         bad = jax.lax.pmax(bad.astype(jnp.int32), data_axes).astype(bool)
       metrics["nonfinite"] = bad
       if policy == "raise":
-        metrics["nonfinite_leaves"] = grads_lib.nonfinite_leaves(grads, plan=plan)
+        metrics["nonfinite_leaves"] = clipping.nonfinite_leaves(grads, plan=plan)
       trainable, frozen = grads_lib.split_trainable(plan, params)
       if mode == "global":
         # The optimizer runs after shard_map, on the global view.
