@@ -1,0 +1,55 @@
+"""``python -m benchmarks <name> [options]``: run one measurement.
+
+    python -m benchmarks all            # everything; writes RESULTS.md (= benchmarks/run.py)
+    python -m benchmarks memory         # bytes per device of each compiled step
+    python -m benchmarks collectives    # collectives per step from the compiled HLO
+    python -m benchmarks compile_time   # lowering and compile seconds
+    python -m benchmarks step_time      # step time, round-robin in one process
+    python -m benchmarks offload        # CPU offload: device/host bytes, step time
+    python -m benchmarks optimizers     # optimizers on shards vs the global view
+    python -m benchmarks zeropp         # ZeRO++: bytes per link, memory, error
+    python -m benchmarks init           # init_train_state and full-parameter access
+
+``python -m benchmarks <name> --help`` lists a measurement's options.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# name -> (module, function): each takes argv and either prints a table it
+# returns or writes its own report.
+MEASUREMENTS = {
+    "all": ("benchmarks.run", "main"),
+    "memory": ("benchmarks.measure", "memory"),
+    "collectives": ("benchmarks.measure", "collectives"),
+    "compile_time": ("benchmarks.measure", "compile_time"),
+    "step_time": ("benchmarks.measure", "step_time"),
+    "offload": ("benchmarks.offload", "main"),
+    "optimizers": ("benchmarks.optimizers", "main"),
+    "zeropp": ("benchmarks.zeropp", "main"),
+    "init": ("benchmarks.init_and_full_params", "main"),
+}
+
+
+def main(argv: list[str]) -> int:
+  if not argv or argv[0] in ("-h", "--help") or argv[0] not in MEASUREMENTS:
+    print(__doc__)
+    if argv and argv[0] not in ("-h", "--help"):
+      print(f"unknown measurement {argv[0]!r}; choose one of {', '.join(MEASUREMENTS)}",
+            file=sys.stderr)
+      return 2
+    return 0
+  module, fn = MEASUREMENTS[argv[0]]
+  out = getattr(importlib.import_module(module), fn)(argv[1:])
+  if isinstance(out, str):
+    print(out)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
