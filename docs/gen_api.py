@@ -423,17 +423,31 @@ def module_members(module, names=None) -> list[tuple[str, object]]:
   return [(n, getattr(module, n)) for n in names]
 
 
+# Implementation modules documented in another module's section.
+SECTION_OF = {"fsdp_jax._src.cluster": "fsdp_jax._src.distributed",
+              "fsdp_jax._src.preemption": "fsdp_jax._src.distributed"}
+
+
+def _section_of(mod: str) -> str:
+  """The section of a name defined in ``mod`` (a package's modules go to the
+  package's section)."""
+  for candidate in MODULE_ORDER:
+    if mod.startswith(candidate + "."):
+      return candidate
+  return SECTION_OF.get(mod, mod)
+
+
 def _module_of(name: str, obj) -> str:
   if isinstance(obj, types.ModuleType):
     return obj.__name__
   mod = getattr(obj, "__module__", None)
   if mod and mod.startswith("fsdp_jax") and (inspect.isclass(obj) or inspect.isfunction(obj)):
-    return mod
+    return _section_of(mod)
   for candidate in MODULE_ORDER:  # constants: the module that defines them
     m = importlib.import_module(candidate)
-    if name in vars(m):
-      src = (ROOT / (candidate.replace(".", "/") + ".py")).read_text()
-      if re.search(rf"^{re.escape(name)}\s*(:[^=]*)?=", src, re.M):
+    path = ROOT / (candidate.replace(".", "/") + ".py")
+    if name in vars(m) and path.exists():
+      if re.search(rf"^{re.escape(name)}\s*(:[^=]*)?=", path.read_text(), re.M):
         return candidate
   return "fsdp_jax"
 
@@ -464,13 +478,17 @@ def _deprecated_names() -> list[str]:
   for name, (new, _, _) in deprecations.MOVED_NAMES.items():
     out.append(f"| `fsdp_jax.{name}` | `{new}` |")
   for module in deprecations.MOVED_MODULES:
-    impl = importlib.import_module(f"fsdp_jax._src.{module}")
-    src = pathlib.Path(impl.__file__).read_text()
+    impl = importlib.import_module(deprecations._implementation(module))  # pylint: disable=protected-access
+    impl_path = pathlib.Path(impl.__file__)
+    src = "\n".join(f.read_text() for f in (sorted(impl_path.parent.glob("*.py"))
+                                          if impl_path.name == "__init__.py" else [impl_path]))
     homes = []
     for home, mod in public.items():
       for n in getattr(mod, "__all__", ()):
         obj = getattr(mod, n)
-        if (getattr(obj, "__module__", None) == impl.__name__ if inspect.isclass(obj)
+        home_mod = str(getattr(obj, "__module__", None))
+        if ((home_mod == impl.__name__ or home_mod.startswith(impl.__name__ + "."))
+            if inspect.isclass(obj)
             or inspect.isfunction(obj)
             else re.search(rf"^{re.escape(n)}\s*(:[^=]*)?=", src, re.M)):
           homes.append(home)
