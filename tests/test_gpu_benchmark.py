@@ -1,0 +1,73 @@
+"""benchmarks/gpu.py runs (on CPU, at a tiny size) and reads a profile's
+collective/compute overlap correctly. The GPU numbers themselves come from
+running it on a GPU (benchmarks/README.md)."""
+
+import gzip
+import json
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import gpu
+from tests.helpers import REPO, subprocess_env
+
+
+def _trace(tmp_path, events):
+  d = tmp_path / "plugins" / "profile" / "run"
+  d.mkdir(parents=True)
+  meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+  with gzip.open(d / "host.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": meta + events}, f)
+  return str(tmp_path)
+
+
+def test_hidden_collective_share_reads_overlap(tmp_path):
+  ev = lambda name, ts, dur, pid=1: {"ph": "X", "name": name, "pid": pid, "tid": 7,
+                                     "ts": ts, "dur": dur}
+  trace = _trace(tmp_path, [
+      ev("ncclDevKernel_AllGather_RING_LL", 0, 100),   # 0-100: compute covers 50-100
+      ev("fusion.12", 50, 100),                         # 50-150
+      ev("reduce-scatter.3", 200, 50),                  # 200-250: not covered
+      ev("gemm_bf16", 0, 1000, pid=2),                  # a host event: ignored
+  ])
+  share, total, _ = gpu.hidden_collective_share(trace)
+  assert total == 150 and math.isclose(share, 50 / 150)
+
+
+def test_hidden_collective_share_says_when_it_cannot(tmp_path):
+  trace = _trace(tmp_path, [{"ph": "X", "name": "x", "pid": 2, "tid": 1, "ts": 0, "dur": 5}])
+  share, _, why = gpu.hidden_collective_share(trace)
+  assert share is None and "no device" in why
+
+
+def test_mfu_inputs():
+  assert gpu.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+  assert gpu.peak_flops("NVIDIA H100 PCIe") == 756e12
+  assert gpu.peak_flops("cpu") is None
+  assert gpu.model_flops(10, 2, 4, 8, 100) == 6 * 10 * 100 + 12 * 2 * 4 * 8 * 100
+
+
+@pytest.mark.slow
+def test_runs_at_a_tiny_size_on_cpu(tmp_path):
+  out_md = tmp_path / "gpu.md"
+  out = subprocess.run([sys.executable, "benchmarks/gpu.py", "--size", "tiny", "--steps", "2",
+                        "--warmup", "1", "--profile-steps", "1", "--out", str(out_md)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=subprocess_env(JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stderr[-3000:]
+  text = out_md.read_text()
+  for program in ("fsdp_jax FULL_SHARD", "plain jax.jit, 1 device"):
+    row = re.search(rf"\| {re.escape(program)} \| ([\d.]+) \| ([\d,]+) \| [^|]+ \| ([\d,.]+) \|",
+                    text)
+    assert row, text
+    step_ms, tok_s, mem = (float(g.replace(",", "")) for g in row.groups())
+    assert step_ms > 0 and tok_s > 0 and mem > 0 and math.isfinite(step_ms)
+  assert re.search(r"fsdp_jax / plain jit step time: [\d.]+", text), text
+  assert "Collective time hidden behind compute (fsdp_jax): could not be measured" in text or \
+      re.search(r"Collective time hidden behind compute \(fsdp_jax\): [\d.]+%", text), text
+  result = json.loads((tmp_path / "gpu.json").read_text())
+  assert result["params"] > 0 and result["fsdp_over_plain"] > 0
