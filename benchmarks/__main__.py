@@ -9,6 +9,8 @@
     python -m benchmarks optimizers     # optimizers on shards vs the global view
     python -m benchmarks zeropp         # ZeRO++: bytes per link, memory, error
     python -m benchmarks init           # init_train_state and full-parameter access
+    python -m benchmarks flags          # each CPU XLA flag: plain jit and fsdp_jax, with and without
+    python -m benchmarks gpu            # a 1B GPT on the GPUs vs plain jit (GPU.md)
 
 ``python -m benchmarks <name> --help`` lists a measurement's options.
 """
@@ -33,6 +35,8 @@ MEASUREMENTS = {
     "optimizers": ("benchmarks.optimizers", "main"),
     "zeropp": ("benchmarks.zeropp", "main"),
     "init": ("benchmarks.init_and_full_params", "main"),
+    "flags": ("benchmarks.flags", "main"),
+    "gpu": ("benchmarks.gpu", "main"),
 }
 
 
