@@ -28,8 +28,13 @@ from fsdp_jax._src.cluster import (BARRIER, DEFAULT_BARRIER_TIMEOUT, DEFAULT_INI
 from fsdp_jax._src.watchdog import Watchdog, is_communication_error
 
 
+# The job this process belongs to. Process-wide because jax.distributed is:
+# one coordination service client per process. Set by initialize(), cleared by
+# shutdown().
 _info: Optional[DistributedInfo] = None
-_watchdog: Optional["Watchdog"] = None
+_watchdog: Optional["Watchdog"] = None  # the peer watchdog initialize() started
+# monitored_barrier() calls so far: each call's keys in the coordination
+# service are numbered, as every process calls the barriers in the same order.
 _barrier_seq = [0]
 
 # --------------------------------------------------------------------------
