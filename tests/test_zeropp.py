@@ -472,23 +472,31 @@ def test_quantized_gather_is_straight_through_and_masters_stay_exact():
 
 @pytest.mark.slow
 def test_quantized_training_stays_close_to_unquantized():
-  """30 Adam steps of the MLP (the GPT curves are in the strategies
-  notebook): every quantized setting ends within 2% of the exact loss."""
+  """30 Adam steps of the MLP on three data seeds (the GPT curves are in the
+  strategies notebook). Stochastic rounding makes each run's gap a draw: int4
+  gradients in blocks of 32 land between -1.3% and +2.4% of the exact final
+  loss on jax 0.10 and 0.12 alike. So: every run within 3%, and the mean gap
+  over the seeds within 1% (unbiased rounding; a biased one drifts past it)."""
   params = mlp_params(d=32, d_in=16)
-  batches = [mlp_batch(seed=i, d_in=16, n=32) for i in range(30)]
   mesh = mesh_for(None, 8)
-  final = {}
-  for name, kw in {"exact": {}, "qwZ int8": dict(all_gather_quantization=Q()),
-                   "qgZ int8": dict(reduce_scatter_quantization=Q()),
-                   "ZeRO++": dict(all_gather_quantization=Q(), reshard_after_forward=4,
-                                  reduce_scatter_quantization=Q(dtype="int4", block_size=32))
-                   }.items():
-    cfg = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP, **kw)
-    losses, _ = sharded_run(mlp_loss, params, batches, optax.adam(3e-3), mesh, cfg)
-    final[name] = losses[-1]
-  assert final["exact"] < 0.8 * mlp_loss(params, batches[0])  # it trained
-  for name, loss in final.items():
-    assert abs(loss - final["exact"]) <= 0.02 * final["exact"], final
+  settings = {"exact": {}, "qwZ int8": dict(all_gather_quantization=Q()),
+              "qgZ int8": dict(reduce_scatter_quantization=Q()),
+              "ZeRO++": dict(all_gather_quantization=Q(), reshard_after_forward=4,
+                             reduce_scatter_quantization=Q(dtype="int4", block_size=32))}
+  gaps = {name: [] for name in settings}
+  for seed in (0, 100, 200):
+    batches = [mlp_batch(seed=seed + i, d_in=16, n=32) for i in range(30)]
+    final = {}
+    for name, kw in settings.items():
+      cfg = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP, **kw)
+      losses, _ = sharded_run(mlp_loss, params, batches, optax.adam(3e-3), mesh, cfg)
+      final[name] = losses[-1]
+    assert final["exact"] < 0.8 * mlp_loss(params, batches[0])  # it trained
+    for name, loss in final.items():
+      gaps[name].append(loss / final["exact"] - 1)
+  for name, g in gaps.items():
+    assert max(abs(x) for x in g) <= 0.03, (name, g)
+    assert abs(np.mean(g)) <= 0.01, (name, g)
 
 
 # ---------------------------------------------------------------------------
