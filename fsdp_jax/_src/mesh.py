@@ -16,17 +16,15 @@ from fsdp_jax._src.config import FSDPConfig, ShardingStrategy
 SHARD = "shard"
 REPLICATE = "replicate"
 
-# XLA flags for the CPU backend, each measured against a plain jit program
-# and fsdp_jax (benchmarks/FLAGS.md). The first keeps the optimization
-# barriers that stop XLA from merging FULL_SHARD's backward re-gather into the
-# forward gather (which would keep every gathered unit alive until backward:
-# 5 gathers instead of 9 and 1.8x the peak memory on the 4-block benchmark
-# GPT). The second makes the CPU scheduler issue gathers next to their use
-# instead of hoisting them all to the top of the program (16% less peak
-# memory there). Both are process-wide: XLA reads its flags once.
+# XLA flags for the CPU backend. The first keeps the optimization barriers
+# that stop XLA from merging FULL_SHARD's backward re-gather into the forward
+# gather (which would keep every gathered unit alive until backward). The
+# other two make the CPU scheduler issue gathers next to their use instead of
+# hoisting them all to the top of the program.
 CPU_XLA_FLAGS = (
     "--xla_disable_hlo_passes=cse_barrier_expander",
     "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+    "--xla_cpu_experimental_ynn_fusion_type=",
 )
 
 
