@@ -163,3 +163,13 @@ def test_a_step_given_another_config_or_mesh_names_both():
     step(state, mlp_batch())
   with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh"):
     fsdp_jax.shard_train_step(mlp_loss, opt, mesh={"shard": 4})
+
+
+@pytest.mark.parametrize("cls", [fsdp_jax.FSDPConfig, fsdp_jax.MixedPrecision,
+                                 fsdp_jax.CPUOffload, fsdp_jax.Quantization])
+def test_every_field_is_documented(cls):
+  import inspect  # pylint: disable=import-outside-toplevel
+  doc = inspect.getdoc(cls)
+  missing = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")
+             and f"{f.name}:" not in doc and f"``{f.name}``" not in doc]
+  assert not missing, f"{cls.__name__}'s docstring does not describe {missing}"
