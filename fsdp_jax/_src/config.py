@@ -248,8 +248,11 @@ class FSDPConfig(_ValueEquality):
       field holds the strategy in effect.
     cpu_offload: a :class:`CPUOffload` or ``None``; ``CPUOffload(offload_params=True)``
       keeps the sharded params and optimizer state in host memory.
-    auto_wrap_policy: a wrap policy choosing the FSDP units (see
-      :mod:`fsdp_jax._src.wrap`); ``None`` makes the whole tree one root unit.
+    auto_wrap_policy: a wrap policy choosing the FSDP units:
+      :class:`ModuleWrapPolicy`, :class:`CustomPolicy`, or
+      ``functools.partial`` of :func:`size_based_auto_wrap_policy` /
+      :func:`lambda_auto_wrap_policy` (name patterns: ``*`` within one dotted
+      segment, ``**`` across); ``None`` makes the whole tree one root unit.
     backward_prefetch: when the backward pass re-gathers the next unit
       (FULL_SHARD/HYBRID_SHARD): ``BackwardPrefetch.BACKWARD_PRE`` (default:
       before the current unit's gradient computation; most overlap, most
