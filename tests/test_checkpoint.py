@@ -214,6 +214,10 @@ def test_retention_and_save_interval(tmp_path):
     assert mngr.all_steps() == [2, 4, 5]
     with pytest.raises(ValueError, match="no checkpoint of step 7"):
       mngr.delete(7)
+  with CheckpointManager(tmp_path / "keep", read_only=True) as mngr:
+    with pytest.raises(ValueError, match="read_only=True, so step 5 is not deleted"):
+      mngr.delete(5)  # orbax alone would skip it silently
+    assert mngr.all_steps() == [2, 4, 5]
   with CheckpointManager(tmp_path / "every2", save_interval_steps=2,
                          enable_async_checkpointing=False) as mngr:
     assert mngr.save(_with_step(state, 1))  # orbax always writes a run's first save

@@ -3,8 +3,6 @@ states and model state: save, restore and continue bit for bit."""
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +16,6 @@ from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params
 
 # Each test trains, saves and restores a whole train state.
 pytestmark = pytest.mark.slow
-
-sd = importlib.import_module("fsdp_jax._src.state_dicts")
 
 
 def loss_with_state(params, batch, model_state):

@@ -16,11 +16,12 @@ import pytest
 import fsdp_jax
 from fsdp_jax._src.config import ShardingStrategy as S, StateDictType as T
 from fsdp_jax._src.state import ShardedTrainState
-from fsdp_jax._src.state_dicts import (OptimStateKeyType, canonical_sharding, full_optim_state_dict,
-                                 load_state_dict,
-                                 optim_state_dict, optim_state_dict_to_load,
-                                 rekey_optim_state_dict, scatter_full_optim_state_dict,
-                                 shard_full_optim_state_dict, state_dict)
+from fsdp_jax._src.state_dicts import (OptimStateKeyType, canonical_sharding, clear_caches,
+                                       full_optim_state_dict, load_state_dict,
+                                       optim_state_dict, optim_state_dict_to_load,
+                                       rekey_optim_state_dict, scatter_full_optim_state_dict,
+                                       shard_full_optim_state_dict, state_dict)
+from fsdp_jax._src.state_dicts import convert
 
 from helpers import assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params
 
@@ -421,3 +422,17 @@ def random_osd_for(params, seed=1):
   return {"state": {n: {"0.mu": rng.standard_normal(x.shape).astype(np.float32),
                         "0.nu": rng.random(x.shape).astype(np.float32)} for n, x in named.items()},
           "param_groups": [{"params": list(named), "0.count": np.int32(2)}]}
+
+
+def test_program_caches_are_bounded_and_clearable():
+  caches = (convert._unpack_fn, convert._pack_fn, convert._ignored_unpack_fn,
+            convert._ignored_pack_fn)
+  assert all(c.cache_info().maxsize == convert._CACHE_SIZE for c in caches)
+  state, _, _ = build(CASES[0], False)
+  clear_caches()
+  sd = state_dict(state, state_dict_type=T.SHARDED_STATE_DICT)
+  assert convert._unpack_fn.cache_info().currsize > 0
+  clear_caches()
+  assert all(c.cache_info().currsize == 0 for c in caches)
+  load_state_dict(state, sd, state_dict_type=T.SHARDED_STATE_DICT)  # builds them again
+  assert convert._pack_fn.cache_info().currsize > 0

@@ -386,6 +386,7 @@ class CheckpointManager:
             save_interval_steps=save_interval_steps,
             enable_async_checkpointing=enable_async_checkpointing,
             cleanup_tmp_directories=True, create=True)
+    self.read_only = bool(options.read_only)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
   # -- bookkeeping ----------------------------------------------------------
@@ -402,7 +403,8 @@ class CheckpointManager:
     ``CheckpointManager.delete``), e.g. to save that step again.
 
     Raises:
-      ValueError: no finished checkpoint of ``step`` is in the directory.
+      ValueError: no finished checkpoint of ``step`` is in the directory, or
+        the manager is read-only (orbax would skip the deletion silently).
 
     Example:
       >>> import tempfile, jax, jax.numpy as jnp, optax, fsdp_jax
@@ -416,6 +418,10 @@ class CheckpointManager:
       ...   manager.all_steps()
       []
     """
+    if self.read_only:
+      raise ValueError(
+          f"CheckpointManager.delete: {self.directory} was opened read_only=True, so step "
+          f"{step} is not deleted. Fix: open it with a CheckpointManager that is not read-only.")
     self.manager.wait_until_finished()
     if int(step) not in self.manager.all_steps():
       raise ValueError(

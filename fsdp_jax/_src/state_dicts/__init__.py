@@ -42,6 +42,7 @@ from fsdp_jax._src.state_dicts.convert import (
     PARAMS as PARAMS,
     ROOT as ROOT,
     canonical_sharding as canonical_sharding,
+    clear_caches as clear_caches,
     data_fields as data_fields,
     dtype_name as dtype_name,
     ignored_entries as ignored_entries,

@@ -223,6 +223,8 @@ def _sub_unit(plan: Plan, unit: UnitSpec, ids: tuple) -> UnitSpec:
   return unit
 
 
+# One unit's stored arrays -> its full-shape leaves (state_dict, optim_state_dict,
+# checkpoint save): one program per unit and output kind.
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _unpack_fn(plan: Plan, unit_index: int, ids: tuple, replicated: bool):
   unit = _sub_unit(plan, plan.units[unit_index], ids)
@@ -232,6 +234,8 @@ def _unpack_fn(plan: Plan, unit_index: int, ids: tuple, replicated: bool):
                  out_shardings=out)
 
 
+# Full-shape leaves -> one unit's stored arrays (load_state_dict,
+# optim_state_dict_to_load, checkpoint restore): one program per unit and dtypes.
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _pack_fn(plan: Plan, unit_index: int, ids: tuple, dtypes: tuple):
   unit = _sub_unit(plan, plan.units[unit_index], ids)
@@ -263,6 +267,7 @@ def ignored_entries(plan: Plan, tree) -> dict[int, Any]:
   return out
 
 
+# An ignored leaf's per-device copies -> one copy: one program per ignored leaf.
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _ignored_unpack_fn(plan: Plan, index: int, replicated: bool):
   leaf = plan.leaves[index]
@@ -270,6 +275,8 @@ def _ignored_unpack_fn(plan: Plan, index: int, replicated: bool):
   return jax.jit(lambda x: offload.to_device(x)[0], out_shardings=out)  # the first device's copy
 
 
+# One value -> an ignored leaf's per-device copies: one program per ignored leaf
+# and dtype.
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _ignored_pack_fn(plan: Plan, index: int, dtype):
   leaf = plan.leaves[index]
