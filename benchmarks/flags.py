@@ -1,25 +1,34 @@
 #!/usr/bin/env python
-"""What each of fsdp_jax's CPU XLA flags costs and earns.
+"""What each of fsdp_jax's CPU XLA settings costs and earns.
 
-``fsdp_jax.simulate_cpu_devices()`` appends ``fsdp_jax.CPU_XLA_FLAGS`` to
-``XLA_FLAGS`` for the whole process, so a flag that helps fsdp_jax but slows
-an ordinary ``jax.jit`` program is a tax on the user's other code. For each
-flag set (all of them, all but one, none) this runs, in a fresh process each
-(XLA reads its flags once per process):
+Two kinds of setting: process-wide ``XLA_FLAGS`` that
+``fsdp_jax.simulate_cpu_devices()`` appends (``fsdp_jax.CPU_XLA_FLAGS``),
+which every program of the process gets, and the compiler options fsdp_jax's
+own step is compiled with (``fsdp_jax.custom.compiler_options(mesh)``), which
+no other program gets. A process flag that helps fsdp_jax but slows an
+ordinary ``jax.jit`` program is a tax on the user's other code.
+
+For each process flag set (the library's, each of them left out, none, and
+the library's plus the YNN flag it used to set), in a fresh process each
+(XLA reads its flags once per process), this measures:
 
 * a plain single-device ``jax.jit`` train step of the benchmark GPT (the
-  user's own code), and
+  user's own code): its step time;
 * fsdp_jax FULL_SHARD fp32 on 8 simulated CPU devices (same model, same
-  global batch): its step time, its peak bytes per device
-  (``memory_analysis()``) and its all-gathers per step (from the compiled
-  HLO: 2 per unit when the backward re-gathers, 1 when it does not);
+  global batch), compiled with its options, without the YNN option, and
+  with no options: step time, peak bytes per device (``memory_analysis()``)
+  and all-gathers per step (from the compiled HLO: 2 per unit when the
+  backward re-gathers, 1 when it does not);
+* the same GPT with ``nn.remat`` on every block under FULL_SHARD, with and
+  without the YNN option: temporaries per device (what per-block
+  checkpointing is for);
 
 and writes ``benchmarks/FLAGS.md``. Times are the median of timed steps
-after warm-up; the two programs of one flag set alternate in one process,
-and every flag set runs ``--repeats`` times in turn, so slow phases of a
-loaded machine spread over all of them.
+after warm-up; the programs of one flag set alternate in one process, and
+every flag set runs ``--repeats`` times in turn, so slow phases of a loaded
+machine spread over all of them.
 
-    python benchmarks/flags.py                   # ~5 min on 2 cores
+    python benchmarks/flags.py                   # ~8 min on 2 cores
     python benchmarks/flags.py --d-model 128 --layers 2 --steps 3 --out /tmp/FLAGS.md
 """
 
@@ -38,12 +47,23 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 
+YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type="
+LIBRARY = "library flags"
+OLD = "library flags + " + YNN_FLAG + " (before this release)"
+
+
 def _flag_sets(flags: tuple[str, ...]) -> dict[str, str]:
-  sets = {"all library flags": " ".join(flags)}
+  sets = {LIBRARY: " ".join(flags)}
   for f in flags:
     sets[f"all but {f}"] = " ".join(g for g in flags if g != f)
   sets["none (XLA's defaults)"] = ""
+  sets[OLD] = " ".join([*flags, YNN_FLAG])
   return sets
+
+
+# fsdp_jax's step compiled three ways: name -> options (None: the step's own).
+STEP_VARIANTS = {"own": None, "no_ynn_option": "drop:xla_cpu_experimental_ynn_fusion_type",
+                 "no_options": {}}
 
 
 def _child(args) -> dict:
@@ -80,42 +100,116 @@ def _child(args) -> dict:
 
   def run_plain():
     p, s, loss = plain_step(*box["p"], b1)
-    loss.block_until_ready()
+    # The whole step: the loss is ready before the update is.
+    jax.block_until_ready((p, s, loss))
     box["p"] = (p, s)
 
   # fsdp_jax FULL_SHARD fp32, one unit per Block.
   mesh = fsdp_jax.make_mesh(shard=args.devices)
   config = fsdp_jax.FSDPConfig(auto_wrap_policy=fsdp_jax.ModuleWrapPolicy({Block}))
-  state = fsdp_jax.init_train_state(init_fn=init_fn, rng=jax.random.key(0), optimizer=opt,
-                                    mesh=mesh, config=config)
-  step = fsdp_jax.shard_train_step(loss_fn, opt)
-  compiled = step.lower(state, batch).compile()
-  text = compiled.as_text()
-  ma = compiled.memory_analysis()
-  peak = (ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes
-          - ma.alias_size_in_bytes)
-  gathers = sum(1 for c in hlo.collectives(text) if c.kind == "all-gather")  # noqa
-  sbox = {"s": state}
+  own = fsdp_jax.custom.compiler_options(mesh)
 
-  def run_fsdp():
-    s, m = step(sbox["s"], batch)
-    m["loss"].block_until_ready()
-    sbox["s"] = s
+  def variant_options(v):
+    if v is None:
+      return own
+    if isinstance(v, str):  # "drop:<name>"
+      return {k: x for k, x in own.items() if k != v.split(":", 1)[1]}
+    return v
+
+  def compiled_stats(step, state, batch):
+    compiled = step.lower(state, batch).compile()
+    ma = compiled.memory_analysis()
+    peak = (ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes
+            - ma.alias_size_in_bytes)
+    gathers = sum(1 for c in hlo.collectives(compiled.as_text()) if c.kind == "all-gather")
+    return int(peak), int(ma.temp_size_in_bytes), gathers
+
+  state0 = fsdp_jax.init_train_state(init_fn=init_fn, rng=jax.random.key(0), optimizer=opt,
+                                     mesh=mesh, config=config)
+  base_step = fsdp_jax.shard_train_step(loss_fn, opt)
+  runs = {"plain": run_plain}
+  stats = {}
+  for name, v in STEP_VARIANTS.items():
+    step = base_step._with_compiler_options(variant_options(v))  # pylint: disable=protected-access
+    stats[name] = compiled_stats(step, state0, batch)
+    box_s = {"s": fsdp_jax.init_train_state(init_fn=init_fn, rng=jax.random.key(0),
+                                            optimizer=opt, mesh=mesh, config=config)}
+
+    def run(step=step, box_s=box_s):
+      s, m = step(box_s["s"], batch)
+      jax.block_until_ready((s, m))
+      box_s["s"] = s
+    runs[name] = run
+
+  # The same model with nn.remat on every block: what the YNN option is for.
+  _, rinit, rloss = make_model(cfg, remat=True)
+  rstate = jax.eval_shape(lambda: fsdp_jax.init_train_state(
+      init_fn=rinit, rng=jax.random.key(0), optimizer=opt, mesh=mesh, config=config))
+  rstep = fsdp_jax.shard_train_step(rloss, opt)
+  remat = {}
+  for name in ("own", "no_ynn_option"):
+    remat[name] = compiled_stats(
+        rstep._with_compiler_options(variant_options(STEP_VARIANTS[name])),  # pylint: disable=protected-access
+        rstate, batch)[1]
 
   for _ in range(args.warmup):
-    run_plain()
-    run_fsdp()
-  times = {"plain": [], "fsdp": []}
+    for fn in runs.values():
+      fn()
+  times = {name: [] for name in runs}
   for _ in range(args.steps):
-    for name, fn in (("plain", run_plain), ("fsdp", run_fsdp)):
+    for name, fn in runs.items():
       t0 = time.perf_counter()
       fn()
       times[name].append(time.perf_counter() - t0)
-  return {"plain_s": statistics.median(times["plain"]),
-          "fsdp_s": statistics.median(times["fsdp"]),
-          "fsdp_peak_bytes": int(peak), "fsdp_all_gathers": gathers,
-          "units": len(state.plan.units), "params": sum(l.numel for l in state.plan.leaves),
-          "jax": jax.__version__}
+  out = {f"{name}_s": statistics.median(t) for name, t in times.items()}
+  for name, (peak, temp, gathers) in stats.items():
+    out.update({f"{name}_peak_bytes": peak, f"{name}_temp_bytes": temp,
+                f"{name}_all_gathers": gathers})
+  out.update({f"remat_{name}_temp_bytes": b for name, b in remat.items()})
+  out.update({"units": len(state0.plan.units),
+              "remat_units": len(rstate.plan.units),
+              "params": sum(l.numel for l in state0.plan.leaves), "jax": jax.__version__,
+              "options": {k: v for k, v in own.items()}})
+  return out
+
+
+def _decision(sets, results, med) -> list[str]:
+  """The paragraph under the tables, its numbers read from them."""
+  lib = lambda k: med(LIBRARY, k)
+  none = "none (XLA's defaults)"
+  sched = [n for n in sets if "concurrency_optimized_scheduler" in n and n.startswith("all but")]
+  cse = [n for n in sets if "cse_barrier_expander" in n and n.startswith("all but")]
+  r = lambda name, k: results[name][0][k] / 2**20
+  lines = [
+      f"* The YNN flag is no process flag any more. With it, a plain `jax.jit` step took "
+      f"{med(OLD, 'plain_s') / lib('plain_s'):.2f}x the time it takes without it "
+      f"(this run; a 14.6M-parameter LM at a larger batch ran 2.6x slower). fsdp_jax's "
+      f"step sets it as its own compiler option: that costs the step "
+      f"{lib('own_s') / lib('no_ynn_option_s'):.2f}x here, and keeps a model that "
+      "checkpoints each block at its checkpointed memory (FULL_SHARD on 2 devices in "
+      "`tests/test_activation_checkpointing.py`: 2.33 MiB of temporaries with it, 2.92 "
+      "without, 5.71 without checkpointing; the last column above, on this GPT whose "
+      "activations are small next to its gathered blocks, barely moves).",
+  ]
+  if sched:
+    lines.append(
+        f"* `--xla_cpu_enable_concurrency_optimized_scheduler=false` stays a process flag "
+        f"(XLA reads it from the process flags only): without it fsdp_jax's peak is "
+        f"{r(sched[0], 'own_peak_bytes'):.1f} MiB instead of {r(LIBRARY, 'own_peak_bytes'):.1f}, "
+        f"and a plain step without it took {med(sched[0], 'plain_s') / lib('plain_s'):.2f}x "
+        "the time it takes with it, within this machine's run-to-run noise (about 10%).")
+  if cse:
+    lines.append(
+        f"* `--xla_disable_hlo_passes=cse_barrier_expander` is both. As fsdp_jax's step "
+        f"option it keeps FULL_SHARD's re-gathers under any process flags (with no options "
+        f"and XLA's default flags: {results[none][0]['no_options_all_gathers']} all-gathers, "
+        f"{r(none, 'no_options_peak_bytes'):.1f} MiB; with its options: "
+        f"{results[none][0]['own_all_gathers']}, {r(none, 'own_peak_bytes'):.1f} MiB). As a "
+        "process flag it does the same for a hand-written step that does not pass "
+        "`fsdp_jax.custom.compiler_options`, and changes nothing in a program without "
+        f"optimization barriers (a plain step without it took "
+        f"{med(cse[0], 'plain_s') / lib('plain_s'):.2f}x the time, within the noise).")
+  return lines
 
 
 def main(argv=None):
@@ -161,21 +255,34 @@ def main(argv=None):
       print(f"[{time.perf_counter() - t0:5.0f}s] repeat {r + 1}: {name}: "
             f"{results[name][-1]}", flush=True)
 
-  base = sets["all library flags"]
-  ref = results["all library flags"]
+  ref = results[LIBRARY]
   med = lambda name, key: statistics.median(x[key] for x in results[name])
   first = ref[0]
+  mib = lambda b: f"{b / 2**20:.1f}"
   rows = []
   for name in sets:
+    r0 = results[name][0]
     rows.append(
         f"| {name} | {med(name, 'plain_s') * 1e3:.0f} | "
-        f"{med(name, 'plain_s') / med('all library flags', 'plain_s'):.2f} | "
-        f"{med(name, 'fsdp_s') * 1e3:.0f} | "
-        f"{med(name, 'fsdp_s') / med('all library flags', 'fsdp_s'):.2f} | "
-        f"{results[name][0]['fsdp_all_gathers']} | "
-        f"{results[name][0]['fsdp_peak_bytes'] / 2**20:.1f} |")
+        f"{med(name, 'plain_s') / med(LIBRARY, 'plain_s'):.2f} | "
+        f"{med(name, 'own_s') * 1e3:.0f} | "
+        f"{med(name, 'own_s') / med(LIBRARY, 'own_s'):.2f} | "
+        f"{r0['own_all_gathers']} | {mib(r0['own_peak_bytes'])} |")
+  opt_rows = []
+  labels = {"own": "its own (`fsdp_jax.custom.compiler_options`)",
+            "no_ynn_option": "its own but the YNN option",
+            "no_options": "none"}
+  for name in ("none (XLA's defaults)", LIBRARY):
+    for v in STEP_VARIANTS:
+      r0 = results[name][0]
+      remat = (mib(r0[f"remat_{v}_temp_bytes"]) if f"remat_{v}_temp_bytes" in r0 else "")
+      opt_rows.append(
+          f"| {name} | {labels[v]} | {med(name, f'{v}_s') * 1e3:.0f} | "
+          f"{r0[f'{v}_all_gathers']} | {mib(r0[f'{v}_peak_bytes'])} | "
+          f"{mib(r0[f'{v}_temp_bytes'])} | {remat} |")
+  opts = " ".join(f"`{k}={v!r}`" for k, v in first["options"].items())
   text = "\n".join([
-      "# CPU XLA flags: what each costs the user's code and earns fsdp_jax",
+      "# CPU XLA settings: what each costs the user's code and earns fsdp_jax",
       "",
       f"Generated by `python benchmarks/flags.py {' '.join(child_args)}`".rstrip() + f" with jax "
       f"{first['jax']}: the benchmark GPT ({first['params']:,} parameters, {args.layers} "
@@ -185,17 +292,34 @@ def main(argv=None):
       f"turn, each in a fresh process. Machine: {os.cpu_count()} cores, load average "
       f"{os.getloadavg()[0]:.1f} at the end.",
       "",
-      f"The library's flags (`fsdp_jax.CPU_XLA_FLAGS`): `{base}`.",
+      f"Process flags (`fsdp_jax.CPU_XLA_FLAGS`, set by `simulate_cpu_devices`): "
+      f"`{sets[LIBRARY]}`. fsdp_jax's step options "
+      f"(`fsdp_jax.custom.compiler_options(mesh)`, its program only): {opts}.",
       "",
-      "| XLA_FLAGS | plain jit step ms (1 device) | vs all flags | fsdp_jax FULL_SHARD step ms "
-      "(8 devices) | vs all flags | fsdp all-gathers per step | fsdp peak MiB per device |",
+      "## Process flags: the user's program and fsdp_jax's",
+      "",
+      "| XLA_FLAGS | plain jit step ms (1 device) | vs library flags | fsdp_jax FULL_SHARD "
+      "step ms (8 devices) | vs library flags | fsdp all-gathers per step | fsdp peak MiB "
+      "per device |",
       "|---|---|---|---|---|---|---|",
       *rows,
       "",
-      f"FULL_SHARD gathers each unit twice (forward, and again in backward): "
-      f"{2 * first['units']} all-gathers for {first['units']} units. Fewer means XLA "
-      "merged the backward re-gather into the forward gather, keeping every gathered "
-      "unit alive until backward (SHARD_GRAD_OP's memory).",
+      f"FULL_SHARD gathers each unit twice (forward, and again in backward), but "
+      f"the root, which it keeps gathered as PyTorch does: {2 * first['units'] - 1} "
+      f"all-gathers for {first['units']} units. Fewer means XLA merged the backward "
+      "re-gather into the forward gather, keeping every gathered unit alive until "
+      "backward (SHARD_GRAD_OP's memory).",
+      "",
+      "## fsdp_jax's step options",
+      "",
+      "| XLA_FLAGS | step compiled with | fsdp step ms | all-gathers | peak MiB | "
+      "temporaries MiB | temporaries MiB, `nn.remat` per block |",
+      "|---|---|---|---|---|---|---|",
+      *opt_rows,
+      "",
+      "## What stays, and why",
+      "",
+      *_decision(sets, results, med),
       ""])
   with open(args.out, "w") as f:
     f.write(text)

@@ -68,17 +68,19 @@ class GPT(nn.Module):
 
   cfg: GPTConfig
   constrain: Optional[Callable] = None
+  remat: bool = False  # nn.remat on every block
 
   @nn.compact
   def __call__(self, tokens):
     c = self.cfg
     t = tokens.shape[1]
     fix = self.constrain or (lambda x: x)
+    block = nn.remat(Block) if self.remat else Block
     tok = nn.Embed(c.vocab_size, c.d_model, name="tok_embed")
     pos = nn.Embed(c.seq_len, c.d_model, name="pos_embed")
     x = fix(tok(tokens) + pos(jnp.arange(t)))
     for i in range(c.num_layers):
-      x = fix(Block(c.num_heads, name=f"block_{i}")(x))
+      x = fix(block(c.num_heads, name=f"block_{i}")(x))
     x = nn.LayerNorm(name="ln_f", dtype=x.dtype)(x)
     return nn.Dense(c.vocab_size, name="lm_head", dtype=x.dtype)(x)
 
@@ -114,16 +116,17 @@ class ScanGPT(nn.Module):
     return nn.Dense(c.vocab_size, name="lm_head", dtype=x.dtype)(x)
 
 
-def make_model(cfg: GPTConfig, scan: bool = False, constrain: Optional[Callable] = None):
+def make_model(cfg: GPTConfig, scan: bool = False, constrain: Optional[Callable] = None,
+               remat: bool = False):
   """Returns ``(model, init_fn, loss_fn)``; ``scan=True`` gives
   :class:`ScanGPT` (same architecture and parameter count, stacked blocks);
-  ``constrain`` is passed to :class:`GPT`.
+  ``constrain`` and ``remat`` are passed to :class:`GPT`.
 
   ``init_fn(rng)`` gives the linen variables ``{"params": ...}`` (fp32);
   ``loss_fn(params, batch)`` is the mean next-token cross entropy over the
   batch it is given, computed in fp32 whatever the parameter dtype.
   """
-  model = ScanGPT(cfg) if scan else GPT(cfg, constrain=constrain)
+  model = ScanGPT(cfg) if scan else GPT(cfg, constrain=constrain, remat=remat)
   dummy = np.zeros((1, cfg.seq_len), np.int32)
 
   def init_fn(rng):

@@ -150,7 +150,9 @@ def make_custom_step(plan, optimizer, mesh, *, losses, max_norm, ema_decay):
       out_specs=(p_specs, o_specs, p_specs, P()),
       check_vma=False)
   # Donating the old params, optimizer state and EMA lets XLA update in place.
-  return jax.jit(sharded, donate_argnums=(0, 1, 2))
+  # fsdp_jax's compiler options keep FULL_SHARD's backward re-gather on CPU.
+  return jax.jit(sharded, donate_argnums=(0, 1, 2),
+                 compiler_options=fsdp_jax.custom.compiler_options(mesh))
 
 
 def copy_tree(tree):

@@ -16,7 +16,10 @@ these pieces are the same ones it is made of, to be called inside your own
 * :func:`sharded_grads` - the reduced gradient shards of one batch, outside a
   step (for ``summon_full_params(with_grads=True, grads=...)``);
 * :class:`GatherSpec` and :func:`reduce_gradient` - what a communication hook
-  receives and the default reduction it may call.
+  receives and the default reduction it may call;
+* :func:`compiler_options` - what to pass to your ``jax.jit`` so the step
+  compiles the way :func:`fsdp_jax.shard_train_step`'s does (on CPU,
+  FULL_SHARD's backward re-gather survives XLA's optimisations).
 
 See docs/custom_step.md for a complete step.
 
@@ -36,6 +39,7 @@ from fsdp_jax._src.collectives import (
     reduce_gradient as reduce_gradient,
 )
 from fsdp_jax._src.full import sharded_grads as sharded_grads
+from fsdp_jax._src.mesh import compiler_options as compiler_options
 from fsdp_jax._src.grads import (
     batch_spec as batch_spec,
     merge_trainable as merge_trainable,
@@ -47,7 +51,7 @@ from fsdp_jax._src.grads import (
 from fsdp_jax._src.state import opt_state_specs as opt_state_specs
 
 __all__ = [
-    "GatherSpec", "batch_spec", "clip_grad_norm", "merge_trainable",
+    "GatherSpec", "batch_spec", "clip_grad_norm", "compiler_options", "merge_trainable",
     "opt_state_specs", "optimizer_step", "param_specs", "reduce_gradient",
     "sharded_grads", "split_trainable", "value_and_grad",
 ]

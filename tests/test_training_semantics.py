@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,7 +221,7 @@ def test_custom_step_with_two_losses_and_ema():
   p_specs = fsdp_jax.custom.param_specs(plan)
   o_specs, _ = fsdp_jax.custom.opt_state_specs(plan, opt)
 
-  @jax.jit
+  @functools.partial(jax.jit, compiler_options=fsdp_jax.custom.compiler_options(mesh))
   def custom_step(params, opt_state, ema, batch):
     def body(params, opt_state, ema, batch):
       out1, g1, _ = vg_main(params, batch)

@@ -309,6 +309,14 @@ def remat_decision(saveable: Callable, eqn) -> Any:
   return policy
 
 
+def dce(jaxpr, used_outputs: list) -> tuple[Any, list]:
+  """``jaxpr`` without the equations ``used_outputs`` do not need:
+  ``(jaxpr with only the used outputs, [whether each input is read])``
+  (``pe.dce_jaxpr``, 0.10 to 0.12; effectful equations are kept)."""
+  from jax._src.interpreters import partial_eval as pe  # pylint: disable=import-outside-toplevel
+  return pe.dce_jaxpr(jaxpr, list(used_outputs))
+
+
 def replace_eqn(eqn, *, params: Optional[dict] = None, merge_params: bool = True, **fields):
   """``eqn`` with ``fields`` (``outvars``, ``invars``, ``primitive``)
   replaced and ``params`` merged into (or, with ``merge_params=False``,
@@ -475,6 +483,13 @@ def on_host(fn: Callable) -> Callable:
 
 
 # -- backends and jax.distributed ---------------------------------------------
+
+def under_trace() -> bool:
+  """Whether a JAX trace (``jax.jit``, ``jax.eval_shape``, ...) is running
+  (``jax._src.core.trace_state_clean``, 0.10 to 0.12: no public API)."""
+  from jax._src import core  # pylint: disable=import-outside-toplevel
+  return not core.trace_state_clean()
+
 
 def backends_initialized() -> bool:
   """Whether JAX has started its backends in this process (after which

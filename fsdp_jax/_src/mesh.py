@@ -4,28 +4,47 @@ for the hybrid strategies (shard within a group, replicate across groups)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from fsdp_jax._src import _compat
 from fsdp_jax._src.config import FSDPConfig, ShardingStrategy
 
 SHARD = "shard"
 REPLICATE = "replicate"
 
-# XLA flags for the CPU backend. The first keeps the optimization barriers
-# that stop XLA from merging FULL_SHARD's backward re-gather into the forward
-# gather (which would keep every gathered unit alive until backward). The
-# other two make the CPU scheduler issue gathers next to their use instead of
-# hoisting them all to the top of the program.
+# Process-wide XLA flags that simulate_cpu_devices() adds for the CPU
+# backend. Each is measured in benchmarks/FLAGS.md, on fsdp_jax's step and on
+# a plain jax.jit step of the same model (the user's own code):
+# * disabling cse_barrier_expander keeps optimization barriers until XLA's
+#   common-subexpression pass has run, so a custom step's FULL_SHARD backward
+#   re-gather is not merged into the forward gather (jax 0.10's CPU pipeline
+#   drops the barriers before that pass; GPU pipelines drop them last). No
+#   effect on a program without barriers.
+# * the memory-minimising scheduler issues gathers next to their use instead
+#   of breadth-first; XLA reads it from the process flags only, not from a
+#   program's compiler options.
 CPU_XLA_FLAGS = (
     "--xla_disable_hlo_passes=cse_barrier_expander",
     "--xla_cpu_enable_concurrency_optimized_scheduler=false",
-    "--xla_cpu_experimental_ynn_fusion_type=",
 )
+
+# Compiler options of fsdp_jax's own CPU programs (``jax.jit``'s
+# ``compiler_options``), so they hold whatever XLA_FLAGS the process has and
+# cost the user's other programs nothing:
+# * the barrier pass as above (merged with passes the user disabled);
+# * no YNNPACK fusions: with them, a model that checkpoints each block keeps
+#   a quarter more temporaries under FULL_SHARD (they fuse across the
+#   recomputation). A process-wide flag made every jax.jit program slower.
+CPU_COMPILER_OPTIONS = {
+    "xla_disable_hlo_passes": "cse_barrier_expander",
+    "xla_cpu_experimental_ynn_fusion_type": "",
+}
 
 
 def simulate_cpu_devices(num_devices: int = 8) -> None:
@@ -34,6 +53,11 @@ def simulate_cpu_devices(num_devices: int = 8) -> None:
   Must run before JAX initialises its backends (before the first computation
   or ``jax.devices()`` call). Appends :data:`CPU_XLA_FLAGS` to ``XLA_FLAGS``
   and sets ``jax_num_cpu_devices``. Has no effect on GPU devices.
+
+  The flags do not slow an ordinary ``jax.jit`` program (measured in
+  benchmarks/FLAGS.md). What only fsdp_jax's programs need is in their own
+  compiler options (:func:`fsdp_jax.custom.compiler_options`), not in the
+  process's flags.
 
   Example:
     >>> import fsdp_jax
@@ -52,10 +76,78 @@ def simulate_cpu_devices(num_devices: int = 8) -> None:
         "computation or jax.devices().") from e
 
 
-def cpu_flags_active() -> bool:
-  """Whether :data:`CPU_XLA_FLAGS` are in this process's ``XLA_FLAGS``."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  return all(f in flags for f in CPU_XLA_FLAGS)
+def _user_disabled_passes() -> list[str]:
+  """The passes ``XLA_FLAGS`` disables (a program's ``xla_disable_hlo_passes``
+  option replaces that list, so it must repeat them)."""
+  passes: list[str] = []
+  for tok in os.environ.get("XLA_FLAGS", "").split():
+    if tok.startswith("--xla_disable_hlo_passes="):
+      passes += [p for p in tok.split("=", 1)[1].split(",") if p]
+  return passes
+
+
+@functools.lru_cache(maxsize=None)
+def _accepted(platform: str, name: str, value) -> bool:
+  """Whether this XLA takes the option (a later one may drop a CPU option)."""
+  x = jax.ShapeDtypeStruct((), np.float32, sharding=jax.sharding.SingleDeviceSharding(
+      jax.local_devices(backend=platform)[0]))
+  try:
+    jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(x).compile()
+  except Exception:  # pylint: disable=broad-except  (XLA's INVALID_ARGUMENT)
+    return False
+  return True
+
+
+def compiler_options(mesh: Mesh) -> dict:
+  """The XLA compiler options fsdp_jax compiles a step on ``mesh`` with.
+
+  On CPU: :data:`CPU_COMPILER_OPTIONS`, keeping the passes ``XLA_FLAGS``
+  disables, less any option this XLA does not know. Elsewhere, none: GPU
+  pipelines keep optimization barriers through common-subexpression
+  elimination already. :func:`fsdp_jax.shard_train_step` applies them itself;
+  pass them to ``jax.jit`` for a hand-written step, so that FULL_SHARD
+  re-gathers in backward whatever ``XLA_FLAGS`` the process has.
+
+  Example:
+    >>> import jax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> opts = fsdp_jax.custom.compiler_options(mesh)
+    >>> opts["xla_disable_hlo_passes"]
+    'cse_barrier_expander'
+    >>> f = jax.jit(lambda x: x * 2, compiler_options=opts)
+  """
+  platform = mesh.devices.flat[0].platform
+  if platform != "cpu":
+    return {}
+  opts = dict(CPU_COMPILER_OPTIONS)
+  passes = list(dict.fromkeys([*_user_disabled_passes(), opts["xla_disable_hlo_passes"]]))
+  opts["xla_disable_hlo_passes"] = ",".join(passes)
+  return {k: v for k, v in opts.items() if _accepted(platform, k, v)}
+
+
+class TopLevelJit:
+  """``jax.jit(fn, compiler_options=...)`` where JAX takes them: called (or
+  lowered) at the top level it compiles with the options; inside another
+  trace (the user's own ``jax.jit``, ``jax.eval_shape``) it is the same
+  ``jax.jit`` without them, since JAX accepts compiler options on the
+  outermost program only (that program's options then apply)."""
+
+  def __init__(self, fn: Callable, compiler_options: dict, **jit_kwargs):
+    self.nested = jax.jit(fn, **jit_kwargs)
+    self.top = (jax.jit(fn, compiler_options=compiler_options, **jit_kwargs)
+                if compiler_options else self.nested)
+
+  def _pick(self):
+    return self.nested if _compat.under_trace() else self.top
+
+  def __call__(self, *args, **kwargs):
+    return self._pick()(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    return self._pick().lower(*args, **kwargs)
+
+  def trace(self, *args, **kwargs):
+    return self._pick().trace(*args, **kwargs)
 
 
 def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Optional
 
 import jax
@@ -16,7 +15,7 @@ from fsdp_jax._src import grads as grads_lib
 from fsdp_jax._src import loss as loss_lib
 from fsdp_jax._src import clipping, offload, optim
 from fsdp_jax._src.config import FSDPConfig, is_float_dtype
-from fsdp_jax._src.mesh import cpu_flags_active
+from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src.plan import Plan
 from fsdp_jax._src.state import ShardedTrainState
 
@@ -59,19 +58,11 @@ def check_batch(plan: Plan, batch) -> None:
       f"{where}:\n{lines}\n{fix}")
 
 
-def check_setup(mesh: Mesh, config: FSDPConfig, *, stacklevel: int = 2) -> None:
+def check_setup(mesh: Mesh, config: FSDPConfig) -> None:
   """What a step can check once its mesh and config are known: the backend
-  supports offload, and the CPU flags FULL_SHARD's memory relies on."""
+  supports offload."""
   if offload.offloads(config):
     offload.check_backend(mesh)
-  if (jax.devices()[0].platform == "cpu" and not cpu_flags_active()
-      and config.reshard_after_forward):
-    # Python's default warning filter shows this once per calling line.
-    warnings.warn(
-        "fsdp_jax: on the CPU backend XLA merges FULL_SHARD's backward "
-        "re-gather into the forward gather unless fsdp_jax.CPU_XLA_FLAGS are "
-        "set (call fsdp_jax.simulate_cpu_devices() before JAX starts); "
-        "results are the same, memory is not.", stacklevel=stacklevel + 1)
 
 
 def _check_state(state, plan_cfg: Optional[FSDPConfig], mesh: Optional[Mesh], optimizer):
@@ -224,7 +215,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
   if max_norm is not None and not float(max_norm) > 0:
     raise ValueError(f"max_norm={max_norm} must be positive (or None for no clipping).")
   if mesh is not None and config is not None:
-    check_setup(mesh, config, stacklevel=3)
+    check_setup(mesh, config)
 
   forward_inputs = grads_lib.check_forward_inputs(forward_inputs)
 
@@ -351,7 +342,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
       changes["nonfinite_steps"] = state.nonfinite_steps + bad.astype(state.nonfinite_steps.dtype)
     return state.replace(**changes), metrics
 
-  return TrainStep(jax.jit(step, donate_argnums=(0,) if donate else ()), mesh, config)
+  return TrainStep(step, donate=donate, mesh=mesh, config=config)
 
 
 def _keep_if(flag, old, new):
@@ -481,20 +472,54 @@ class TrainStep:
     (16.0, 1)
   """
 
-  def __init__(self, jitted, mesh: Optional[Mesh], config: Optional[FSDPConfig]):
-    self.jitted = jitted
+  def __init__(self, fn: Callable, *, donate: bool, mesh: Optional[Mesh],
+               config: Optional[FSDPConfig], compiler_options: Optional[dict] = None):
+    self._fn = fn
+    self._donate = donate
     self.mesh = mesh  # None: the state's
     self.config = config  # None: the state's
+    # None: fsdp_jax.custom.compiler_options(mesh) (benchmarks pass others)
+    self._compiler_options = compiler_options
+    self._jits: dict = {}  # options -> TopLevelJit
+    self._by_mesh: dict = {}  # mesh -> TopLevelJit
     self._checked_shapes = None
     self._checked_setup = mesh is not None and config is not None
+
+  def _jit(self, mesh: Optional[Mesh]):
+    """The ``jax.jit`` of the step, compiled with the mesh's options."""
+    if mesh in self._by_mesh:  # a dict lookup per step
+      return self._by_mesh[mesh]
+    if self._compiler_options is not None:
+      opts = self._compiler_options
+    elif mesh is not None:
+      opts = mesh_lib.compiler_options(mesh)
+    else:  # no state yet: the default backend's devices
+      opts = mesh_lib.compiler_options(Mesh(np.array(jax.devices()[:1]), ("shard",)))
+    key = tuple(sorted(opts.items()))
+    if key not in self._jits:
+      self._jits[key] = mesh_lib.TopLevelJit(
+          self._fn, opts, donate_argnums=(0,) if self._donate else ())
+    self._by_mesh[mesh] = self._jits[key]
+    return self._jits[key]
+
+  def _with_compiler_options(self, compiler_options: dict) -> "TrainStep":
+    """The same step compiled with other XLA options (for measurements)."""
+    return TrainStep(self._fn, donate=self._donate, mesh=self.mesh, config=self.config,
+                     compiler_options=dict(compiler_options))
+
+  @property
+  def jitted(self):
+    """The ``jax.jit`` function (taking global arrays), compiled with
+    :func:`fsdp_jax.custom.compiler_options` for the step's mesh (called
+    inside your own ``jax.jit``, that one's options apply)."""
+    return self._jit(self.mesh)
 
   def _place(self, state, batch):
     if not isinstance(state, ShardedTrainState):
       raise TypeError("step(state, batch) needs the ShardedTrainState built by "
                       f"fsdp_jax.init_train_state; got {type(state).__name__}.")
     if not self._checked_setup:  # mesh or config taken from the state
-      check_setup(self.mesh or state.plan.mesh, self.config or state.plan.config,
-                  stacklevel=4)
+      check_setup(self.mesh or state.plan.mesh, self.config or state.plan.config)
       self._checked_setup = True
     if jax.process_count() == 1:
       check_batch(state.plan, batch)
@@ -506,7 +531,8 @@ class TrainStep:
     return place_batch(state.plan, batch)
 
   def __call__(self, state, batch):
-    new_state, metrics = self.jitted(state, self._place(state, batch))
+    new_state, metrics = self._jit(self.mesh or state.plan.mesh)(
+        state, self._place(state, batch))
     config = state.plan.config if self.config is None else self.config
     if config.nonfinite == "raise":
       # One host read of a replicated flag per step: every process decides
@@ -517,4 +543,4 @@ class TrainStep:
     return new_state, metrics
 
   def lower(self, state, batch):
-    return self.jitted.lower(state, self._place(state, batch))
+    return self._jit(self.mesh or state.plan.mesh).lower(state, self._place(state, batch))
