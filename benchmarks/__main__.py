@@ -8,7 +8,8 @@
     python -m benchmarks offload        # CPU offload: device/host bytes, step time
     python -m benchmarks optimizers     # optimizers on shards vs the global view
     python -m benchmarks zeropp         # ZeRO++: bytes per link, memory, error
-    python -m benchmarks init           # init_train_state and full-parameter access
+    python -m benchmarks init           # init_train_state and full-parameter access: memory
+    python -m benchmarks init_time      # init_train_state against a plain jit init: seconds
     python -m benchmarks flags          # each CPU XLA flag: plain jit and fsdp_jax, with and without
     python -m benchmarks gpu            # a 1B GPT on the GPUs vs plain jit (GPU.md)
 
@@ -35,6 +36,7 @@ MEASUREMENTS = {
     "optimizers": ("benchmarks.optimizers", "main"),
     "zeropp": ("benchmarks.zeropp", "main"),
     "init": ("benchmarks.init_and_full_params", "main"),
+    "init_time": ("benchmarks.init_time", "main"),
     "flags": ("benchmarks.flags", "main"),
     "gpu": ("benchmarks.gpu", "main"),
 }

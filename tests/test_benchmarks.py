@@ -44,6 +44,19 @@ def test_full_run_writes_the_report(tmp_path):
   assert "fsdp/FULL_SHARD/fp32" in text and js.stat().st_size > 0
 
 
+@pytest.mark.parametrize("name,args,header", [
+    ("flags", ["--d-model", "64", "--layers", "2", "--steps", "1", "--warmup", "1",
+               "--repeats", "1"], "| XLA_FLAGS | step compiled with |"),
+    ("init_time", ["--depths", "2", "--d-model", "64", "--repeats", "1"],
+     "| blocks | parameters | units |"),
+])
+def test_measurement_writes_its_table(tmp_path, name, args, header):
+  out = tmp_path / "table.md"
+  _run(name, *args, "--out", str(out), timeout=600)
+  text = out.read_text()
+  assert header in text, text[-3000:]
+
+
 def test_unknown_measurement_lists_the_names():
   out = subprocess.run([sys.executable, "-m", "benchmarks", "nope"], cwd=REPO,
                        capture_output=True, text=True, timeout=60, env=subprocess_env())

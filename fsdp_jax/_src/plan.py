@@ -7,6 +7,7 @@ what ``print(state.plan)`` shows, like printing an FSDP-wrapped PyTorch model.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import jax
@@ -38,11 +39,11 @@ class LeafSpec:
 
   @property
   def numel(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64))
+    return math.prod(self.shape)  # Python ints: no overflow, and fast
 
   @property
   def layer_numel(self) -> int:
-    return int(np.prod(self.layer_shape, dtype=np.int64))
+    return math.prod(self.layer_shape)
 
   @property
   def dim0(self) -> int:
@@ -54,7 +55,7 @@ class LeafSpec:
 
   @property
   def row_numel(self) -> int:
-    return int(np.prod(self.rest, dtype=np.int64))
+    return math.prod(self.rest)
 
 
 @dataclasses.dataclass(frozen=True)

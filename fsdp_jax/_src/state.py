@@ -12,10 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fsdp_jax._src import frameworks, layout, offload, optim, wrap
+from fsdp_jax._src import _compat, frameworks, layout, offload, optim, wrap
 from fsdp_jax._src.config import FSDPConfig, is_float_dtype, is_key_dtype
+from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src.mesh import mesh_axes
 from fsdp_jax._src.plan import LeafSpec, Plan, UnitSpec
 
@@ -166,11 +168,23 @@ def module_classes(model_or_fn, *args, **kwargs) -> dict:
 
 def _eval_shape_capturing(fn, *args, **kwargs):
   """``jax.eval_shape(fn)`` that records the linen modules called inside."""
+  shapes, captured, _ = _trace_capturing(fn, *args, **kwargs)
+  return shapes, captured
+
+
+def _trace_capturing(fn, *args, **kwargs):
+  """``(shapes, linen modules called inside, closed jaxpr)`` of ``fn``: one
+  trace, whose jaxpr ``init_program`` reuses."""
   captured: dict = {}
+  # A fresh function object each time: JAX caches traces per function, and a
+  # cached trace would skip the interceptor.
+  trace = lambda: jax.make_jaxpr(lambda *a, **k: fn(*a, **k), return_shape=True)(
+      *args, **kwargs)
   try:
     import flax.linen as nn
   except ImportError:  # pragma: no cover
-    return jax.eval_shape(lambda *a, **k: fn(*a, **k), *args, **kwargs), captured
+    closed, shapes = trace()
+    return shapes, captured, closed
 
   def interceptor(next_fun, a, kw, context):
     mod = context.module
@@ -179,11 +193,17 @@ def _eval_shape_capturing(fn, *args, **kwargs):
       captured.setdefault((collection,) + path, type(mod))
     return next_fun(*a, **kw)
 
-  # A fresh function object each time: eval_shape caches traces per function,
-  # and a cached trace would skip the interceptor.
   with nn.intercept_methods(interceptor):
-    shapes = jax.eval_shape(lambda *a, **k: fn(*a, **k), *args, **kwargs)
-  return shapes, captured
+    closed, shapes = trace()
+  return shapes, captured, closed
+
+
+def _leaf_positions(whole, part) -> Optional[list]:
+  """Where each leaf of ``part`` (a subtree split off ``whole``) is among
+  ``whole``'s leaves, matched by key path; ``None`` if one is not found."""
+  where = {path: k for k, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(whole)[0])}
+  out = [where.get(path) for path, _ in jax.tree_util.tree_flatten_with_path(part)[0]]
+  return None if any(k is None for k in out) else out
 
 
 # --------------------------------------------------------------------------
@@ -491,9 +511,14 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
       init_args = (rng,)
   captured = {}
   replicated = NamedSharding(mesh, P())
+  traced = None  # init_fn's jaxpr, and where each parameter leaf is among its outputs
   if init_fn is not None:
-    abstract, captured = _eval_shape_capturing(init_fn, *init_args)
+    abstract, captured, closed = _trace_capturing(init_fn, *init_args)
+    whole = abstract
     abstract, ms_abstract, what = frameworks.split_model_state(abstract)
+    positions = (list(range(len(jax.tree_util.tree_leaves(whole)))) if ms_abstract is None
+                 else _leaf_positions(whole, abstract))
+    traced = None if positions is None else (closed, positions)
     if ms_abstract is not None:
       _check_one_model_state(model_state, what, "init_fn returns")
       whole_init = init_fn
@@ -519,15 +544,16 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
     params = _off_other_devices(params, mesh)
   storage_leaves: dict = {}
   shardings = plan.storage_shardings()
-  for unit in plan.units:
-    out_sharding = _unit_out_shardings(plan, unit, shardings)
-    if init_fn is not None:
-      packed = unit_init_program(plan, unit, init_fn)(*init_args)
-    else:
+  if init_fn is not None:
+    storage_leaves = init_program(plan, init_fn, init_args, traced=traced)(
+        *jax.tree_util.tree_leaves(init_args))
+  else:
+    for unit in plan.units:
+      out_sharding = _unit_out_shardings(plan, unit, shardings)
       flat = jax.tree_util.tree_leaves(params)
-      packed = jax.jit(lambda xs, unit=unit: layout.pack_unit(plan, unit, xs),
-                       out_shardings=out_sharding)({i: flat[i] for i in unit.leaf_ids})
-    storage_leaves[unit.index] = packed
+      storage_leaves[unit.index] = jax.jit(
+          lambda xs, unit=unit: layout.pack_unit(plan, unit, xs),
+          out_shardings=out_sharding)({i: flat[i] for i in unit.leaf_ids})
   ignored = {}
   if plan.ignored_leaves:
     ign_sh = plan.sharding(plan.ignored_spec())
@@ -539,8 +565,9 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
       ignored = jax.jit(lambda xs: pack_ignored(plan, xs), out_shardings=ign_sh)(
           {l.index: flat[l.index] for l in plan.ignored_leaves})
   storage = assemble_storage(plan, storage_leaves, ignored)
-  plan = with_optimizer(plan, optimizer)
-  opt_state = _init_opt_state(plan, optimizer, storage)
+  init_closed, init_shapes = optim.trace_init(plan, optimizer)  # one trace, used twice
+  plan = with_optimizer(plan, optimizer, init_shapes=init_shapes)
+  opt_state = _init_opt_state(plan, optimizer, storage, closed=init_closed)
   step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
   # The state owns its buffers: the step donates them, and the caller's
   # arrays must survive that. (device_put would alias the caller's buffer
@@ -610,10 +637,10 @@ def _off_other_devices(params, mesh: Mesh):
   return jax.tree.map(move, params)
 
 
-def with_optimizer(plan: Plan, optimizer) -> Plan:
+def with_optimizer(plan: Plan, optimizer, *, init_shapes=None) -> Plan:
   """``plan`` with the optimizer's state layout and what its update needs
   (shown by ``print(state.plan)``)."""
-  lay = optim.layout_for(plan, optimizer)
+  lay = optim.layout_for(plan, optimizer, init_shapes)
   plan = dataclasses.replace(plan, opt_layout=lay)
   return dataclasses.replace(plan, opt_update=optim.choose_mode(plan, optimizer))
 
@@ -639,18 +666,52 @@ def _init_hook_state(plan: Plan):
   return out
 
 
-def unit_init_program(plan: Plan, unit: UnitSpec, init_fn: Callable):
-  """The jitted program that materialises one unit straight into its shards.
+def init_program(plan: Plan, init_fn: Callable, init_args: tuple, *, traced=None):
+  """One jitted program that materialises every unit straight into its
+  shards, one unit after the other: ``program(*leaves of init_args) -> {unit
+  index: pack_unit output}``.
 
-  It runs ``init_fn`` but keeps only this unit's leaves: XLA removes the rest
-  of the model, and the output is laid out sharded, so peak memory per device
-  is about one unit (``.lower(rng).compile().memory_analysis()`` shows it).
+  ``init_fn`` is traced once. Each unit evaluates only the equations its own
+  leaves need (the trace with the rest removed), and reads ``init_args``
+  through an ``optimization_barrier`` with the previous unit's shards, so no
+  unit starts before the one before it is packed: a device holds at most
+  about one unit at a time, and the shards. One compilation, whatever the
+  number of units.
+
+  ``traced``: ``(closed jaxpr, positions)`` from a trace already made of a
+  function whose outputs include ``init_fn``'s: parameter leaf ``i`` is its
+  output ``positions[i]`` (default: ``init_fn`` traced here).
   """
-  def make(*a):
-    full = jax.tree_util.tree_leaves(init_fn(*a))
-    return layout.pack_unit(plan, unit, {i: full[i] for i in unit.leaf_ids})
+  if traced is None:
+    closed = jax.make_jaxpr(init_fn)(*init_args)
+    positions = list(range(len(closed.jaxpr.outvars)))
+  else:
+    closed, positions = traced
+  jaxpr, consts = closed.jaxpr, closed.consts
+  parts = {}
+  for unit in plan.units:
+    wanted = {positions[i]: i for i in unit.leaf_ids}
+    part, reads = _compat.dce(jaxpr, [k in wanted for k in range(len(jaxpr.outvars))])
+    parts[unit.index] = (part, reads, [wanted[k] for k in sorted(wanted)])
 
-  return jax.jit(make, out_shardings=_unit_out_shardings(plan, unit, None))
+  def make(*flat_args):
+    out, prev = {}, None
+    for unit in plan.units:
+      part, reads, ids = parts[unit.index]
+      ins = list(flat_args)
+      if prev is not None:
+        ins, _ = lax.optimization_barrier((ins, prev))
+      full = _compat.eval_jaxpr(part, consts, *[x for x, r in zip(ins, reads) if r])
+      out[unit.index] = prev = layout.pack_unit(plan, unit, dict(zip(ids, full)))
+    return out
+
+  # Sharded outputs: the compiler partitions each unit's initialisers, so a
+  # device computes about its own shards (random bits included: JAX's
+  # threefry is partitionable). The compiler options keep the barriers on
+  # CPU (see mesh.compiler_options).
+  return mesh_lib.TopLevelJit(make, mesh_lib.compiler_options(plan.mesh),
+                              out_shardings={u.index: _unit_out_shardings(plan, u, None)
+                                             for u in plan.units})
 
 
 def _unit_out_shardings(plan: Plan, unit: UnitSpec, shardings):
@@ -692,7 +753,7 @@ def ignored_storage(plan: Plan, storage) -> dict:
   return {l.index: storage[plan.ignored_key(l)] for l in plan.ignored_leaves}
 
 
-def _init_opt_state(plan: Plan, optimizer, storage):
+def _init_opt_state(plan: Plan, optimizer, storage, closed=None):
   """``optimizer.init`` on the user's tree, evaluated on each device's shards
   (see :mod:`fsdp_jax._src.optim`) and stored as a ``ShardedOptState``."""
   from fsdp_jax._src.grads import split_trainable  # pylint: disable=import-outside-toplevel
@@ -700,7 +761,8 @@ def _init_opt_state(plan: Plan, optimizer, storage):
   specs = optim.stored_specs(plan, lay)
   trainable = split_trainable(plan, storage)[0]
   in_specs = split_trainable(plan, _storage_specs(plan))[0]
-  fn = jax.shard_map(lambda t: optim.init_local(plan, optimizer, lay, offload.to_device(t)),
+  fn = jax.shard_map(lambda t: optim.init_local(plan, optimizer, lay, offload.to_device(t),
+                                                closed=closed),
                      mesh=plan.mesh, in_specs=(in_specs,), out_specs=specs, check_vma=False)
   out_sh = jax.tree.map(lambda s: s.sharding, optim.stored_shapes(plan, lay))
   return jax.jit(fn, out_shardings=out_sh)(trainable)

@@ -71,6 +71,7 @@ from fsdp_jax._src.optim.update import (
     choose_mode as choose_mode,
     init_local as init_local,
     layout_for as layout_for,
+    trace_init as trace_init,
     shard_index as shard_index,
     takes_value as takes_value,
     update_global as update_global,

@@ -87,8 +87,14 @@ def _name(optimizer) -> str:
 def abstract_init(plan: Plan, optimizer):
   """``jax.eval_shape(optimizer.init, logical params)``, with a clear error
   when the optimizer cannot be initialised on the user's tree."""
+  return trace_init(plan, optimizer)[1]
+
+
+def trace_init(plan: Plan, optimizer):
+  """``(closed jaxpr, shapes)`` of ``optimizer.init`` on the logical params
+  (one trace serves :func:`layout_for` and :func:`init_local`)."""
   try:
-    return jax.eval_shape(optimizer.init, logical_params(plan))
+    return _trace(optimizer.init, logical_params(plan))
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(
         f"optimizer.init failed on the parameter tree ({type(e).__name__}: {e}). The "
@@ -96,15 +102,20 @@ def abstract_init(plan: Plan, optimizer):
         "Fix: build the optimizer (masks, labels) for that tree.") from e
 
 
-def layout_for(plan: Plan, optimizer) -> OptLayout:
-  return build_layout(plan, abstract_init(plan, optimizer))
+def layout_for(plan: Plan, optimizer, init_shapes=None) -> OptLayout:
+  """``init_shapes``: :func:`trace_init`'s shapes, when already traced."""
+  return build_layout(plan, abstract_init(plan, optimizer) if init_shapes is None
+                      else init_shapes)
 
 
-def init_local(plan: Plan, optimizer, lay: OptLayout, trainable_local, report=None):
+def init_local(plan: Plan, optimizer, lay: OptLayout, trainable_local, report=None,
+               closed=None):
   """Inside ``shard_map``: the stored optimizer state from the local
-  trainable param shards."""
+  trainable param shards. ``closed``: :func:`trace_init`'s jaxpr, when
+  already traced."""
   ev = ShardedEvaluator(plan, report)
-  closed, _ = _trace(optimizer.init, logical_params(plan))
+  if closed is None:
+    closed, _ = _trace(optimizer.init, logical_params(plan))
   pvals = param_values(plan, trainable_local, ev.geo)
   args = [pvals[l.index] for l in plan.leaves if not l.frozen]
   outs = ev.run(closed.jaxpr, closed.consts, args)
