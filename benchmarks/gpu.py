@@ -86,26 +86,46 @@ def _intervals(events):
   return merged
 
 
-def hidden_collective_share(trace_dir: str):
-  """(share of collective time overlapped by compute, collective us, how) from
-  a jax.profiler trace directory, or (None, None, why) when it has no device
-  events."""
+def _json_kernels(trace_dir: str):
+  """Device kernel events ``(name, start us, duration us)`` from the
+  profile's perfetto JSON, or None when it has none."""
   files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
   if not files:
-    return None, None, "no trace.json.gz in the profile"
+    return None
   with gzip.open(sorted(files)[-1], "rt") as f:
     trace = json.load(f)
   events = trace.get("traceEvents", [])
   names = {e["pid"]: e["args"].get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name" and "args" in e}
   device_pids = {pid for pid, n in names.items() if "/device:" in n and "CPU" not in n.upper()}
-  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids
-             and "dur" in e]
-  if not kernels:
-    return None, None, "the trace has no device (GPU) kernel events"
-  is_coll = lambda e: any(w in e["name"].lower() for w in COLLECTIVE_WORDS)
-  coll = _intervals([e for e in kernels if is_coll(e)])
-  comp = _intervals([e for e in kernels if not is_coll(e)])
+  kernels = [(e["name"], e["ts"], e["dur"]) for e in events
+             if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
+  return kernels or None
+
+
+def xplane_events(trace_dir: str, plane_prefix: str = "/device:GPU"):
+  """Events ``(name, start us, duration us)`` of the profile's planes whose
+  name starts with ``plane_prefix`` (a GPU's planes hold one line per stream
+  of kernels), read from the ``.xplane.pb`` with ``jax.profiler.ProfileData``;
+  None when there is no such plane."""
+  import jax  # pylint: disable=import-outside-toplevel  (starts no backend)
+  files = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+  if not files:
+    return None
+  data = jax.profiler.ProfileData.from_file(sorted(files)[-1])
+  out = [(ev.name, ev.start_ns / 1e3, ev.duration_ns / 1e3)
+         for plane in data.planes if plane.name.startswith(plane_prefix)
+         for line in plane.lines for ev in line.events if ev.duration_ns > 0]
+  return out or None
+
+
+def hidden_share(kernels):
+  """(share of collective time overlapped by compute, collective us, how)
+  from device kernel events ``(name, start us, duration us)``."""
+  is_coll = lambda name: any(w in name.lower() for w in COLLECTIVE_WORDS)
+  as_event = lambda k: {"ts": k[1], "dur": k[2]}
+  coll = _intervals([as_event(k) for k in kernels if is_coll(k[0])])
+  comp = _intervals([as_event(k) for k in kernels if not is_coll(k[0])])
   total = sum(b - a for a, b in coll)
   if not total:
     return None, 0.0, "no collective kernels in the trace"
@@ -118,6 +138,22 @@ def hidden_collective_share(trace_dir: str):
       hidden += max(0.0, min(b, comp[k][1]) - max(a, comp[k][0]))
       k += 1
   return hidden / total, total, f"{len(kernels)} device kernels"
+
+
+def hidden_collective_share(trace_dir: str):
+  """(share of collective time overlapped by compute, collective us, how) from
+  a jax.profiler trace directory, or (None, None, why) when it has no device
+  events. Reads the perfetto JSON's device kernels, else the xplane's GPU
+  planes."""
+  kernels = _json_kernels(trace_dir)
+  source = "perfetto JSON"
+  if kernels is None:
+    kernels = xplane_events(trace_dir)
+    source = "xplane"
+  if kernels is None:
+    return None, None, "the trace has no device (GPU) kernel events"
+  share, total, how = hidden_share(kernels)
+  return share, total, f"{how} ({source})"
 
 
 def main(argv=None):
@@ -173,7 +209,7 @@ def main(argv=None):
 
   def run_fsdp():
     s, m = step(box["state"], batch)
-    m["loss"].block_until_ready()
+    jax.block_until_ready((s, m))  # the whole step, the optimizer update included
     box["state"] = s
     return float(m["loss"])
 
@@ -201,7 +237,7 @@ def main(argv=None):
 
     def run_plain():
       p_, s_, loss = plain(*pbox["p"], local)
-      loss.block_until_ready()
+      jax.block_until_ready((p_, s_, loss))
       pbox["p"] = (p_, s_)
       return float(loss)
 

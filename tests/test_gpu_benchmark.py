@@ -44,6 +44,28 @@ def test_hidden_collective_share_says_when_it_cannot(tmp_path):
   assert share is None and "no device" in why
 
 
+def test_xplane_events_are_read_from_a_real_profile(tmp_path):
+  """The fallback when the perfetto JSON holds no device kernels: the
+  xplane's planes. A CPU profile has no GPU plane (None); its host plane
+  shows that events are read, with times in microseconds."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  f = jax.jit(lambda x: jnp.sin(x) @ x)
+  x = jnp.ones((128, 128))
+  f(x).block_until_ready()
+  with jax.profiler.trace(str(tmp_path)):
+    f(x).block_until_ready()
+  assert gpu.xplane_events(str(tmp_path)) is None
+  host = gpu.xplane_events(str(tmp_path), plane_prefix="/host:CPU")
+  assert host and all(isinstance(n, str) and start >= 0 and dur > 0 for n, start, dur in host)
+  assert gpu.hidden_collective_share(str(tmp_path))[0] is None
+
+
+def test_hidden_share_from_events():
+  share, total, _ = gpu.hidden_share([("all-gather-start", 0.0, 10.0), ("fusion", 5.0, 10.0)])
+  assert total == 10.0 and math.isclose(share, 0.5)
+
+
 def test_mfu_inputs():
   assert gpu.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
   assert gpu.peak_flops("NVIDIA H100 PCIe") == 756e12
