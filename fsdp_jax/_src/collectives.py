@@ -146,20 +146,31 @@ def pack_full(cts, spec: GatherSpec, prefix, *, dtype=None, divide: float = 1.0,
   """
   order = list(reversed(range(len(cts)))) if order is None else list(order)
   p = len(prefix)
-  dtype = dtype or cts[0].dtype
+  dtype = np.dtype(dtype or cts[0].dtype)
+  # 16-bit floats are written as their uint16 bit patterns: the CPU backend
+  # has no 16-bit float dynamic_update_slice and widens each one to float32,
+  # converting the whole buffer there and back around every leaf's update
+  # (a bf16 reduce_dtype step took 1.8x the fp32 one; benchmarks/CAUSES.md).
+  bits = _as_bits(dtype)
+  buf_dtype = np.dtype(np.uint16) if bits else dtype
 
   def prep(c):
     c = c.astype(dtype)
-    return c / jnp.asarray(divide, dtype) if divide != 1.0 else c
+    c = c / jnp.asarray(divide, dtype) if divide != 1.0 else c
+    return lax.bitcast_convert_type(c, jnp.uint16) if bits else c
+
+  def done(buf):
+    return lax.bitcast_convert_type(buf, dtype) if bits else buf
 
   if spec.flat:
-    buf = jnp.zeros(prefix + (spec.n * spec.chunk,), dtype)
+    buf = jnp.zeros(prefix + (spec.n * spec.chunk,), buf_dtype)
     offsets = np.cumsum([0] + [int(np.prod(ls, dtype=np.int64)) for ls, _, _, _ in spec.leaves])
     for k in order:
       piece = prep(cts[k]).reshape(prefix + (-1,))
       buf = lax.dynamic_update_slice_in_dim(buf, piece, int(offsets[k]), axis=p)
+    buf = done(buf)
     return buf if tiled else buf.reshape(prefix + (spec.n, spec.chunk))
-  buf = jnp.zeros(prefix + (spec.n, spec.chunk), dtype)
+  buf = jnp.zeros(prefix + (spec.n, spec.chunk), buf_dtype)
   offsets = np.cumsum([0] + [chunk0 * row for _, _, chunk0, row in spec.leaves])
   for k in order:
     layer_shape, dim0, chunk0, row = spec.leaves[k]
@@ -169,7 +180,7 @@ def pack_full(cts, spec: GatherSpec, prefix, *, dtype=None, divide: float = 1.0,
       c = jnp.pad(c, [(0, 0)] * p + [(0, pad)] + [(0, 0)] * (len(layer_shape) - 1 if layer_shape else 0))
     buf = lax.dynamic_update_slice_in_dim(buf, c.reshape(prefix + (spec.n, chunk0 * row)),
                                           int(offsets[k]), axis=p + 1)
-  return buf
+  return done(buf)
 
 
 def _as_bits(dtype) -> bool:
