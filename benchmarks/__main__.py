@@ -11,6 +11,8 @@
     python -m benchmarks init           # init_train_state and full-parameter access: memory
     python -m benchmarks init_time      # init_train_state against a plain jit init: seconds
     python -m benchmarks flags          # each CPU XLA flag: plain jit and fsdp_jax, with and without
+    python -m benchmarks causes         # why SHARD_GRAD_OP and bf16 cost what they cost (CAUSES.md)
+    python -m benchmarks handwritten    # against a hand-written shard_map FSDP, per-op breakdown
     python -m benchmarks gpu            # a 1B GPT on the GPUs vs plain jit (GPU.md)
 
 ``python -m benchmarks <name> --help`` lists a measurement's options.
@@ -38,6 +40,8 @@ MEASUREMENTS = {
     "init": ("benchmarks.init_and_full_params", "main"),
     "init_time": ("benchmarks.init_time", "main"),
     "flags": ("benchmarks.flags", "main"),
+    "causes": ("benchmarks.causes", "main"),
+    "handwritten": ("benchmarks.handwritten", "main"),
     "gpu": ("benchmarks.gpu", "main"),
 }
 

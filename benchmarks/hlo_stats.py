@@ -263,3 +263,158 @@ def compile_with_dump(lowered, keep_dir: Optional[str], tag: str):
   return compiled, dt, peak
 
 
+
+
+# --------------------------------------------------------------------------
+# What a step's operations move: a per-op breakdown of the compiled program
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"\b(pred|s4|u4|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64|c64|c128)"
+                    r"\[([\d,]*)\]")
+_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
+          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
+          "c128": 16}
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+         "partition-id", "replica-id", "iota", "while", "conditional", "call",
+         "opt-barrier", "add-dependency"}
+_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute",
+                "all-to-all")
+
+
+def _array_bytes(text: str) -> float:
+  total = 0.0
+  for dtype, dims in _ARRAY.findall(text):
+    n = 1
+    for d in dims.split(","):
+      if d:
+        n *= int(d)
+    total += n * _BYTES[dtype]
+  return total
+
+
+def _category(opcode: str, fused_ops: set) -> str:
+  if opcode.startswith(_COLLECTIVES):
+    return "collectives"
+  if opcode in ("dot", "convolution") or (opcode == "fusion" and fused_ops & {"dot", "convolution"}):
+    return "matmuls (dots and their fusions)"
+  if opcode == "copy" or opcode.startswith("copy-"):
+    return "copies"
+  if opcode in ("slice", "dynamic-slice") or (
+      opcode == "fusion" and fused_ops and fused_ops <= {"slice", "dynamic-slice", "bitcast",
+                                                          "parameter", "reshape", "copy"}):
+    return "slices (unpacking)"
+  if opcode in ("dynamic-update-slice", "concatenate", "pad") or (
+      opcode == "fusion" and fused_ops & {"dynamic-update-slice", "concatenate", "pad"}):
+    return "packing (concatenate, pad, update-slice)"
+  if opcode in ("reduce", "reduce-window") or (opcode == "fusion" and "reduce" in fused_ops):
+    return "reductions"
+  if opcode == "fusion":
+    return "elementwise fusions"
+  return "other"
+
+
+def parse_module(hlo_text: str, with_roots: bool = False):
+  """``{computation: [(name, result type, opcode, operand names, rest)]}``
+  from a module's text (operands are printed by name: their types are their
+  own instructions' result types); with ``with_roots`` also
+  ``{computation: its ROOT's opcode}``."""
+  comps: dict = {}
+  roots: dict = {}
+  comp = None
+  for line in hlo_text.splitlines():
+    if line.rstrip().endswith("{") and " = " not in line:
+      m = _COMP_HEADER.match(line)
+      comp = m.group(1) if m else None
+      if comp is not None:
+        comps[comp] = []
+      continue
+    m = _INSTR.match(line)
+    if comp is not None and m:
+      rest = m.group(4)
+      depth, cut = 1, len(rest)
+      for k, ch in enumerate(rest):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0:
+          cut = k
+          break
+      operands = re.findall(r"%([\w.\-]+)", rest[:cut])
+      if line.lstrip().startswith("ROOT"):
+        roots[comp] = m.group(3)
+      comps[comp].append((m.group(1), m.group(2), m.group(3), operands, rest[cut:]))
+  return (comps, roots) if with_roots else comps
+
+
+def _dtype_of(type_text: str) -> str:
+  m = _ARRAY.search(type_text)
+  return m.group(1) if m else "?"
+
+
+def dot_types(hlo_text: str) -> dict:
+  """Dots anywhere in a compiled module (fused ones included) by operand and
+  result element type: ``{"bf16 x bf16 -> f32": count}``."""
+  out: dict = {}
+  for instrs in parse_module(hlo_text).values():
+    types = {name: t for name, t, _, _, _ in instrs}
+    for _, result, opcode, operands, _ in instrs:
+      if opcode not in ("dot", "convolution"):
+        continue
+      key = f"{' x '.join(_dtype_of(types.get(o, '')) for o in operands)} -> {_dtype_of(result)}"
+      out[key] = out.get(key, 0) + 1
+  return out
+
+
+def op_breakdown(hlo_text: str) -> dict:
+  """Bytes each kind of operation reads and writes per step (operands plus
+  result, per device, times the loop trip counts), from a compiled module's
+  text: ``{category: {"ops": executed ops, "bytes": bytes}}``, plus
+  ``"optimization barriers"`` (their count: they move nothing). An update
+  written in place (a ``dynamic-update-slice``, or a fusion ending in one)
+  moves its update twice, not the buffer; a slice, what it keeps twice.
+
+  Only operations XLA runs one by one are counted: a fusion is one
+  operation (its result and operands), the computations inside it are not.
+  """
+  comps, roots = parse_module(hlo_text, with_roots=True)
+  counts, _ = execution_counts(hlo_text)
+  # Computations run as operations: the entry, loop bodies and conditions,
+  # branches and calls; not fused computations or reducers.
+  run = set()
+  stack = [c for c in comps if re.search(rf"ENTRY\s+%?{re.escape(c)}\s", hlo_text)]
+  while stack:
+    c = stack.pop()
+    if c in run:
+      continue
+    run.add(c)
+    for _, _, opcode, _, rest in comps.get(c, ()):
+      if opcode in ("while", "conditional", "call"):
+        stack += _CALLEES.findall(rest) + [x.strip().lstrip("%") for g in
+                                          _BRANCH_LIST.findall(rest) for x in g.split(",")]
+  fused_ops = {c: {op for _, _, op, _, _ in comps[c]} for c in comps}
+  out: dict = {}
+  barriers = 0
+  for c in run:
+    k = counts.get(c, 1)
+    types = {name: t for name, t, _, _, _ in comps[c]}
+    for _, result, opcode, operands, rest in comps[c]:
+      if opcode == "opt-barrier":
+        barriers += k
+      if opcode in _FREE:
+        continue
+      callee = re.search(r"\bcalls=%?([\w.\-]+)", rest)
+      cat = _category(opcode, fused_ops.get(callee.group(1), set()) if callee else set())
+      ins = [_array_bytes(types.get(o, "")) for o in operands]
+      in_place = opcode == "dynamic-update-slice" or (
+          callee is not None and roots.get(callee.group(1)) == "dynamic-update-slice")
+      if in_place and ins:
+        # Written in place: what moves is the update (read and written), not
+        # the buffer it lands in.
+        moved = 2 * (sum(ins) - max(ins))
+      elif cat.startswith("slices"):
+        moved = 2 * _array_bytes(result)  # a slice reads only what it keeps
+      else:
+        moved = _array_bytes(result) + sum(ins)
+      row = out.setdefault(cat, {"ops": 0, "bytes": 0.0})
+      row["ops"] += k
+      row["bytes"] += k * moved
+  out["optimization barriers"] = {"ops": barriers, "bytes": 0.0}
+  return out

@@ -49,6 +49,11 @@ def test_full_run_writes_the_report(tmp_path):
                "--repeats", "1"], "| XLA_FLAGS | step compiled with |"),
     ("init_time", ["--depths", "2", "--d-model", "64", "--repeats", "1"],
      "| blocks | parameters | units |"),
+    ("causes", ["--d-model", "64", "--layers", "2", "--steps", "1", "--warmup", "1",
+                "--repeats", "1"], "| allocator | setting | step ms |"),
+    ("handwritten", ["--d-model", "64", "--layers", "2", "--heads", "2",
+                     "--batch-per-device", "1", "--rounds", "1", "--warmup", "1"],
+     "| sequences per device | operations |"),
 ])
 def test_measurement_writes_its_table(tmp_path, name, args, header):
   out = tmp_path / "table.md"
@@ -61,3 +66,30 @@ def test_unknown_measurement_lists_the_names():
   out = subprocess.run([sys.executable, "-m", "benchmarks", "nope"], cwd=REPO,
                        capture_output=True, text=True, timeout=60, env=subprocess_env())
   assert out.returncode == 2 and "memory" in out.stdout and "nope" in out.stderr
+
+
+def test_op_breakdown_counts_what_moves():
+  """In-place updates move their update, slices what they keep, a loop body
+  counts its trip count times, and barriers are counted, not sized."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax import lax  # pylint: disable=import-outside-toplevel
+  from benchmarks import hlo_stats  # pylint: disable=import-outside-toplevel
+
+  def f(buf, x):
+    def body(i, b):
+      return lax.dynamic_update_slice_in_dim(b, x * i.astype(x.dtype), i * 4, axis=0)
+    buf = lax.fori_loop(0, 3, body, buf)
+    y = lax.optimization_barrier(buf[:8])
+    return y
+
+  text = jax.jit(f, donate_argnums=0).lower(jnp.zeros(1024), jnp.ones(4)).compile().as_text()
+  out = hlo_stats.op_breakdown(text)
+  assert out["optimization barriers"] == {"ops": 1, "bytes": 0.0}, out
+  # Three in-place updates (the loop's trip count) of 16 B and a 4 B index,
+  # each read and written, not the 4 KiB buffer they land in.
+  assert out["packing (concatenate, pad, update-slice)"] == {"ops": 3, "bytes": 3 * 2 * 20}, out
+  # The slice keeps 8 floats: read and written.
+  assert out["slices (unpacking)"] == {"ops": 1, "bytes": 2 * 8 * 4}, out
+  assert hlo_stats.dot_types(jax.jit(lambda a, b: a @ b).lower(
+      jnp.ones((4, 4), jnp.bfloat16), jnp.ones((4, 4), jnp.bfloat16)).compile().as_text())
