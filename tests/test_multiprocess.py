@@ -403,12 +403,22 @@ def test_launcher_max_restarts(tmp_path):
   """--max-restarts K: after a worker fails, all workers start again (with
   FSDP_JAX_RESTART_COUNT and a fresh coordinator port), up to K times; the
   logs of every start follow each other."""
-  script = _script(tmp_path, """
-      import os, sys, time
+  marks = tmp_path / "marks"
+  marks.mkdir()
+  script = _script(tmp_path, f"""
+      import os, pathlib, sys, time
       n = int(os.environ["FSDP_JAX_RESTART_COUNT"])
-      print(f"start {n} of max {os.environ['FSDP_JAX_MAX_RESTARTS']} rank {os.environ['RANK']} "
-            f"port {os.environ['MASTER_PORT']}", flush=True)
+      print(f"start {{n}} of max {{os.environ['FSDP_JAX_MAX_RESTARTS']}} rank {{os.environ['RANK']}} "
+            f"port {{os.environ['MASTER_PORT']}}", flush=True)
+      mark = pathlib.Path({str(marks)!r}) / f"rank0-start{{n}}"
+      if os.environ["RANK"] == "0":
+          mark.touch()
       if n < 2 and os.environ["RANK"] == "1":
+          # Fail once rank 0 has logged this start (on a loaded machine it
+          # may still be starting when rank 1 fails, and be stopped first).
+          deadline = time.monotonic() + 30
+          while not mark.exists() and time.monotonic() < deadline:
+              time.sleep(0.05)
           sys.exit(3)
       time.sleep(0 if n >= 2 else 60)  # rank 0 runs on until stopped
   """)
