@@ -396,6 +396,26 @@ def test_writable_manager_does_not_create_a_mistyped_tree(tmp_path):
     CheckpointManager(tmp_path / "a_file" / "ckpt")
 
 
+def test_directory_made_by_another_process_meanwhile_is_not_a_file(tmp_path, monkeypatch):
+  """Every process of a job builds its manager; one may create the
+  directory between another's checks (it is then a directory, not a file)."""
+  from fsdp_jax._src import checkpoint as ckpt_lib  # pylint: disable=import-outside-toplevel
+  target = tmp_path / "ckpt"
+  real_isdir = ckpt_lib.os.path.isdir
+  calls = []
+
+  def isdir_made_meanwhile(path):
+    calls.append(path)
+    if str(path) == str(target) and len(calls) == 1:
+      target.mkdir()  # the other process, right after this check
+      return False
+    return real_isdir(path)
+
+  monkeypatch.setattr(ckpt_lib.os.path, "isdir", isdir_made_meanwhile)
+  ckpt_lib._check_creatable(str(target), False)  # pylint: disable=protected-access
+  assert target.is_dir() and len(calls) >= 2
+
+
 def test_loading_never_unpickles(run, tmp_path, monkeypatch):
   def refuse(*a, **k):
     raise AssertionError("checkpoint loading tried to unpickle")

@@ -155,3 +155,14 @@ def test_step_and_init_inside_an_outer_trace():
   same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), top_state.params,
                       nested_state.params)
   assert all(jax.tree.leaves(same)), same
+
+
+def test_options_are_not_probed_under_a_trace():
+  """Probing an option compiles a small program, which JAX refuses with
+  options under a trace: there the answer is not cached as 'unknown'."""
+  mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+  mesh_lib._probe.cache_clear()  # pylint: disable=protected-access
+  inside = jax.eval_shape(lambda: (fsdp_jax.custom.compiler_options(mesh), 0)[1])
+  assert inside.shape == ()
+  assert fsdp_jax.custom.compiler_options(mesh) == mesh_lib.compiler_options(mesh)
+  assert set(fsdp_jax.custom.compiler_options(mesh)) == set(mesh_lib.CPU_COMPILER_OPTIONS)

@@ -628,7 +628,9 @@ def _check_creatable(directory: str, create_parents: bool) -> None:
   parents: a mistyped path must not grow a new tree."""
   if os.path.isdir(directory):
     return
-  if os.path.exists(directory):
+  # Another process of the job may make the directory between these checks:
+  # only a path that exists and is still no directory is a file.
+  if os.path.exists(directory) and not os.path.isdir(directory):
     raise NotADirectoryError(
         f"Fix: pass a directory path (or a new one) to CheckpointManager: "
         f"{directory} exists and is a file.")

@@ -86,9 +86,15 @@ def _user_disabled_passes() -> list[str]:
   return passes
 
 
-@functools.lru_cache(maxsize=None)
 def _accepted(platform: str, name: str, value) -> bool:
-  """Whether this XLA takes the option (a later one may drop a CPU option)."""
+  """Whether this XLA takes the option (a later one may drop a CPU option).
+  Probed with a small program at the top level only: under a trace JAX
+  refuses any program's options (and nothing is compiled there with them)."""
+  return True if _compat.under_trace() else _probe(platform, name, value)
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(platform: str, name: str, value) -> bool:
   x = jax.ShapeDtypeStruct((), np.float32, sharding=jax.sharding.SingleDeviceSharding(
       jax.local_devices(backend=platform)[0]))
   try:
@@ -132,13 +138,23 @@ class TopLevelJit:
   ``jax.jit`` without them, since JAX accepts compiler options on the
   outermost program only (that program's options then apply)."""
 
-  def __init__(self, fn: Callable, compiler_options: dict, **jit_kwargs):
+  def __init__(self, fn: Callable, compiler_options, **jit_kwargs):
+    """``compiler_options``: a dict, or a function returning one (called at
+    the first top-level use)."""
+    self._fn = fn
+    self._jit_kwargs = jit_kwargs
+    self._options = compiler_options
     self.nested = jax.jit(fn, **jit_kwargs)
-    self.top = (jax.jit(fn, compiler_options=compiler_options, **jit_kwargs)
-                if compiler_options else self.nested)
+    self._top = None
 
   def _pick(self):
-    return self.nested if _compat.under_trace() else self.top
+    if _compat.under_trace():
+      return self.nested
+    if self._top is None:
+      opts = self._options() if callable(self._options) else self._options
+      self._top = (jax.jit(self._fn, compiler_options=opts, **self._jit_kwargs)
+                   if opts else self.nested)
+    return self._top
 
   def __call__(self, *args, **kwargs):
     return self._pick()(*args, **kwargs)

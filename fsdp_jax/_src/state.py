@@ -709,7 +709,7 @@ def init_program(plan: Plan, init_fn: Callable, init_args: tuple, *, traced=None
   # device computes about its own shards (random bits included: JAX's
   # threefry is partitionable). The compiler options keep the barriers on
   # CPU (see mesh.compiler_options).
-  return mesh_lib.TopLevelJit(make, mesh_lib.compiler_options(plan.mesh),
+  return mesh_lib.TopLevelJit(make, lambda: mesh_lib.compiler_options(plan.mesh),
                               out_shardings={u.index: _unit_out_shardings(plan, u, None)
                                              for u in plan.units})
 

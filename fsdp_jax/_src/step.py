@@ -480,27 +480,21 @@ class TrainStep:
     self.config = config  # None: the state's
     # None: fsdp_jax.custom.compiler_options(mesh) (benchmarks pass others)
     self._compiler_options = compiler_options
-    self._jits: dict = {}  # options -> TopLevelJit
     self._by_mesh: dict = {}  # mesh -> TopLevelJit
     self._checked_shapes = None
     self._checked_setup = mesh is not None and config is not None
 
   def _jit(self, mesh: Optional[Mesh]):
     """The ``jax.jit`` of the step, compiled with the mesh's options."""
-    if mesh in self._by_mesh:  # a dict lookup per step
-      return self._by_mesh[mesh]
-    if self._compiler_options is not None:
-      opts = self._compiler_options
-    elif mesh is not None:
-      opts = mesh_lib.compiler_options(mesh)
-    else:  # no state yet: the default backend's devices
-      opts = mesh_lib.compiler_options(Mesh(np.array(jax.devices()[:1]), ("shard",)))
-    key = tuple(sorted(opts.items()))
-    if key not in self._jits:
-      self._jits[key] = mesh_lib.TopLevelJit(
+    if mesh not in self._by_mesh:  # else a dict lookup per step
+      if self._compiler_options is not None:
+        opts = self._compiler_options
+      else:  # read at the first top-level call (no state yet: the default devices)
+        on = mesh if mesh is not None else Mesh(np.array(jax.devices()[:1]), ("shard",))
+        opts = lambda: mesh_lib.compiler_options(on)
+      self._by_mesh[mesh] = mesh_lib.TopLevelJit(
           self._fn, opts, donate_argnums=(0,) if self._donate else ())
-    self._by_mesh[mesh] = self._jits[key]
-    return self._jits[key]
+    return self._by_mesh[mesh]
 
   def _with_compiler_options(self, compiler_options: dict) -> "TrainStep":
     """The same step compiled with other XLA options (for measurements)."""
