@@ -183,7 +183,7 @@ def _decision(sets, results, med) -> list[str]:
   lines = [
       f"* The YNN flag is no process flag any more. With it, a plain `jax.jit` step took "
       f"{med(OLD, 'plain_s') / lib('plain_s'):.2f}x the time it takes without it "
-      f"(this run; a 14.6M-parameter LM at a larger batch ran 2.6x slower). fsdp_jax's "
+      f"(this run). fsdp_jax's "
       f"step sets it as its own compiler option: that costs the step "
       f"{lib('own_s') / lib('no_ynn_option_s'):.2f}x here, and keeps a model that "
       "checkpoints each block at its checkpointed memory (FULL_SHARD on 2 devices in "
