@@ -31,17 +31,17 @@ process alternate step by step. Writes ``benchmarks/CAUSES.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+
+from benchmarks import fresh  # noqa: E402  (starts no backend)
 
 # Large enough that every temporary buffer of the step stays on the heap
 # (the threshold's maximum on 64-bit glibc is 32 MiB), and freed memory is
@@ -55,19 +55,15 @@ N_FSDP = 4  # the first four settings are fsdp_jax's
 
 
 def _child(args) -> dict:
-  import jax  # pylint: disable=import-outside-toplevel
-  jax.config.update("jax_num_cpu_devices", args.devices)
-  jax.config.update("jax_platforms", "cpu")
+  jax = fresh.start_jax(args.devices)
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
   import fsdp_jax  # pylint: disable=import-outside-toplevel
   from benchmarks import hlo_stats  # pylint: disable=import-outside-toplevel
-  from benchmarks.common import GPTConfig, make_batch  # pylint: disable=import-outside-toplevel
-  from benchmarks.models import Block, make_model  # pylint: disable=import-outside-toplevel
+  from benchmarks.common import make_batch  # pylint: disable=import-outside-toplevel
+  from benchmarks.models import Block  # pylint: disable=import-outside-toplevel
 
-  cfg = GPTConfig(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
-                  seq_len=args.seq_len)
-  _, init_fn, loss_fn = make_model(cfg)
+  cfg, init_fn, loss_fn = fresh.gpt(args, args.layers)
   batch = {k: jnp.asarray(v) for k, v in make_batch(cfg, args.global_batch).items()}
   opt = optax.adamw(1e-3)
   bf16 = jnp.bfloat16
@@ -154,7 +150,7 @@ def main(argv=None):
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
-    print("RESULT " + json.dumps(_child(args)), flush=True)
+    fresh.report(_child(args))
     return None
 
   child_args = ["--devices", str(args.devices), "--d-model", str(args.d_model), "--layers",
@@ -166,16 +162,9 @@ def main(argv=None):
   t0 = time.perf_counter()
   for r in range(args.repeats):
     for alloc, tunables in ALLOCATORS.items():
-      env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=" ".join(fsdp_jax.CPU_XLA_FLAGS))
-      env.pop("GLIBC_TUNABLES", None)
-      if tunables:
-        env["GLIBC_TUNABLES"] = tunables
-      proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *child_args],
-                            env=env, capture_output=True, text=True, check=False)
-      line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-      if proc.returncode or not line:
-        raise RuntimeError(f"{alloc}: {proc.stderr[-3000:]}")
-      results[alloc].append(json.loads(line[0][len("RESULT "):]))
+      results[alloc].append(fresh.run_child(
+          __file__, child_args, label=alloc, xla_flags=" ".join(fsdp_jax.CPU_XLA_FLAGS),
+          extra_env={"GLIBC_TUNABLES": tunables}))
       print(f"[{time.perf_counter() - t0:5.0f}s] repeat {r + 1}: {alloc}", flush=True)
 
   med = lambda alloc, name, key: statistics.median(x[name][key] for x in results[alloc])
@@ -220,10 +209,7 @@ def main(argv=None):
       "|---|---|",
       *dots,
       ""])
-  with open(args.out, "w") as f:
-    f.write(text)
-  print(text)
-  return text
+  return fresh.write_table(args.out, text)
 
 
 if __name__ == "__main__":

@@ -35,16 +35,16 @@ machine spread over all of them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+
+from benchmarks import fresh  # noqa: E402  (starts no backend)
 
 
 YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type="
@@ -68,19 +68,16 @@ STEP_VARIANTS = {"own": None, "no_ynn_option": "drop:xla_cpu_experimental_ynn_fu
 
 def _child(args) -> dict:
   """Runs in a fresh process with XLA_FLAGS already set: one measurement."""
-  import jax  # pylint: disable=import-outside-toplevel
-  jax.config.update("jax_num_cpu_devices", args.devices)
-  jax.config.update("jax_platforms", "cpu")
+  jax = fresh.start_jax(args.devices)
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
   import fsdp_jax  # pylint: disable=import-outside-toplevel
   from fsdp_jax._src import hlo  # pylint: disable=import-outside-toplevel
-  from benchmarks.common import GPTConfig, make_batch  # pylint: disable=import-outside-toplevel
-  from benchmarks.models import Block, make_model  # pylint: disable=import-outside-toplevel
+  from benchmarks import hlo_stats  # pylint: disable=import-outside-toplevel
+  from benchmarks.common import make_batch  # pylint: disable=import-outside-toplevel
+  from benchmarks.models import Block  # pylint: disable=import-outside-toplevel
 
-  cfg = GPTConfig(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
-                  seq_len=args.seq_len)
-  _, init_fn, loss_fn = make_model(cfg)
+  cfg, init_fn, loss_fn = fresh.gpt(args, args.layers)
   batch = {k: jnp.asarray(v) for k, v in make_batch(cfg, args.global_batch).items()}
   opt = optax.adamw(1e-3)
 
@@ -118,11 +115,9 @@ def _child(args) -> dict:
 
   def compiled_stats(step, state, batch):
     compiled = step.lower(state, batch).compile()
-    ma = compiled.memory_analysis()
-    peak = (ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes
-            - ma.alias_size_in_bytes)
+    mem = hlo_stats.memory_stats(compiled)
     gathers = sum(1 for c in hlo.collectives(compiled.as_text()) if c.kind == "all-gather")
-    return int(peak), int(ma.temp_size_in_bytes), gathers
+    return mem["total"], mem["temp"], gathers
 
   state0 = fsdp_jax.init_train_state(init_fn=init_fn, rng=jax.random.key(0), optimizer=opt,
                                      mesh=mesh, config=config)
@@ -142,7 +137,7 @@ def _child(args) -> dict:
     runs[name] = run
 
   # The same model with nn.remat on every block: what the YNN option is for.
-  _, rinit, rloss = make_model(cfg, remat=True)
+  _, rinit, rloss = fresh.gpt(args, args.layers, remat=True)
   rstate = jax.eval_shape(lambda: fsdp_jax.init_train_state(
       init_fn=rinit, rng=jax.random.key(0), optimizer=opt, mesh=mesh, config=config))
   rstep = fsdp_jax.shard_train_step(rloss, opt)
@@ -228,7 +223,7 @@ def main(argv=None):
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
-    print("RESULT " + json.dumps(_child(args)), flush=True)
+    fresh.report(_child(args))
     return None
 
   import fsdp_jax  # pylint: disable=import-outside-toplevel  (no backend starts)
@@ -245,13 +240,7 @@ def main(argv=None):
   t0 = time.perf_counter()
   for r in range(args.repeats):
     for name, flags in sets.items():
-      env = dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=ROOT)
-      out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *child_args],
-                           env=env, capture_output=True, text=True, check=False)
-      line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-      if out.returncode or not line:
-        raise RuntimeError(f"{name}: {out.stderr[-3000:]}")
-      results[name].append(json.loads(line[0][len("RESULT "):]))
+      results[name].append(fresh.run_child(__file__, child_args, label=name, xla_flags=flags))
       print(f"[{time.perf_counter() - t0:5.0f}s] repeat {r + 1}: {name}: "
             f"{results[name][-1]}", flush=True)
 
@@ -321,10 +310,7 @@ def main(argv=None):
       "",
       *_decision(sets, results, med),
       ""])
-  with open(args.out, "w") as f:
-    f.write(text)
-  print(text)
-  return text
+  return fresh.write_table(args.out, text)
 
 
 if __name__ == "__main__":

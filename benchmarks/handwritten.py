@@ -33,6 +33,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 import fsdp_jax  # noqa: E402  (importing starts no backend)
+from benchmarks import fresh  # noqa: E402
 
 
 def handwritten_step(cfg, mesh, optimizer, params):
@@ -226,10 +227,7 @@ def main(argv=None):
       "|---|---|---|---|---|---|",
       *breakdown,
       ""])
-  with open(args.out, "w") as f:
-    f.write(text)
-  print(text)
-  return text
+  return fresh.write_table(args.out, text)
 
 
 if __name__ == "__main__":

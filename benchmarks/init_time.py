@@ -23,10 +23,8 @@ whole model. Writes ``benchmarks/INIT.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -34,20 +32,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
+from benchmarks import fresh  # noqa: E402  (starts no backend)
+
 
 def _child(args) -> dict:
-  import jax  # pylint: disable=import-outside-toplevel
-  jax.config.update("jax_num_cpu_devices", args.devices)
-  jax.config.update("jax_platforms", "cpu")
+  jax = fresh.start_jax(args.devices)
   import optax  # pylint: disable=import-outside-toplevel
   import fsdp_jax  # pylint: disable=import-outside-toplevel
   from fsdp_jax._src import state as state_lib  # pylint: disable=import-outside-toplevel
-  from benchmarks.common import GPTConfig  # pylint: disable=import-outside-toplevel
-  from benchmarks.models import Block, count_params, make_model  # pylint: disable=import-outside-toplevel
+  from benchmarks import hlo_stats  # pylint: disable=import-outside-toplevel
+  from benchmarks.models import Block, count_params  # pylint: disable=import-outside-toplevel
 
-  cfg = GPTConfig(d_model=args.d_model, num_layers=args.depth, num_heads=args.heads,
-                  seq_len=args.seq_len)
-  _, init_fn, _ = make_model(cfg)
+  _, init_fn, _ = fresh.gpt(args, args.depth)
   opt = optax.adamw(1e-3)
   rng = jax.random.key(0)
   out = {"jax": jax.__version__}
@@ -69,9 +65,7 @@ def _child(args) -> dict:
   out["units"] = len(state.plan.units)
   # The init program's peak per device (compiled again, not timed).
   program = state_lib.init_program(state.plan, init_fn, (rng,))
-  ma = program.lower(rng).compile().memory_analysis()
-  out["init_peak_bytes"] = int(ma.argument_size_in_bytes + ma.temp_size_in_bytes
-                               + ma.output_size_in_bytes - ma.alias_size_in_bytes)
+  out["init_peak_bytes"] = hlo_stats.memory_stats(program.lower(rng).compile())["total"]
   out["largest_unit_bytes"] = max(
       sum(state.plan.leaves[i].numel * 4 for i in u.leaf_ids) for u in state.plan.units)
   return out
@@ -91,7 +85,7 @@ def main(argv=None):
   p.add_argument("--depth", type=int, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
-    print("RESULT " + json.dumps(_child(args)), flush=True)
+    fresh.report(_child(args))
     return None
 
   common = ["--devices", str(args.devices), "--d-model", str(args.d_model),
@@ -101,16 +95,8 @@ def main(argv=None):
   for r in range(args.repeats):
     for depth in args.depths:
       for mode in ("plain", "fsdp"):
-        env = dict(os.environ, PYTHONPATH=ROOT)
-        env.pop("XLA_FLAGS", None)
-        proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--child", "--mode", mode,
-             "--depth", str(depth), *common], env=env, capture_output=True, text=True,
-            check=False)
-        line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode or not line:
-          raise RuntimeError(f"{mode} depth {depth}: {proc.stderr[-3000:]}")
-        res = json.loads(line[0][len("RESULT "):])
+        res = fresh.run_child(__file__, ["--mode", mode, "--depth", str(depth), *common],
+                              label=f"{mode} depth {depth}")
         results.setdefault((depth, mode), []).append(res)
         print(f"[{time.perf_counter() - t0:5.0f}s] repeat {r + 1}: depth {depth} {mode}: {res}",
               flush=True)
@@ -150,10 +136,7 @@ def main(argv=None):
       "unit in full, plus its shards of the others. It also builds the optimizer state on "
       "the shards, which the first plain column does not.",
       ""])
-  with open(args.out, "w") as f:
-    f.write(text)
-  print(text)
-  return text
+  return fresh.write_table(args.out, text)
 
 
 if __name__ == "__main__":
