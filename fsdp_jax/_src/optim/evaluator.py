@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Literal
 
 from fsdp_jax._src import _compat
+from fsdp_jax._src._compat import Literal
 from fsdp_jax._src.plan import Plan
 from fsdp_jax._src.optim.stored import OptLayout, ShardedOptState, storage_key
 
