@@ -197,3 +197,29 @@ class Background:
         f"{self.name} exited with {self.returncode} after {self.seconds:.0f}s\n"
         f"command: {' '.join(self.cmd)}\noutput:\n{self.output()[-6000:]}")
     return self.output()
+
+
+def collectives_per_call(plan, unit) -> tuple[int, int]:
+  """``(all-gathers, reduce-scatters)`` that one gather and one gradient
+  reduction of ``unit`` (one layer of a stacked unit) issue: one per dtype
+  group, or one per leaf where leaves move on their own
+  (``use_orig_params=True``)."""
+  from fsdp_jax._src import layout  # pylint: disable=import-outside-toplevel
+  groups = layout.group_collectives(plan, unit)
+  return sum(g[2] for g in groups), sum(g[3] for g in groups)
+
+
+def collective_sizes(plan, unit) -> list[int]:
+  """Elements each all-gather of one gather of ``unit`` (one layer of a
+  stacked unit) returns: the unit's padded buffer (flat layout), or each
+  leaf padded along dim 0."""
+  from fsdp_jax._src import layout  # pylint: disable=import-outside-toplevel
+  layers = unit.num_layers if unit.stacked else 1
+  out = []
+  for group, spec, gathers, _ in layout.group_collectives(plan, unit):
+    if gathers == 1:
+      out.append(plan.n * spec.chunk)
+    else:
+      out += [plan.n * plan.chunk0(plan.leaves[i]) * plan.leaves[i].row_numel for i in group]
+  assert layers >= 1
+  return out

@@ -41,7 +41,8 @@ from jax.ad_checkpoint import checkpoint_name
 import fsdp_jax
 from fsdp_jax import hlo as hlo_lib
 
-from helpers import assert_trees_close, jit_reference_run, mesh_for, train_steps
+from helpers import (assert_trees_close, collective_sizes, collectives_per_call,
+                     jit_reference_run, mesh_for, train_steps)
 
 # Each test compiles checkpointed and reference steps and reads their memory.
 pytestmark = pytest.mark.slow
@@ -165,11 +166,14 @@ def expected_counts(plan, strategy) -> dict:
   """What the step does without checkpointing (tests/test_engine.py; the
   memory tests below also compile both and compare): one gather per unit, a
   second one in backward for every non-root unit when the strategy reshards,
-  one reduce-scatter per unit."""
+  one reduce-scatter per unit (with ``use_orig_params=True`` each of them one
+  per leaf: every leaf of these blocks is needed in backward)."""
   out = {}
   for u in plan.units:
-    out[("all-gather", u.display_name)] = 2 if (strategy in RESHARDS and not u.is_root) else 1
-    out[("reduce-scatter", u.display_name)] = 1
+    gathers, reduces = collectives_per_call(plan, u)
+    out[("all-gather", u.display_name)] = gathers * (
+        2 if (strategy in RESHARDS and not u.is_root) else 1)
+    out[("reduce-scatter", u.display_name)] = reduces
   return out
 
 
@@ -447,19 +451,21 @@ def test_linen_scan_of_remat_blocks_gathers_one_layer_per_iteration(case):
   text = compiled.as_text()
   in_loop = hlo_lib.loop_bodies(text)
   ops = unit_collectives(text)
-  layer = plan.padded_numel(blocks) // blocks.num_layers
+  sizes = collective_sizes(plan, blocks)  # one layer: its buffer, or each leaf's
+  assert sum(sizes) == plan.padded_numel(blocks) // blocks.num_layers
   gathers = [op for op in ops if op[:2] == ("all-gather", "params.blocks")]
   scatters = [op for op in ops if op[:2] == ("reduce-scatter", "params.blocks")]
   # One layer per gather, inside a loop body: forward loop, plus the backward
   # loop when the strategy reshards (the user's re-computation re-uses it).
-  assert len(gathers) == (2 if strategy in RESHARDS else 1), gathers
-  assert scatters and len(scatters) == 1, scatters
+  assert len(gathers) == (2 if strategy in RESHARDS else 1) * len(sizes), gathers
+  assert scatters and len(scatters) == len(sizes), scatters
   for _, _, comp, numels in gathers:
-    assert numels == (layer,) and comp in in_loop
+    assert len(numels) == 1 and numels[0] in sizes and comp in in_loop
   for _, _, comp, numels in scatters:
-    assert numels == (layer // plan.n,) and comp in in_loop
+    assert len(numels) == 1 and numels[0] in [x // plan.n for x in sizes] and comp in in_loop
   assert max(n for op in ops for n in op[3]) < plan.padded_numel(blocks)  # never the stack
-  assert counts_per_unit(text)[("all-gather", "<root>")] == 1
+  root = next(u for u in plan.units if u.is_root)
+  assert counts_per_unit(text)[("all-gather", "<root>")] == collectives_per_call(plan, root)[0]
 
 
 @pytest.mark.parametrize("strategy", [FULL_SHARD, SHARD_GRAD_OP])

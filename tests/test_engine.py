@@ -88,10 +88,27 @@ def test_collectives_per_unit(strategy, n, replicate, use_orig_params):
     assert len(reduces) == units  # one gradient all-reduce per unit
   else:
     # FULL_SHARD/HYBRID re-gather every non-root unit for backward (all three
-    # blocks' weights are needed there); the root is never resharded.
-    resharded = units - 1 if strategy in (S.FULL_SHARD, S.HYBRID_SHARD) else 0
-    assert len(gathers) == units + resharded
-    assert len(scatters) == units
+    # blocks' weights are needed there); the root is never resharded. Flat
+    # units move with one collective each, original-layout units with one
+    # per leaf, so the backward pass re-gathers only the leaves it reads: the
+    # weights, not the biases (x @ w + b is saved; tanh' reads its output).
+    resharded = strategy in (S.FULL_SHARD, S.HYBRID_SHARD)
+    if use_orig_params:
+      leaf_size = lambda i: plan.n * plan.chunk0(plan.leaves[i]) * plan.leaves[i].row_numel
+      sizes = {u.index: [leaf_size(i) for i in u.leaf_ids] for u in plan.units}
+      again = [leaf_size(i) for u in plan.units if not u.is_root for i in u.leaf_ids
+               if plan.leaves[i].name.endswith(".w")]
+    else:
+      sizes = {u.index: [plan.padded_numel(u)] for u in plan.units}
+      again = [plan.padded_numel(u) for u in plan.units if not u.is_root]
+    expect_gathers = [x for v in sizes.values() for x in v] + (again if resharded else [])
+    assert len(gathers) == len(expect_gathers)
+    # The plan's count is an upper bound: every leaf of a resharded unit.
+    assert len(gathers) <= plan.collectives_per_step()["all-gather"]
+    assert (len(gathers) == plan.collectives_per_step()["all-gather"]) == (
+        not (use_orig_params and resharded))
+    assert len(scatters) == sum(map(len, sizes.values())) == (
+        plan.collectives_per_step()["reduce-scatter"])
     if strategy in HYBRID:
       assert len(reduces) == units  # all-reduce over "replicate" after the scatter
       for _, c in reduces:
@@ -102,12 +119,13 @@ def test_collectives_per_unit(strategy, n, replicate, use_orig_params):
         assert all(len(g) == replicate for g in c.groups)
     else:
       assert reduces == []
-    # Never one gather of the whole model: every gather is one unit.
+    # Never one gather of the whole model: every gather is one unit (or one
+    # leaf of it).
     total = sum(plan.padded_numel(u) for u in plan.units)
-    largest = max(plan.padded_numel(u) for u in plan.units)
-    assert max(int(np.prod(s)) for s, _ in gathers) == largest < total
+    assert sorted(int(np.prod(s)) for s, _ in gathers) == sorted(expect_gathers)
+    assert max(expect_gathers) < total
     assert sorted(int(np.prod(s)) for s, _ in scatters) == sorted(
-        plan.padded_numel(u) // plan.n for u in plan.units)
+        x // plan.n for v in sizes.values() for x in v)
   # The only scalar collectives are the step's metrics: the loss mean, and
   # the gradient norm's sum over the shard axes (none without shard axes).
   expected = 1 + bool(plan.axes.shard_axes)

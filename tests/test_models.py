@@ -29,7 +29,7 @@ from flax import nnx
 import fsdp_jax
 
 import helpers
-from helpers import train_steps
+from helpers import collective_sizes, collectives_per_call, train_steps
 
 # Each test trains a real model (transformers, nn.scan stacks) and its reference.
 pytestmark = pytest.mark.slow
@@ -505,13 +505,17 @@ def stacked_gather_report(plan, hlo, unit_name):
   assert unit.stacked and unit.num_layers > 1
   layer_numel = plan.padded_numel(unit) // unit.num_layers  # one layer, all shards
   stack_numel = plan.padded_numel(unit)
+  # One gather of a layer: the layer's buffer, or each leaf's layer
+  # (use_orig_params=True).
+  sizes = collective_sizes(plan, unit)
+  assert sum(sizes) == layer_numel
 
   gathers = hlo.ops("all-gather", unit_name)
   assert gathers, f"no all-gather of unit {unit_name!r} in the HLO"
   for op in gathers:
-    assert op.numels == [layer_numel], (
-        f"{unit_name} all-gather of shape {op.shapes}, expected one layer of "
-        f"{layer_numel} elements (the stack has {stack_numel})")
+    assert len(op.numels) == 1 and op.numels[0] in sizes, (
+        f"{unit_name} all-gather of shape {op.shapes}, expected one layer ({sizes} "
+        f"elements) (the stack has {stack_numel})")
     assert hlo.loops_of(op), f"{unit_name} all-gather {op} is not inside a loop body"
   for op in hlo.ops("all-gather"):  # nothing, whatever its label, gathers the stack
     assert max(op.numels) < stack_numel, op
@@ -519,7 +523,7 @@ def stacked_gather_report(plan, hlo, unit_name):
   scatters = hlo.ops("reduce-scatter", unit_name)
   assert scatters, f"no reduce-scatter of unit {unit_name!r}"
   for op in scatters:  # each layer's gradient is reduced inside the backward loop
-    assert op.numels == [layer_numel // plan.n], op
+    assert len(op.numels) == 1 and op.numels[0] in [x // plan.n for x in sizes], op
     assert hlo.loops_of(op), op
   backward = set().union(*(hlo.loops_of(op) for op in scatters))
   gathering = set().union(*(hlo.loops_of(op) for op in gathers))
@@ -543,13 +547,18 @@ def test_scan_stacked_layers_match_single_device(case):
   assert_matches_reference(losses, params, ref_losses, ref_params)
 
   gathers, forward, backward = stacked_gather_report(plan, hlo, "blocks")
+  per_call = collectives_per_call(plan, blocks)[0]  # 2 with use_orig_params: b, w
   if strategy is SHARD_GRAD_OP:
     # ZeRO-2: one gather per layer in the forward loop, kept for backward.
-    assert len(gathers) == 1
+    assert len(gathers) == per_call
     assert not any(hlo.loops_of(op) & backward for op in gathers)
-  else:
+  elif per_call == 1:
     # Resharded after forward: a second gather in the backward pass.
     assert len(gathers) == 2
+  else:
+    # ...of the leaves the backward pass reads (blocks.w; tanh' reads its
+    # output, not blocks.b).
+    assert len(gathers) == per_call + 1
 
 
 @pytest.mark.parametrize("case", ["FULL_SHARD-4dev-flat", "HYBRID_SHARD-2x2-orig"])

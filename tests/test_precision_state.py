@@ -260,7 +260,9 @@ def test_frozen_parameters(use_orig_params):
   # No gradient reduction for the frozen unit.
   scatters = [c for c in hlo.collectives(text) if c.kind == "reduce-scatter"]
   frozen_units = len(state.plan.units) - len(state.plan.trainable_units)
-  groups = sum(1 for u in state.plan.trainable_units
+  # One per trainable unit; with use_orig_params one per trainable leaf.
+  per_group = (lambda g: len(g)) if use_orig_params else (lambda g: 1)
+  groups = sum(per_group(g) for u in state.plan.trainable_units
                for g in state.plan.dtype_groups(u) if not state.plan.leaves[g[0]].frozen)
   assert sum(len(c.shapes) for c in scatters) == groups
   assert frozen_units == 1  # blocks.1
@@ -348,6 +350,32 @@ def test_default_hooks_are_the_default_reduction(hook, strategy):
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), *out)
 
 
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+def test_stateless_hook_runs_under_no_sync_accumulation(use_orig_params):
+  """A stateless hook reduces the accumulated gradient of a no_sync step, as
+  it reduces every step's gradient (it was skipped: the accumulated gradient
+  took the default reduction)."""
+  seen = []
+
+  def zero_hook(hook_state, grad, spec):
+    seen.append(grad.shape)
+    return fsdp_jax.custom.reduce_gradient(grad, spec) * 0, hook_state
+
+  params, batch = mlp_params(), mlp_batch()
+  mesh = mesh_for(S.FULL_SHARD, 4)
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP_BLOCKS, comm_hook=zero_hook,
+                               use_orig_params=use_orig_params)
+  opt = optax.sgd(0.5)
+  state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=config)
+  step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config,
+                                   gradient_accumulation_steps=2, accumulation="no_sync")
+  new, metrics = step(state, batch)
+  assert len(seen) == len(state.plan.units)  # once per unit, on the accumulated gradient
+  assert float(metrics["grad_norm"]) == 0.0
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               fsdp_jax.summon_full_params(new), params)
+
+
 def test_error_feedback_hook_carries_its_state():
   params, batch = mlp_params(), mlp_batch()
   world = 4
@@ -411,7 +439,9 @@ def test_ignored_states_are_per_device_never_gathered_never_reduced(strategy, n,
   colls = hlo.collectives(text)
   gathered = sorted(int(np.prod(s)) for c in colls if c.kind == "all-gather" for s in c.shapes)
   reduced = [s for c in colls if c.kind in ("reduce-scatter",) for s in c.shapes]
-  assert len(reduced) == len(state.plan.units) == 4
+  assert len(state.plan.units) == 4
+  assert len(reduced) == state.plan.collectives_per_step()["reduce-scatter"]
+  assert len(reduced) == (7 if use_orig_params else 4)  # 7 leaves in the 4 units
   assert all(g != 21 for g in gathered)  # out.w has 7 x 3 = 21 elements
   # Each device's copy moved by its own (unreduced) gradient.
   stored = state.params["out"]["w"] if use_orig_params else state.params["out.w"]
@@ -478,10 +508,11 @@ def test_cast_forward_inputs_for_an_inner_linen_unit():
 
 @pytest.mark.parametrize("use_orig", [False, True], ids=["flat", "orig_params"])
 def test_16bit_gradients_are_packed_as_bits(use_orig):
-  """A unit's 16-bit gradient is written into its reduce buffer as uint16
-  bit patterns: the CPU backend has no bf16 ``dynamic_update_slice`` and
-  widened each update to float32 around the whole buffer (1.8x the step
-  time; benchmarks/CAUSES.md). Same values: the reduction is unchanged."""
+  """A flat unit's 16-bit gradient is written into its reduce buffer as
+  uint16 bit patterns: the CPU backend has no bf16 ``dynamic_update_slice``
+  and widened each update to float32 around the whole buffer (1.8x the step
+  time; benchmarks/CAUSES.md). Same values: the reduction is unchanged.
+  Original-layout units are not packed at all (one reduce-scatter per leaf)."""
   mesh = mesh_for(S.FULL_SHARD, 4)
   texts, results = {}, {}
   for reduce in ("bfloat16", "float32"):
@@ -498,7 +529,13 @@ def test_16bit_gradients_are_packed_as_bits(use_orig):
   writes = [m.group(1) for line in texts["bfloat16"].splitlines() if "fsdp_reduce_scatter[" in line
             for m in [re.search(r"= (\w+)\[[\d,]*\]\{[\d,]*\} (?:dynamic-update-slice|concatenate)\(",
                                 line)] if m]
-  assert writes and set(writes) == {"u16"}, sorted(set(writes))
+  if use_orig:
+    # Reduced leaf by leaf: nothing is packed (8 leaves, 8 reduce-scatters).
+    assert writes == []
+    scatters = [c for c in hlo.collectives(texts["bfloat16"]) if c.kind == "reduce-scatter"]
+    assert len(scatters) == 8, scatters
+  else:
+    assert writes and set(writes) == {"u16"}, sorted(set(writes))
   # A misplaced bit pattern would be garbage: the bf16 reduction's update is
   # the f32 reduction's up to bf16 rounding.
   assert_trees_close(results["bfloat16"], results["float32"], rtol=2e-2, atol=1e-3)

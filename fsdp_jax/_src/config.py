@@ -274,7 +274,8 @@ class FSDPConfig(_ValueEquality):
       unit two back is freed: at most two units gathered at once.
     use_orig_params: ``False`` (default) flattens each unit into one padded
       FlatParameter; ``True`` keeps the original tree for the optimizer with
-      each leaf sharded along dimension 0 (padded).
+      each leaf sharded along dimension 0 (padded), and gathers and reduces
+      each leaf with its own collective.
     comm_hook: a communication hook replacing each unit's gradient reduction
       (PyTorch ``register_comm_hook``), e.g. ``fsdp_jax.hooks.bf16_compress_hook``;
       see :mod:`fsdp_jax.hooks`.

@@ -459,8 +459,8 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
       probe_of = dict(zip(probe_ids, extra))
       out = {}
       for group, spec in specs_per_unit[u]:
-        buf = layout.local_buffer(plan, unit, group, local_arrays)
-        for i, v in zip(group, collectives.gather(buf, spec)):
+        locs = layout.group_locals(plan, group, local_arrays)
+        for i, v in zip(group, collectives.gather(locs, spec)):
           out[i] = v + probe_of[i] if i in probe_of else v
       return out
 
@@ -652,17 +652,21 @@ def reduce_full_grads(plan: Plan, full_grads: dict, hook_state=None):
         continue
       scope = jax.named_scope(f"fsdp_reduce_scatter[{unit.display_name}]")
       scope.__enter__()
-      full = collectives.pack_full([full_grads[i] for i in group], spec, prefix)
+      cts = [full_grads[i] for i in group]
       if stateful:
         key = hook_key(unit, gi)
+        full = collectives.pack_full(cts, spec, prefix)
         reduced, st = hooks.call_hook(hook, jax.tree.map(lambda x: x[0], hook_state[key]),
                                       full, spec)
         new_hook_state[key] = jax.tree.map(lambda x: x[None], st)
+        reduced = collectives.split_rows(
+            collectives.finish_gradient(reduced, spec, spec.stored_dtype), spec)
       else:
-        reduced = collectives.reduce_gradient(full, spec)
-      reduced = collectives.finish_gradient(reduced, spec, spec.stored_dtype)
+        # The reduction of the gather's transpose: a stateless hook included.
+        reduced = collectives.reduce_leaves(cts, spec, spec.stored_dtype)
       scope.__exit__(None, None, None)
-      for k, v in layout.split_local_buffer(plan, group, reduced).items():
+      keys = group if plan.use_orig_params else ["flat"]
+      for k, v in zip(keys, reduced):
         local[(unit.index, k)] = v
   # Ignored leaves: this device's own gradient, not reduced.
   for l in plan.ignored_leaves:

@@ -6,8 +6,9 @@ holds ``[r * chunk, (r + 1) * chunk)``. Stored as ``{"<unit>._flat_param": x}``.
 
 Original layout (``use_orig_params=True``, FSDP2 style): every leaf keeps its
 place in the original tree and is zero-padded along its first dimension to a
-multiple of N and sharded along it. A unit's local chunks are concatenated
-into one buffer so the unit is still gathered with one collective (per dtype).
+multiple of N and sharded along it. Each leaf's local rows are gathered and
+reduced on their own (:func:`fsdp_jax._src.collectives.gathers_per_leaf`);
+hooks, quantization and hpZ work on the unit's concatenated local buffer.
 
 Stacked units (``FSDPConfig.stacked_layers``) carry a leading layer axis that
 is not sharded: each layer is laid out as above, independently.
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from fsdp_jax._src import collectives
 from fsdp_jax._src.collectives import GatherSpec
 from fsdp_jax._src.hooks import is_stateful
 from fsdp_jax._src.config import is_float_dtype
@@ -124,39 +126,32 @@ def gather_specs(plan: Plan, unit: UnitSpec, *, layer: bool = False):
   return out
 
 
-def local_buffer(plan: Plan, unit: UnitSpec, group, local_arrays: dict):
-  """Concatenates the local shards of ``group`` into one (prefix..., S) buffer.
+def group_collectives(plan: Plan, unit: UnitSpec) -> list:
+  """``(group, spec, gathers, reduce-scatters)`` per dtype group of ``unit``:
+  how many collectives its all-gather and its gradient reduction take, one
+  for the unit's buffer or one per leaf
+  (:func:`fsdp_jax._src.collectives.gathers_per_leaf`; a stateful hook
+  reduces the packed buffer)."""
+  stateful = is_stateful(plan.config.comm_hook)
+  out = []
+  for group, spec in gather_specs(plan, unit):
+    gathers = len(group) if collectives.gathers_per_leaf(spec) else 1
+    reduces = len(group) if collectives.reduces_per_leaf(spec) and not stateful else 1
+    out.append((group, spec, gathers, reduces))
+  return out
+
+
+def group_locals(plan: Plan, group, local_arrays: dict) -> list:
+  """The local operands a dtype group is gathered from
+  (:func:`fsdp_jax._src.collectives.local_shapes`): its leaves' local shards
+  (original layout) or the unit's local flat shard.
 
   ``local_arrays`` maps leaf id -> local shard (original layout) or holds the
-  local flat shard under ``"flat"``; ``prefix`` is the leading layer axis of a
-  stacked unit, if present in the arrays.
+  local flat shard under ``"flat"``.
   """
   if not plan.use_orig_params:
-    return local_arrays["flat"]
-  parts = []
-  for i in group:
-    x = local_arrays[i]
-    leaf = plan.leaves[i]
-    p = x.ndim - 1 - len(leaf.rest)
-    parts.append(x.reshape(x.shape[:p] + (-1,)))
-  return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
-
-
-def split_local_buffer(plan: Plan, group, buf) -> dict:
-  """Inverse of :func:`local_buffer`: a (prefix..., S) gradient buffer back to
-  the local shards of ``group`` (``{leaf_id: x}`` or ``{"flat": x}``)."""
-  if not plan.use_orig_params:
-    return {"flat": buf}
-  out = {}
-  off = 0
-  prefix = buf.shape[:-1]
-  for i in group:
-    leaf = plan.leaves[i]
-    width = plan.chunk0(leaf) * leaf.row_numel
-    piece = lax.slice_in_dim(buf, off, off + width, axis=len(prefix))
-    out[i] = piece.reshape(prefix + (plan.chunk0(leaf),) + leaf.rest)
-    off += width
-  return out
+    return [local_arrays["flat"]]
+  return [local_arrays[i] for i in group]
 
 
 def check_flat_dtypes(plan_leaves, units, use_orig_params: bool):

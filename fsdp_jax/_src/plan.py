@@ -274,18 +274,25 @@ class Plan:
 
   def collectives_per_step(self) -> dict[str, int]:
     """Collectives the strategy implies per step (upper bound for FULL_SHARD:
-    a unit whose parameters the backward does not need is not re-gathered)."""
+    a unit whose parameters the backward does not need is not re-gathered).
+
+    A unit (per dtype) is gathered and reduced with one collective each;
+    with ``use_orig_params=True`` with one per leaf (see
+    :func:`fsdp_jax._src.collectives.gathers_per_leaf`), and all-reduced
+    once per unit over the replicate axes."""
+    # pylint: disable=import-outside-toplevel  (layout imports this module)
+    from fsdp_jax._src import layout
     strategy = self.config.sharding_strategy
-    groups = sum(len(self.dtype_groups(u)) for u in self.units)
     out = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
-    if strategy is ShardingStrategy.NO_SHARD:
-      out["all-reduce"] = groups
-      return out
-    resharded = sum(len(self.dtype_groups(u)) for u in self.units if self.reshard(u))
-    out["all-gather"] = groups + resharded
-    out["reduce-scatter"] = groups
-    if self.config.is_hybrid:
-      out["all-reduce"] = groups
+    for u in self.units:
+      for _, spec, gathers, reduces in layout.group_collectives(self, u):
+        if strategy is ShardingStrategy.NO_SHARD:
+          out["all-reduce"] += 1
+          continue
+        out["all-gather"] += gathers + (1 if spec.secondary else gathers) * self.reshard(u)
+        out["reduce-scatter"] += reduces
+        if self.config.is_hybrid:
+          out["all-reduce"] += 1
     return out
 
   def bytes_kept_for_backward(self) -> int:
