@@ -13,6 +13,7 @@
     python -m benchmarks flags          # each CPU XLA flag: plain jit and fsdp_jax, with and without
     python -m benchmarks causes         # why SHARD_GRAD_OP and bf16 cost what they cost (CAUSES.md)
     python -m benchmarks handwritten    # against a hand-written shard_map FSDP, per-op breakdown
+    python -m benchmarks scan           # scanned stacked layers: memory against depth (SCAN.md)
     python -m benchmarks gpu            # a 1B GPT on the GPUs vs plain jit (GPU.md)
 
 ``python -m benchmarks <name> --help`` lists a measurement's options.
@@ -42,6 +43,7 @@ MEASUREMENTS = {
     "flags": ("benchmarks.flags", "main"),
     "causes": ("benchmarks.causes", "main"),
     "handwritten": ("benchmarks.handwritten", "main"),
+    "scan": ("benchmarks.scan_layers", "main"),
     "gpu": ("benchmarks.gpu", "main"),
 }
 

@@ -297,13 +297,14 @@ def memory_batch():
           "y": rng.standard_normal((M_BATCH, 1)).astype(np.float32)}
 
 
-def assert_activation_memory_drops(with_remat: int, without: int, per_device_rows: int):
-  """The checkpointed step needs at most half the temporaries, and saves at
-  least one FF-wide float32 activation per block (half of what backward
-  would otherwise keep of each block at that width: the pre-activation and
-  the GELU output)."""
-  one_activation_per_block = M_BLOCKS * per_device_rows * M_FF * 4
-  assert with_remat <= 0.5 * without and without - with_remat >= one_activation_per_block, (
+def assert_activation_memory_drops(with_remat: int, without: int, per_device_rows: int,
+                                   blocks: int = M_BLOCKS, ratio: float = 0.5):
+  """The checkpointed step needs at most ``ratio`` of the temporaries, and
+  saves at least one FF-wide float32 activation for each of ``blocks``
+  blocks (of what backward would otherwise keep of each block at that
+  width: the pre-activation, and the GELU output where it is saved)."""
+  one_activation_per_block = blocks * per_device_rows * M_FF * 4
+  assert with_remat <= ratio * without and without - with_remat >= one_activation_per_block, (
       f"temporaries per device with per-block checkpointing {with_remat / 2**20:.2f} MiB, "
       f"without {without / 2**20:.2f} MiB (expected a drop of at least "
       f"{one_activation_per_block / 2**20:.2f} MiB and at least half): " + NESTED_REMAT)
@@ -455,12 +456,15 @@ def test_linen_scan_of_remat_blocks_gathers_one_layer_per_iteration(case):
   assert sum(sizes) == plan.padded_numel(blocks) // blocks.num_layers
   gathers = [op for op in ops if op[:2] == ("all-gather", "params.blocks")]
   scatters = [op for op in ops if op[:2] == ("reduce-scatter", "params.blocks")]
-  # One layer per gather, inside a loop body: forward loop, plus the backward
-  # loop when the strategy reshards (the user's re-computation re-uses it).
-  assert len(gathers) == (2 if strategy in RESHARDS else 1) * len(sizes), gathers
+  # One layer per gather: the forward loop, plus the backward loop when the
+  # strategy reshards (the user's re-computation re-uses it). Each loop
+  # carries the next layer's gather; its first layer is gathered before it.
+  looped = [op for op in gathers if op[2] in in_loop]
+  assert len(looped) == (2 if strategy in RESHARDS else 1) * len(sizes), gathers
+  assert len(gathers) == 2 * len(looped), gathers
   assert scatters and len(scatters) == len(sizes), scatters
   for _, _, comp, numels in gathers:
-    assert len(numels) == 1 and numels[0] in sizes and comp in in_loop
+    assert len(numels) == 1 and numels[0] in sizes
   for _, _, comp, numels in scatters:
     assert len(numels) == 1 and numels[0] in [x // plan.n for x in sizes] and comp in in_loop
   assert max(n for op in ops for n in op[3]) < plan.padded_numel(blocks)  # never the stack
@@ -475,7 +479,12 @@ def test_scan_of_remat_blocks_reduces_activation_memory(strategy):
   15.45 / 15.45, SHARD_GRAD_OP 14.91 / 15.41 by itself: the rebuilt scan body runs
   under the step's remat policy, which overrides the model's, whatever the
   strategy (NESTED_REMAT). With each user checkpoint re-bound as a
-  custom_vjp in fsdp_jax/_src/schedule.py: 15.45 / 2.70 and 14.91 / 2.49."""
+  custom_vjp in fsdp_jax/_src/schedule.py: 15.45 / 2.70 and 14.91 / 2.49.
+  Since the loop over the layers recomputes elementwise operations itself,
+  saving only the costly results (the FF-wide pre-activation of each
+  block): 4.00 / 2.24 and 4.25 / 2.49. The model's checkpoint then drops
+  that pre-activation for every block but the one the backward loop is
+  recomputing."""
   mesh = mesh_for(strategy, 2)
   config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, stacked_layers=("params.blocks",))
   batch = {"x": memory_batch()["x"][:, :6], "y": np.zeros((M_BATCH,), np.int32)}
@@ -489,4 +498,4 @@ def test_scan_of_remat_blocks_reduces_activation_memory(strategy):
   assert counts_per_unit(compiled["with"].as_text()) == counts_per_unit(
       compiled["without"].as_text())
   assert_activation_memory_drops(temp_bytes(compiled["with"]), temp_bytes(compiled["without"]),
-                                 M_BATCH // 2)
+                                 M_BATCH // 2, blocks=M_BLOCKS - 1, ratio=0.65)

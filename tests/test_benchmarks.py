@@ -54,6 +54,8 @@ def test_full_run_writes_the_report(tmp_path):
     ("handwritten", ["--d-model", "64", "--layers", "2", "--heads", "2",
                      "--batch-per-device", "1", "--rounds", "1", "--warmup", "1"],
      "| sequences per device | operations |"),
+    ("scan", ["--depths", "2", "3", "--d-model", "64", "--heads", "2", "--rounds", "1",
+              "--time-depth", "2"], "| layers | one layer MiB |"),
 ])
 def test_measurement_writes_its_table(tmp_path, name, args, header):
   out = tmp_path / "table.md"

@@ -118,15 +118,14 @@ def test_stacked_scan_under_flag(flag_set, case):
         params=params0, hlo=True)
   tm.assert_matches_reference(losses, params, ref_losses, ref_params)
   hlo = tm.Hlo(text)
-  gathers, _, backward = tm.stacked_gather_report(state.plan, hlo, "blocks")
+  gathers, _, backward, _ = tm.stacked_gather_report(state.plan, hlo, "blocks")
   per_call = collectives_per_call(state.plan, state.plan.unit_by_name("blocks"))[0]
   if strategy is tm.SHARD_GRAD_OP:
     assert len(gathers) == per_call  # gathered once per layer, kept for backward
     assert not any(hlo.loops_of(op) & backward for op in gathers)
   else:
-    # Re-gathered layer by layer in the backward loop (per leaf: only the
-    # weight, which the backward pass reads).
-    assert len(gathers) == (2 if per_call == 1 else per_call + 1)
+    # Re-gathered layer by layer in the backward loop.
+    assert len(gathers) == 2 * per_call
     assert any(hlo.loops_of(op) & backward for op in gathers)
 
 

@@ -304,7 +304,9 @@ class FSDPConfig(_ValueEquality):
       subtrees whose leaves carry a
       leading layer axis (models that ``lax.scan`` over stacked layers). Each
       such subtree is its own unit, sharded layer by layer, and is gathered one
-      layer per scan iteration.
+      layer per scan iteration: each iteration gathers the next layer while
+      it computes its own, in forward and backward, as ``forward_prefetch``
+      and ``backward_prefetch`` say (at most two gathered layers).
     data_axis_name: the axis name (a string, or a tuple of alias names) the
       model's own collectives use for the data-parallel world, e.g.
       ``"batch"`` for ``nn.BatchNorm(axis_name="batch")`` or

@@ -393,6 +393,16 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
   axis_env = [(name, plan.axes.world_size) for name in axis_map]
   n_params = len(plan.leaves)
   traces: dict = {}  # loss_fn traced per input structure; see local.reset
+  cfg = plan.config
+  # Scans over stacked units carry the next layer's gather (hpZ's backward
+  # gathers from its secondary slice instead, one layer per iteration).
+  loop = schedule.LoopPrefetch(
+      forward_prefetch=bool(cfg.forward_prefetch),
+      backward_prefetch=None if cfg.backward_prefetch is None else cfg.backward_prefetch.name,
+      units=frozenset(u.index for u in plan.units
+                      if u.stacked and not plan.secondary_size(u)),
+      reshard=frozenset(u.index for u in plan.units if plan.reshard(u)),
+      axis_env=tuple(axis_env))
 
   def call(params, batch, model_state, rng):
     args = (params, batch) + ((model_state,) if with_model_state else ())
@@ -478,7 +488,8 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
         unit_layers={u.index: u.num_layers for u in plan.units},
         unit_storage=unit_locals,
         save_mixed=_recomputes_cheap_ops(plan),
-        on_unstacked_scan=lambda ids, length: _warn_unstacked_scan(plan, ids, length))
+        on_unstacked_scan=lambda ids, length: _warn_unstacked_scan(plan, ids, length),
+        loop=loop)
     jaxpr = closed.jaxpr
     lazy = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
     try:
@@ -599,12 +610,14 @@ def _warn_unstacked_scan(plan: Plan, leaf_ids, length: int) -> None:
 def _recomputes_cheap_ops(plan: Plan) -> bool:
   """Whether the step's remat uses :func:`collectives.remat_policy`.
 
-  Stacked units keep every residual but the gathers: recomputing the cheap
-  operations of a scanned layer made the compiled program gather each layer
-  a third time, in a loop of its own.
+  A scan over a stacked unit is one equation to the step's remat, which
+  saves its residuals (the loops recompute inside themselves, see
+  ``schedule.LoopPrefetch``). hpZ's stacked units keep every residual but
+  the gathers: recomputing the cheap operations of a scanned layer made the
+  compiled program gather each layer a third time, in a loop of its own.
   """
   return (any(plan.reshard(u) for u in plan.units)
-          and not any(u.stacked for u in plan.units))
+          and not any(u.stacked and plan.secondary_size(u) for u in plan.units))
 
 
 def _maybe_remat(local, plan: Plan):
