@@ -16,6 +16,7 @@ import numpy as np
 
 import fsdp_jax
 from fsdp_jax._src import hlo
+from fsdp_jax._src.schedule import NEXT_LAYER_SCOPE
 
 
 # --------------------------------------------------------------------------
@@ -47,8 +48,18 @@ _TRIP = re.compile(r'known_trip_count[^0-9]*(\d+)')
 def execution_counts(hlo_text: str) -> tuple[dict, bool]:
   """How many times each HLO computation runs per step: a ``while`` body
   runs its ``known_trip_count`` times (``fsdp_jax.hlo.summarize`` counts a
-  collective in a loop body once). Returns (counts, all trip counts known)."""
+  collective in a loop body once). A scan over stacked layers gathers the
+  next layer in a ``conditional`` (name scope ``fsdp_next_layer``) that
+  takes its gathering branch in every iteration but the last: of the ``n``
+  such conditionals of a loop body (``n`` > 1 when the scan is unrolled)
+  run ``trip`` times, one skips once, so each counts ``trip - 1/n`` runs
+  (fractional per branch computation; the other branch holds no
+  collective). An unrolled scan whose length the unroll does not divide
+  runs its last iteration after the loop, where XLA drops the skipped
+  gather: it is counted one gather short per loop. Returns (counts, all
+  trip counts known)."""
   edges: dict = {}
+  skipping: dict = {}  # computation -> its conditionals that skip the last trip
   entry = None
   comp = None
   known = True
@@ -75,16 +86,25 @@ def execution_counts(hlo_text: str) -> tuple[dict, bool]:
       else:
         known = False
     body = re.search(r"\bbody=%?([\w.\-]+)", line)
+    skips_last = bool(re.search(r"\sconditional\(", line)) and (
+        f"{NEXT_LAYER_SCOPE}/" in line)
+    if skips_last:
+      skipping[comp] = skipping.get(comp, 0) + 1
     for c in callees:
-      m_c = mult if (body and c == body.group(1)) else 1
-      edges.setdefault(comp, []).append((c, m_c))
+      is_body = bool(body and c == body.group(1))
+      edges.setdefault(comp, []).append((c, mult if is_body else 1, is_body, skips_last))
   counts: dict = {}
 
-  def visit(c, k, depth=0):
+  def visit(c, k, trip=None, depth=0):
     counts[c] = counts.get(c, 0) + k
     if depth < 50:
-      for callee, m_c in edges.get(c, ()):
-        visit(callee, k * m_c, depth + 1)
+      for callee, m_c, is_body, skips_last in edges.get(c, ()):
+        if is_body:
+          visit(callee, k * m_c, m_c, depth + 1)
+        elif skips_last and trip:
+          visit(callee, k * (trip - 1 / skipping[c]) / trip, trip, depth + 1)
+        else:
+          visit(callee, k * m_c, trip, depth + 1)
 
   if entry is not None:
     visit(entry, 1)
@@ -144,6 +164,9 @@ def collective_stats(hlo_text: str, world: int) -> dict:
       d["groups"].add(g)
   for d in out.values():
     d["ops"] = len(d["ops"])
+    d["executions"] = round(d["executions"], 6)
+    if d["executions"] == int(d["executions"]):
+      d["executions"] = int(d["executions"])
     d["trip_counts_known"] = known
     d["dtypes"] = sorted(d["dtypes"])
     d["groups"] = sorted(d["groups"])

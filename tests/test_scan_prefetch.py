@@ -37,7 +37,7 @@ def params0(seed=0, layers=L, d=D):
                      "g": 1.0 + f(layers, d, scale=0.1)}}
 
 
-def make_loss(reverse=False, unroll=1):
+def make_loss(reverse=False, unroll=1, layers=L):
   """A scan with what bodies hold: an int carry and int outputs, per-layer
   outputs read by the loss, a transposed weight, a parameter of another unit
   and an activation closed over, and a scanned-over input besides the
@@ -46,7 +46,7 @@ def make_loss(reverse=False, unroll=1):
   def loss(params, batch):
     h = batch["x"] @ params["embed"]
     mask = jax.nn.sigmoid(h)  # an activation (rows, D)
-    scales = 1 + jax.nn.sigmoid(h[:, :L]).T[..., None]  # (L, rows, 1), scanned over
+    scales = 1 + jax.nn.sigmoid(h[:, :layers]).T[..., None]  # (layers, rows, 1), scanned over
 
     def layer(carry, xs):
       h, count = carry
@@ -276,3 +276,25 @@ def test_backward_prefetch_places_the_next_gather(backward_prefetch):
     assert "gather" in _before(graph, scatter)
   else:  # after the reduce-scatter
     assert "scatter" in _before(graph, gather)
+
+
+@pytest.mark.parametrize("unroll, layers", [(1, L), (2, 4)])
+def test_benchmark_counts_each_gather_once(unroll, layers):
+  """The loops' next-layer gather is a conditional that skips the last
+  iteration; benchmarks/hlo_stats counts what runs: every layer gathered
+  once per pass (twice for FULL_SHARD), the root once."""
+  from benchmarks import hlo_stats  # pylint: disable=import-outside-toplevel
+  n = 4
+  mesh = mesh_for(FS.FULL_SHARD, n)
+  config = fsdp_jax.FSDPConfig(stacked_layers=("blocks",))
+  opt = optax.sgd(0.1)
+  state = fsdp_jax.init_train_state(params=params0(layers=layers), optimizer=opt, mesh=mesh,
+                                    config=config)
+  step = fsdp_jax.shard_train_step(make_loss(unroll=unroll, layers=layers), opt, mesh=mesh,
+                                   config=config)
+  text = step.lower(state, batches(1)[0]).compile().as_text()
+  gathers = hlo_stats.collective_stats(text, n)["all-gather"]
+  plan = state.plan
+  blocks, root = plan.unit_by_name("blocks"), next(u for u in plan.units if u.is_root)
+  assert gathers["executions"] == 2 * layers + 1, gathers
+  assert gathers["payload"] == 4 * (2 * plan.padded_numel(blocks) + plan.padded_numel(root))

@@ -279,7 +279,10 @@ class Plan:
     A unit (per dtype) is gathered and reduced with one collective each;
     with ``use_orig_params=True`` with one per leaf (see
     :func:`fsdp_jax._src.collectives.gathers_per_leaf`), and all-reduced
-    once per unit over the replicate axes."""
+    once per unit over the replicate axes. A stacked unit's scan gathers
+    its first layer before each of its loops and the others inside it: two
+    gather instructions per pass (hpZ's stacked units: one; a scan unrolled
+    ``u`` times repeats the loop's instruction ``u`` times)."""
     # pylint: disable=import-outside-toplevel  (layout imports this module)
     from fsdp_jax._src import layout
     strategy = self.config.sharding_strategy
@@ -289,7 +292,9 @@ class Plan:
         if strategy is ShardingStrategy.NO_SHARD:
           out["all-reduce"] += 1
           continue
-        out["all-gather"] += gathers + (1 if spec.secondary else gathers) * self.reshard(u)
+        per_pass = 2 if u.stacked and not spec.secondary else 1
+        out["all-gather"] += per_pass * (
+            gathers + (1 if spec.secondary else gathers) * self.reshard(u))
         out["reduce-scatter"] += reduces
         if self.config.is_hybrid:
           out["all-reduce"] += 1

@@ -6,8 +6,10 @@ reads one of its parameters.
   parameters, so a model wrapped in an inner ``jax.jit`` still gathers unit by
   unit.
 * A ``lax.scan`` whose scanned-over operands are leaves of a stacked unit is
-  rebuilt so the scan body gathers one layer per iteration from the layer's
-  shard, instead of gathering the whole stack before the loop.
+  rebuilt so that each iteration gathers one layer from the layer's shard,
+  instead of gathering the whole stack before the loop: a ``custom_vjp``
+  pair of loops, each iteration gathering the next layer while it computes
+  its own (:func:`_pipelined_scan`).
 * Liveness does the rest: a gathered value dies after its last use. For
   FULL_SHARD the step wraps the evaluation in ``jax.checkpoint`` with
   :func:`fsdp_jax._src.collectives.remat_policy`, so the backward re-gathers.
@@ -273,6 +275,9 @@ class LoopPrefetch:
 
 
 _MATMULS = ("dot_general", "conv_general_dilated")
+# The name scope of a loop's conditional gather of the next layer: it runs in
+# every iteration but the last (benchmarks/hlo_stats.py counts it so).
+NEXT_LAYER_SCOPE = "fsdp_next_layer"
 
 
 def _has_matmul(eqn) -> bool:
@@ -463,7 +468,8 @@ def _pipelined_scan(eqn, pushed: dict, units: list, g: Gatherer, read, write, kl
       wait_for = jax.tree_util.tree_unflatten(tree, leaves)
     yes = lambda a: pick([gather_layer(j, a[j]) for j in range(nu)], keys)
     no = lambda a: [jax.numpy.zeros(gavals[k].shape, gavals[k].dtype) for k in keys]
-    return lax.cond(valid, yes, no, arrays), wait_for
+    with jax.named_scope(NEXT_LAYER_SCOPE):
+      return lax.cond(valid, yes, no, arrays), wait_for
 
   def neighbour(i, d):
     j = i + d
