@@ -47,44 +47,32 @@ def _parse(argv=None):
   return p.parse_args(argv)
 
 
-def _step(jax, optax, args, layers, strategy, scan):
-  """(compiled step, state, batch, one layer's gathered MiB) for a GPT."""
+def _step(jax, optax, args, layers, strategy, scan, abstract=False):
+  """``(step, state, batch, one layer's gathered MiB)`` for the GPT with
+  ``layers`` blocks: scanned (a stacked unit) or unrolled (a unit per
+  block). ``abstract``: the state's shapes only (enough to compile)."""
   from benchmarks.common import GPTConfig, make_batch  # pylint: disable=import-outside-toplevel
-  from benchmarks.models import make_model  # pylint: disable=import-outside-toplevel
+  from benchmarks.models import Block, make_model  # pylint: disable=import-outside-toplevel
   cfg = GPTConfig(d_model=args.d_model, num_layers=layers, num_heads=args.heads,
                   seq_len=args.seq_len)
   _, init_fn, loss_fn = make_model(cfg, scan=scan)
   mesh = fsdp_jax.make_mesh(shard=args.devices, devices=jax.devices()[:args.devices])
-  if scan:
-    config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, stacked_layers=("params.blocks",))
-    kw = {}
-  else:
-    from benchmarks.models import Block  # pylint: disable=import-outside-toplevel
-    config = fsdp_jax.FSDPConfig(sharding_strategy=strategy,
-                                 auto_wrap_policy=fsdp_jax.ModuleWrapPolicy({Block}))
-    kw = {}
+  units = (dict(stacked_layers=("params.blocks",)) if scan
+           else dict(auto_wrap_policy=fsdp_jax.ModuleWrapPolicy({Block})))
+  config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, **units)
   opt = optax.adamw(1e-3)
-  state = fsdp_jax.init_train_state(init_fn=init_fn, rng=jax.random.key(0), optimizer=opt,
-                                    mesh=mesh, config=config, **kw)
+  init = lambda: fsdp_jax.init_train_state(init_fn=init_fn, rng=jax.random.key(0),
+                                           optimizer=opt, mesh=mesh, config=config)
+  state = jax.eval_shape(init) if abstract else init()
   step = fsdp_jax.shard_train_step(loss_fn, opt, mesh=mesh, config=config)
-  batch = make_batch(cfg, args.global_batch)
-  return step, state, batch, cfg.block_params * 4 / MIB
+  return step, state, make_batch(cfg, args.global_batch), cfg.block_params * 4 / MIB
 
 
 def _temp(jax, optax, args, layers, strategy):
-  from benchmarks.common import GPTConfig, make_batch  # pylint: disable=import-outside-toplevel
-  from benchmarks.models import make_model  # pylint: disable=import-outside-toplevel
-  cfg = GPTConfig(d_model=args.d_model, num_layers=layers, num_heads=args.heads,
-                  seq_len=args.seq_len)
-  _, init_fn, loss_fn = make_model(cfg, scan=True)
-  mesh = fsdp_jax.make_mesh(shard=args.devices, devices=jax.devices()[:args.devices])
-  config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, stacked_layers=("params.blocks",))
-  opt = optax.adamw(1e-3)
-  state = jax.eval_shape(lambda: fsdp_jax.init_train_state(
-      params=init_fn(jax.random.key(0)), optimizer=opt, mesh=mesh, config=config))
-  step = fsdp_jax.shard_train_step(loss_fn, opt, mesh=mesh, config=config)
-  compiled = step.lower(state, make_batch(cfg, args.global_batch)).compile()
-  return compiled.memory_analysis().temp_size_in_bytes / MIB, cfg.block_params * 4 / MIB
+  """The scanned GPT's compiled temporaries (MiB per device), one layer's MiB."""
+  step, state, batch, layer = _step(jax, optax, args, layers, strategy, True, abstract=True)
+  compiled = step.lower(state, batch).compile()
+  return compiled.memory_analysis().temp_size_in_bytes / MIB, layer
 
 
 def main(argv=None):

@@ -208,19 +208,19 @@ def _scan_pushdown(eqn, lazy, g: Gatherer, read, write, klass) -> bool:
   if not pushed:
     return False
   units = sorted({u for u, _ in pushed.values()})
-  if g.loop is not None and all(u in g.loop.units for u in units):
-    _pipelined_scan(eqn, pushed, units, g, read, write, klass)
-    return True
-  consts = [read(v) for v in invars[:num_consts]]
-  init = [read(v) for v in invars[num_consts:num_consts + num_carry]]
-  xs_plain = [None if k in pushed else read(v) for k, v in enumerate(xs_vars)]
-  unit_locals = {u: g.unit_storage(u) for u in units}
   body_jaxpr, body_consts = p.body, p.body_consts
   # Parameters in the body: the gathered layer, and consts made of parameters.
   body_params = [bv for k, bv in enumerate(body_jaxpr.invars[num_consts + num_carry:])
                  if k in pushed]
   body_params += [bv for bv, ov in zip(body_jaxpr.invars[:num_consts], invars[:num_consts])
                   if klass(ov) == _PARAM]
+  if g.loop is not None and all(u in g.loop.units for u in units):
+    _pipelined_scan(eqn, pushed, units, g, read, write, body_params)
+    return True
+  consts = [read(v) for v in invars[:num_consts]]
+  init = [read(v) for v in invars[num_consts:num_consts + num_carry]]
+  xs_plain = [None if k in pushed else read(v) for k, v in enumerate(xs_vars)]
+  unit_locals = {u: g.unit_storage(u) for u in units}
 
   def body(carry, xs):
     plain, per_unit = xs
@@ -386,14 +386,17 @@ class _Layer:
     self.hook_at = None if loop.forward_prefetch else next(
         (k for k, e in enumerate(jx.eqns) if _has_matmul(e)), None)
 
+  def _env(self, pairs):
+    env = dict(zip(self.jaxpr.constvars, self.closed.consts))
+    env.update(pairs)
+    return env, (lambda v: v.val if isinstance(v, Literal) else env[v])
+
   def forward(self, args, prefetch):
     """Evaluates the layer: ``(outputs, saved residuals, next gather)``.
     ``prefetch(wait_for) -> (next layer, wait_for)`` is called at the start
     (forward_prefetch) or right after the first matmul."""
     jx = self.jaxpr
-    env = dict(zip(jx.constvars, self.closed.consts))
-    env.update(zip(jx.invars, args))
-    rd = lambda v: v.val if isinstance(v, Literal) else env[v]
+    env, rd = self._env(zip(jx.invars, args))
     nxt = prefetch([])[0] if self.hook_at is None else None
     for k, e in enumerate(jx.eqns):
       outs = _bind(e, [rd(v) for v in e.invars])
@@ -406,11 +409,8 @@ class _Layer:
   def pullback(self, cs, gathered, pl, saved):
     """The layer's ``jax.vjp`` pullback in the backward loop, from the
     re-gathered leaves ``gathered`` (``g_needed``), ``pl`` and ``saved``."""
-    jx = self.jaxpr
-    env = dict(zip(jx.constvars, self.closed.consts))
-    env.update(zip(self.cs_in, cs))
-    env.update((self.g_in[k], v) for k, v in zip(self.g_needed, gathered))
-    rd = lambda v: v.val if isinstance(v, Literal) else env[v]
+    env, rd = self._env([*zip(self.cs_in, cs),
+                         *((self.g_in[k], v) for k, v in zip(self.g_needed, gathered))])
     for e in self.recompute:
       env.update(zip(e.outvars, _bind(e, [rd(v) for v in e.invars])))
     leaves = [pos if kind == "literal" else rd(pos) if kind == "params"
@@ -418,7 +418,8 @@ class _Layer:
     return jax.tree_util.tree_unflatten(self.res_tree, leaves)
 
 
-def _pipelined_scan(eqn, pushed: dict, units: list, g: Gatherer, read, write, klass) -> None:
+def _pipelined_scan(eqn, pushed: dict, units: list, g: Gatherer, read, write,
+                    body_params: list) -> None:
   """Rebuilds a scan over stacked units as a double-buffered loop pair.
 
   The scan body is linearized once (:class:`_Layer`). The forward loop
@@ -433,8 +434,6 @@ def _pipelined_scan(eqn, pushed: dict, units: list, g: Gatherer, read, write, kl
   invars = list(eqn.invars)
   n_xs = len(invars) - nk - nc
   plain_pos = [k for k in range(n_xs) if k not in pushed]
-  body_params = [bv for k, bv in enumerate(p.body.invars[nk + nc:]) if k in pushed]
-  body_params += [bv for bv, ov in zip(p.body.invars[:nk], invars[:nk]) if klass(ov) == _PARAM]
   loop = g.loop
   step = -1 if rev else 1
   nu = len(units)
