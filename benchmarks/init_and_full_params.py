@@ -1,7 +1,7 @@
 """Peak bytes per device of initialisation and full-parameter access.
 
 Compiles the programs fsdp_jax runs (without running the big ones) and reads
-``compiled.memory_analysis()``: the init program of
+``compiled.memory_analysis()``: the init programs of
 ``init_train_state(init_fn=...)``, ``full_params`` / ``summon_full_params``,
 ``write_full_params`` and ``apply`` (one unit at a time), against the model's
 full size. Writes a markdown table to stdout (quoted in docs/memory.md).
@@ -31,7 +31,7 @@ def main(argv=None):
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from fsdp_jax._src import layout, state as state_lib
+  from fsdp_jax._src import layout, state as state_lib, unit_init
 
   d, layers = args.d_model, args.layers
 
@@ -62,8 +62,8 @@ def main(argv=None):
         m.alias_size_in_bytes
 
   rows = []
-  rows.append(("init_train_state(init_fn=...): the init program (all units, in turn)",
-               peak(state_lib.init_program(plan, init_fn, (rng,)).lower(rng).compile())))
+  rows.append(("init_train_state(init_fn=...): the init programs (one unit after another)",
+               unit_init.init_program(plan, init_fn, (rng,)).peak_bytes(rng)))
   state = fsdp_jax.init_train_state(init_fn=init_fn, rng=rng, optimizer=optax.sgd(0.1),
                                     mesh=mesh, config=config)
   stored = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state.params))

@@ -12,12 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fsdp_jax._src import _compat, frameworks, layout, offload, optim, wrap
+from fsdp_jax._src import frameworks, layout, offload, optim, unit_init, wrap
 from fsdp_jax._src.config import FSDPConfig, is_float_dtype, is_key_dtype
-from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src.mesh import mesh_axes
 from fsdp_jax._src.plan import LeafSpec, Plan, UnitSpec
 
@@ -423,9 +421,11 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
   Pass either materialised ``params`` (a pytree of arrays) or ``init_fn``
   (called as ``init_fn(rng)``, e.g. ``lambda k: model.init(k, x)``, or
   ``init_fn()`` when ``rng`` is None). With ``init_fn`` the shapes come from
-  ``jax.eval_shape`` and each unit is materialised by its own jitted program
-  straight into its shards, so the full model never exists on one device
-  (PyTorch's ``param_init_fn`` / meta-device initialisation).
+  one trace of ``init_fn``, and each unit is materialised by its own jitted
+  program straight into its shards, so the full model never exists on one
+  device (PyTorch's ``param_init_fn`` / meta-device initialisation). Units
+  that repeat a structure (a transformer's blocks) share one compiled
+  program; the values are ``jax.jit(init_fn)``'s.
 
   Args:
     optimizer: an optax ``GradientTransformation``; its state is built on the
@@ -545,7 +545,7 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
   storage_leaves: dict = {}
   shardings = plan.storage_shardings()
   if init_fn is not None:
-    storage_leaves = init_program(plan, init_fn, init_args, traced=traced)(
+    storage_leaves = unit_init.init_program(plan, init_fn, init_args, traced=traced)(
         *jax.tree_util.tree_leaves(init_args))
   else:
     for unit in plan.units:
@@ -664,54 +664,6 @@ def _init_hook_state(plan: Plan):
 
       out[grads.hook_key(unit, gi)] = jax.jit(one, out_shardings=sharding)()
   return out
-
-
-def init_program(plan: Plan, init_fn: Callable, init_args: tuple, *, traced=None):
-  """One jitted program that materialises every unit straight into its
-  shards, one unit after the other: ``program(*leaves of init_args) -> {unit
-  index: pack_unit output}``.
-
-  ``init_fn`` is traced once. Each unit evaluates only the equations its own
-  leaves need (the trace with the rest removed), and reads ``init_args``
-  through an ``optimization_barrier`` with the previous unit's shards, so no
-  unit starts before the one before it is packed: a device holds at most
-  about one unit at a time, and the shards. One compilation, whatever the
-  number of units.
-
-  ``traced``: ``(closed jaxpr, positions)`` from a trace already made of a
-  function whose outputs include ``init_fn``'s: parameter leaf ``i`` is its
-  output ``positions[i]`` (default: ``init_fn`` traced here).
-  """
-  if traced is None:
-    closed = jax.make_jaxpr(init_fn)(*init_args)
-    positions = list(range(len(closed.jaxpr.outvars)))
-  else:
-    closed, positions = traced
-  jaxpr, consts = closed.jaxpr, closed.consts
-  parts = {}
-  for unit in plan.units:
-    wanted = {positions[i]: i for i in unit.leaf_ids}
-    part, reads = _compat.dce(jaxpr, [k in wanted for k in range(len(jaxpr.outvars))])
-    parts[unit.index] = (part, reads, [wanted[k] for k in sorted(wanted)])
-
-  def make(*flat_args):
-    out, prev = {}, None
-    for unit in plan.units:
-      part, reads, ids = parts[unit.index]
-      ins = list(flat_args)
-      if prev is not None:
-        ins, _ = lax.optimization_barrier((ins, prev))
-      full = _compat.eval_jaxpr(part, consts, *[x for x, r in zip(ins, reads) if r])
-      out[unit.index] = prev = layout.pack_unit(plan, unit, dict(zip(ids, full)))
-    return out
-
-  # Sharded outputs: the compiler partitions each unit's initialisers, so a
-  # device computes about its own shards (random bits included: JAX's
-  # threefry is partitionable). The compiler options keep the barriers on
-  # CPU (see mesh.compiler_options).
-  return mesh_lib.TopLevelJit(make, lambda: mesh_lib.compiler_options(plan.mesh),
-                              out_shardings={u.index: _unit_out_shardings(plan, u, None)
-                                             for u in plan.units})
 
 
 def _unit_out_shardings(plan: Plan, unit: UnitSpec, shardings):
