@@ -399,3 +399,113 @@ def test_offload_params_false_is_no_offload():
   state = fsdp_jax.init_train_state(params=mlp_params(), optimizer=optax.adam(1e-2),
                                     mesh=mesh, config=config)
   assert _kinds(state.params) == _kinds(state.opt_state) == {"device"}
+
+
+# ---------------------------------------------------------------------------
+# One unit at a time: each gather reads a device copy made for it
+
+
+def _shard_map_body(jaxpr):
+  """The step's ``shard_map`` body (the per-device program)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "shard_map":
+      return eqn.params["jaxpr"]
+  for sub in jax.extend.core.subjaxprs(jaxpr):
+    found = _shard_map_body(sub)
+    if found is not None:
+      return found
+  return None
+
+
+def _on_host(aval) -> bool:
+  return getattr(aval, "memory_space", None) == jax.memory.Space.Host
+
+
+@pytest.mark.parametrize("strategy,n,r,orig", [
+    (S.FULL_SHARD, 4, None, False), (S.FULL_SHARD, 3, None, True),
+    (S.SHARD_GRAD_OP, 4, None, False), (S.HYBRID_SHARD, 2, 2, False)],
+    ids=["full-4-flat", "full-3-orig", "grad_op-4", "hybrid-2x2"])
+def test_each_gather_reads_its_own_device_copy_and_gradients_stay_on_device(strategy, n, r,
+                                                                            orig):
+  """The shards are not all copied to the device at the step's start: each
+  gather (forward, and FULL_SHARD's backward re-gather) reads a copy of its
+  unit's shards made right before it, and the gradient shards stay in device
+  memory until the optimizer's copy to the host (no device computation in
+  host memory)."""
+  mesh = mesh_for(strategy, n, r)
+  config = _config(strategy, use_orig_params=orig)
+  state = fsdp_jax.init_train_state(params=mlp_params(), optimizer=OPT, mesh=mesh, config=config)
+  step = fsdp_jax.shard_train_step(mlp_loss, OPT, mesh=mesh, config=config, max_norm=1.0)
+  body = _shard_map_body(jax.make_jaxpr(step.jitted)(state, mlp_batch()).jaxpr)
+  eqns = body.eqns
+  producer = {o: k for k, e in enumerate(eqns) for o in e.outvars}
+  gathers = [k for k, e in enumerate(eqns) if e.primitive.name == "fsdp_all_gather"]
+  to_device = [k for k, e in enumerate(eqns) if e.primitive.name == "device_put"
+               and _on_host(e.invars[0].aval) and not _on_host(e.outvars[0].aval)]
+  units = len(state.plan.units)
+  resharded = sum(1 for u in state.plan.units if state.plan.reshard(u))
+  assert len(gathers) == units + resharded
+  assert len(to_device) == sum(len(eqns[g].invars) for g in gathers)  # one per operand
+  previous = -1
+  for g in gathers:
+    # The gather's operands come from host-to-device copies (plus, for the
+    # gradient, a device zero added to them), made after the previous gather.
+    for v in eqns[g].invars:
+      copies, stack, seen = set(), [v], set()
+      while stack:  # back through ordering ties, the zeros' add, casts
+        w = stack.pop()
+        k = producer.get(w)
+        if k is None or k in seen:
+          continue
+        seen.add(k)
+        if k in to_device:
+          copies.add(k)
+        elif eqns[k].primitive.name == "optimization_barrier":
+          stack.append(eqns[k].invars[eqns[k].outvars.index(w)])
+        else:
+          stack.extend(x for x in eqns[k].invars if not isinstance(x, jax.extend.core.Literal))
+      assert len(copies) == 1, (g, copies)
+      assert previous < min(copies) < g, (previous, copies, g)
+    previous = g
+  # Outside the host update (a compute_on("device_host") call: a jit on jax
+  # 0.10, its own primitive on 0.12), only copies read host memory.
+  host_readers = {e.primitive.name for e in eqns
+                  if any(_on_host(getattr(v, "aval", None)) for v in e.invars)}
+  assert host_readers <= {"device_put", "jit", "pjit", "compute_on"}, host_readers
+  reduced = [e for e in eqns if e.primitive.name == "fsdp_reduce"]
+  assert reduced and not any(_on_host(o.aval) for e in reduced for o in e.outvars)
+
+
+@pytest.mark.parametrize("accumulation", ["sharded", "no_sync"])
+def test_accumulation_and_a_stacked_scan_match_the_step_without_offload(accumulation):
+  """Gradient accumulation (both kinds) and a ``lax.scan`` over a stacked
+  unit: the offloaded step's numbers are the device step's, bit for bit."""
+  rng = np.random.default_rng(0)
+  f = lambda *s: jnp.asarray(rng.normal(0, 0.3, s), jnp.float32)
+  params = {"embed": f(5, 8), "blocks": {"w": f(4, 8, 8), "b": f(4, 8)}, "head": f(8, 3)}
+
+  def loss(p, batch):
+    h = batch["x"] @ p["embed"]
+    h, _ = jax.lax.scan(lambda h, blk: (jnp.tanh(h @ blk["w"] + blk["b"]), None), h,
+                        p["blocks"])
+    logits = h @ p["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+  batches = [{"x": jnp.asarray(rng.normal(size=(24, 5)), jnp.float32),
+              "y": jnp.asarray(rng.integers(0, 3, 24), jnp.int32)} for _ in range(3)]
+  mesh = fsdp_jax.make_mesh(shard=3, devices=jax.devices()[:3])
+  results = {}
+  for offloaded in (False, True):
+    config = fsdp_jax.FSDPConfig(auto_wrap_policy=fsdp_jax.ModuleWrapPolicy(["blocks"]),
+                                 cpu_offload=OFFLOAD if offloaded else None)
+    state = fsdp_jax.init_train_state(params=params, optimizer=OPT, mesh=mesh, config=config)
+    step = fsdp_jax.shard_train_step(loss, OPT, mesh=mesh, config=config, max_norm=1.0,
+                                     gradient_accumulation_steps=2, accumulation=accumulation)
+    losses = []
+    for b in batches:
+      state, metrics = step(state, b)
+      losses.append(metrics["loss"])
+    if offloaded:
+      _assert_offloaded(state)
+    results[offloaded] = (losses, fsdp_jax.summon_full_params(state))
+  _assert_bitwise(results[True], results[False])

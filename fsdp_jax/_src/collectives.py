@@ -667,13 +667,18 @@ RECOMPUTED = frozenset({
     "pow", "reduce_precision", "rem", "reshape", "round", "rsqrt", "select_n", "sign",
     "sin", "sinh", "sqrt", "square", "squeeze", "stop_gradient", "sub", "tan", "tanh",
     "transpose", "xor", "slice", "concatenate", "pad", "dynamic_slice", "rev", "split",
+    # CPU offload: a unit's device copy of its host shards is made again for
+    # the backward re-gather, not held from the forward pass.
+    "device_put",
 })
 
 
 def save_all_but_gathers(prim, *_, **params) -> bool:
   """Saves every residual except the outputs of resharded gathers (steps
-  with a stacked unit, and the loop body gathering one layer per iteration)."""
-  return not (prim is fsdp_all_gather_p and params["spec"].reshard)
+  with a stacked unit, and the loop body gathering one layer per iteration)
+  and CPU offload's device copies."""
+  return not ((prim is fsdp_all_gather_p and params["spec"].reshard)
+              or prim.name == "device_put")
 
 
 def remat_policy(prim, *_, **params) -> bool:

@@ -210,8 +210,9 @@ class CPUOffload(_ValueEquality):
 
   With ``offload_params=True`` the sharded parameters and the optimizer state
   live in host memory (each device's ``pinned_host`` memory kind, the same
-  shards in host RAM). Every step copies the parameter shards to the device
-  for the all-gathers, moves the reduced (and, with ``max_norm``, clipped)
+  shards in host RAM). Every step copies each unit's parameter shards to the
+  device at its all-gather (one unit at a time), moves the reduced (and, with
+  ``max_norm``, clipped)
   gradient shards to the host, and runs ``optimizer.update`` and
   ``optax.apply_updates`` on the host, so the new parameters and optimizer
   state are written in host memory. The step counter, ``model_state`` and a

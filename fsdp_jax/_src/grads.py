@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fsdp_jax._src import _compat
-from fsdp_jax._src import collectives, frameworks, hooks, layout, optim, schedule
+from fsdp_jax._src import collectives, frameworks, hooks, layout, offload, optim, schedule
 from fsdp_jax._src import loss as loss_lib
 from fsdp_jax._src.config import is_float_dtype, is_key_dtype
 from fsdp_jax._src.plan import Plan
@@ -354,7 +354,7 @@ def _cast_unit_inputs(plan: Plan):
 
 
 def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
-  """``local(params, batch, model_state, probes, rng) -> LossOutput``.
+  """``local(params, batch, model_state, probes, rng, deltas) -> LossOutput``.
 
   With mixed precision and ``cast_root_forward_inputs``, floating batch
   leaves are cast to ``param_dtype`` before the loss runs: all of them, or
@@ -366,6 +366,13 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
   the gathered leaves: their gradient is the leaf's full, unreduced local
   gradient (used by ``no_sync`` accumulation and stateful hooks). ``rng`` is
   passed as ``loss_fn(..., rng=rng)`` when ``loss_fn`` accepts it.
+
+  With CPU offload the stored arrays are in host memory: each unit's are
+  copied to the device at its gather (one unit at a time; the backward
+  re-gather copies them again). ``deltas`` (stored-layout device zeros for
+  the trainable arrays, see :func:`_offload_deltas`, or None) are added to
+  those copies: the gradient with respect to them is the gradient of the
+  shards, in device memory.
 
   The trace binds ``config.data_axis_name`` with the data-parallel world's
   size and rewrites the model's collectives over it to the mesh's data axes.
@@ -448,14 +455,20 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
     rest = jax.tree_util.tree_leaves(batch) + ms_leaves + jax.tree_util.tree_leaves(key)
     return closed, out_shape, kind, rest, key_pos
 
-  def local(params, batch, model_state=None, probes=None, rng=None):
+  def local(params, batch, model_state=None, probes=None, rng=None, deltas=None):
     closed, out_shape, kind, rest, key_pos = prepare(batch, model_state, rng)
     storage = jax.tree_util.tree_leaves(params) if plan.use_orig_params else params
 
+    def on_device(key, x):
+      # CPU offload: a unit's stored arrays are copied to the device at its
+      # gather, not at the start of the step.
+      x = offload.to_device(x)
+      return x if deltas is None or deltas.get(key) is None else x + deltas[key]
+
     def unit_locals(u):
       unit = plan.units[u]
-      arrays = ([storage[i] for i in unit.leaf_ids] if plan.use_orig_params
-                else [storage[unit.flat_key]])
+      arrays = ([on_device(i, storage[i]) for i in unit.leaf_ids] if plan.use_orig_params
+                else [on_device(unit.flat_key, storage[unit.flat_key])])
       if probes is not None:
         arrays = arrays + [probes[i] for i in unit.leaf_ids if i in probes]
       return arrays
@@ -477,7 +490,8 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
     # Ignored leaves are read straight from this device's own copy.
     direct = {}
     for l in plan.ignored_leaves:
-      x = (storage[l.index] if plan.use_orig_params else storage[plan.ignored_key(l)])[0]
+      x = (on_device(l.index, storage[l.index]) if plan.use_orig_params
+           else on_device(plan.ignored_key(l), storage[plan.ignored_key(l)]))[0]
       direct[l.index] = x + probes[l.index] if probes is not None and l.index in probes else x
     g = schedule.Gatherer(
         gather_unit=lambda u: gather_arrays(u, unit_locals(u)),
@@ -618,6 +632,17 @@ def _recomputes_cheap_ops(plan: Plan) -> bool:
   """
   return (any(plan.reshard(u) for u in plan.units)
           and not any(u.stacked and plan.secondary_size(u) for u in plan.units))
+
+
+def _offload_deltas(plan: Plan, trainable) -> dict:
+  """Trainable arrays in the stored layout (as :func:`split_trainable`
+  returns them) -> ``{leaf id or flat key: array}``, as ``local`` reads
+  ``deltas``."""
+  if not plan.use_orig_params:
+    return dict(trainable)
+  leaves = jax.tree_util.tree_leaves(trainable)
+  ids = [l.index for l in plan.leaves if not l.frozen]
+  return dict(zip(ids, leaves))
 
 
 def _maybe_remat(local, plan: Plan):
@@ -801,6 +826,7 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
     raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1.")
   raw = make_local_loss(loss_fn, plan, forward_inputs=forward_inputs)
   local = _maybe_remat(raw, plan)
+  offloaded = offload.offloads(plan.config)
   stateful_hook = hooks.is_stateful(plan.config.comm_hook)
   use_probes = stateful_hook or (k > 1 and accumulation == "no_sync")
   data_axes = plan.axes.data_axes
@@ -822,6 +848,19 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
 
   def direct(params, batch, model_state, rng, scale):
     trainable, frozen = split_trainable(plan, params)
+    if offloaded:
+      # Differentiate with respect to device zeros added to each unit's
+      # device copy: the gradient shards stay in device memory (a gradient
+      # with respect to the host arrays would be computed in host memory).
+      stored = merge_trainable(plan, trainable, frozen)  # constants of the objective
+
+      def objective(dz):
+        out = local(stored, batch, model_state, None, rng, _offload_deltas(plan, dz))
+        return objective_of(out, scale), out
+
+      zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), trainable)
+      (_, out), grads = jax.value_and_grad(objective, has_aux=True)(zeros)
+      return out, grads
 
     def objective(t):
       out = local(merge_trainable(plan, t, frozen), batch, model_state, None, rng)

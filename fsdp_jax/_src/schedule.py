@@ -630,6 +630,13 @@ def _scan_rebuild(eqn, read, write, g: Gatherer, klass) -> None:
 _GATHERS = (collectives.fsdp_all_gather_p, collectives.fsdp_group_gather_p)
 
 
+def _in_host_memory(x) -> bool:
+  try:
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+  except TypeError:
+    return False
+
+
 def _explicit(pairs, run_order, field: str, phase: str) -> dict:
   """Explicit prefetch ``((u, (x1, x2, ...)), ...)`` -> ``{x: the unit whose
   gather it follows}`` (``x1`` follows ``u``, ``x2`` follows ``x1``); the
@@ -791,6 +798,28 @@ class _Sequence:
       if ins and all(self.producer.get(v) in self.gathers or self.producer.get(v) in self.deferred
                      for v in ins):
         self.deferred.add(i)
+    # CPU offload's copies of a unit's host shards to the device (and the
+    # gradient's zeros added to them) run at the gather that reads them, not
+    # where the backward pass's recomputation lists them (at its start, which
+    # would copy every unit's shards at once).
+    self.feeders: set = set()
+    for i, (kind, eqn) in enumerate(self.items):
+      if kind != "eqn" or eqn.effects:
+        continue
+      if eqn.primitive.name == "device_put" or (
+          eqn.primitive.name in ("add", "convert_element_type") and any(
+              self.producer.get(self.resolve(v)) in self.feeders for v in eqn.invars
+              if not isinstance(v, Literal))):
+        self.feeders.add(i)
+    while True:  # keep those whose every reader is a gather or a kept one
+      keep = {i for i in self.feeders if all(
+          u in self.gathers or u in self.feeders
+          for v in self.items[i][1].outvars if not isinstance(v, DropVar)
+          for u in self.uses.get(v, ())) and any(
+              self.uses.get(v) for v in self.items[i][1].outvars)}
+      if keep == self.feeders:
+        break
+      self.feeders = keep
     self.deps: dict[int, list] = {}
     self._plan()
 
@@ -953,7 +982,7 @@ class _Sequence:
     barrier, so later readers keep the barrier (XLA drops barrier operands
     whose results nobody reads)."""
     env: dict = {}
-    pending: set = set(self.gathers) | self.deferred
+    pending: set = set(self.gathers) | self.deferred | self.feeders
     waiting = sorted(i for i in pending if self.deps.get(i))
     self.skipped = 0
 
@@ -1012,7 +1041,9 @@ class _Sequence:
         pc = rp.prevent_cse
         pc = (pc,) * len(vals) if isinstance(pc, bool) else pc
         if rp.differentiated and any(pc):
-          idx = [j for j, p in enumerate(pc) if p]
+          # Not CPU offload's host arrays: only copies to the device read
+          # them, which the compiler does not merge (they have effects).
+          idx = [j for j, p in enumerate(pc) if p and not _in_host_memory(vals[j])]
           barred = lax.optimization_barrier([vals[j] for j in idx])
           for j, b in zip(idx, barred):
             vals[j] = b

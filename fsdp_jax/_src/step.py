@@ -148,8 +148,9 @@ def shard_train_step(loss_fn: Callable[..., Any],
   4. ``optimizer.update`` runs on the local shards of the trainable params.
 
   With ``config.cpu_offload=CPUOffload(offload_params=True)`` the state's
-  params and optimizer state are in host memory (``pinned_host``): the
-  parameter shards are copied to the device for step 1, the reduced (and
+  params and optimizer state are in host memory (``pinned_host``): each
+  unit's parameter shards are copied to the device at its gather in step 1
+  (again at a backward re-gather), the reduced (and
   clipped, which needs collectives and stays on the device) gradient shards
   are moved to the host, and step 4 (``optimizer.update`` and
   ``optax.apply_updates``) runs on the host (``compute_on("device_host")``),
@@ -247,12 +248,11 @@ def shard_train_step(loss_fn: Callable[..., Any],
     own_grads = any(l.ignored and not l.frozen for l in plan.leaves)
 
     def body(params, opt_state, model_state, hook_state, batch_local, rng, step_count):
-      # With CPU offload the stored shards are in host memory: the gathers
-      # read a device copy of them.
-      dev_params = offload.to_device(params) if offloaded else params
+      # With CPU offload the stored shards are in host memory: each unit's
+      # gather reads a device copy of its own shards (grads.make_local_loss).
       key = None if rng is None else jax.tree.map(
           lambda r: loss_lib.device_key(r, step_count, data_axes), rng)
-      out, grads, new_hook_state = vg(dev_params, batch_local, model_state, hook_state, key)
+      out, grads, new_hook_state = vg(params, batch_local, model_state, hook_state, key)
       if out.weight is None:
         loss = jax.lax.pmean(out.loss.astype(jnp.float32), data_axes)
       else:  # a WeightedLoss: already the global ratio, the same on every device
