@@ -186,6 +186,12 @@ class RematParams(NamedTuple):
   differentiated: bool
 
 
+def param_items(eqn) -> tuple:
+  """Every parameter of an equation as ``(name, value)`` pairs, read as
+  opaque values (to key a cache on an equation, not to interpret it)."""
+  return tuple(eqn.params.items())
+
+
 def remat_params(eqn) -> RematParams:
   p = eqn.params
   return RematParams(p["jaxpr"], p.get("policy"), p.get("prevent_cse", True),

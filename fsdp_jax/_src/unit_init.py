@@ -143,7 +143,7 @@ def _analyse(part, keys: _Keys) -> _Analysis:
         ins.append(where[x])
     for j, o in enumerate(eqn.outvars):
       where[o] = ("eqn", len(eqns), j)
-    params = tuple(sorted((k, keys.param(v)) for k, v in eqn.params.items()))
+    params = tuple(sorted((k, keys.param(v)) for k, v in _compat.param_items(eqn)))
     eqns.append((eqn.primitive.name, params, tuple(ins), repr(eqn.ctx),
                  tuple(str(o.aval) for o in eqn.outvars)))
   outs = []
