@@ -539,3 +539,92 @@ def test_16bit_gradients_are_packed_as_bits(use_orig):
   # A misplaced bit pattern would be garbage: the bf16 reduction's update is
   # the f32 reduction's up to bf16 rounding.
   assert_trees_close(results["bfloat16"], results["float32"], rtol=2e-2, atol=1e-3)
+
+
+# A stateful hook runs in the backward pass, as each unit's gradient completes.
+
+
+def _hook_runs(monkeypatch, *, in_backward, strategy, n, r, orig, offload=False, ignored=False,
+               steps=3):
+  from fsdp_jax._src import grads as grads_lib
+  if not in_backward:  # the path kept for stacked units: after the backward pass
+    monkeypatch.setattr(grads_lib, "_gates_apply", lambda plan, state: False)
+  params, batch = mlp_params(), mlp_batch()
+  config = fsdp_jax.FSDPConfig(
+      sharding_strategy=strategy, auto_wrap_policy=WRAP_BLOCKS, use_orig_params=orig,
+      comm_hook=fsdp_jax.hooks.ErrorFeedbackHook(jnp.bfloat16),
+      ignored_states=["out.w"] if ignored else None,
+      cpu_offload=fsdp_jax.CPUOffload(offload_params=True) if offload else None)
+  mesh = mesh_for(strategy, n, r)
+  opt = optax.adam(1e-2)
+  state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=config)
+  step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config, max_norm=1.0)
+  losses = []
+  for i in range(steps):
+    state, metrics = step(state, mlp_batch(seed=20 + i))
+    losses.append(metrics["loss"])
+  monkeypatch.undo()
+  return losses, state.params, state.comm_hook_state, state.opt_state
+
+
+@pytest.mark.parametrize("strategy,n,r,orig,offload,ignored", [
+    (S.FULL_SHARD, 4, None, False, False, False),
+    (S.FULL_SHARD, 3, None, True, False, True),
+    (S.SHARD_GRAD_OP, 3, None, False, False, True),
+    (S.HYBRID_SHARD, 2, 2, True, False, False),
+    (S.FULL_SHARD, 3, None, False, True, False)],
+    ids=["full-4-flat", "full-3-orig-ignored", "grad_op-3-ignored", "hybrid-2x2-orig",
+         "full-3-offload"])
+def test_stateful_hook_in_the_backward_pass_matches_the_hook_after_it(monkeypatch, strategy, n,
+                                                                      r, orig, offload,
+                                                                      ignored):
+  """Losses, parameters, optimizer state and the hook's state after three
+  steps: bit for bit those of running the hook on the full gradients after
+  the backward pass."""
+  kw = dict(strategy=strategy, n=n, r=r, orig=orig, offload=offload, ignored=ignored)
+  got = _hook_runs(monkeypatch, in_backward=True, **kw)
+  want = _hook_runs(monkeypatch, in_backward=False, **kw)
+  la, lb = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert len(la) == len(lb)
+  for a, b in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # The hook's state moved: it is each device's own rounding error.
+  assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(got[2])) > 0
+
+
+def _shard_map_body(jaxpr):
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "shard_map":
+      return eqn.params["jaxpr"]
+  for sub in jax.extend.core.subjaxprs(jaxpr):
+    found = _shard_map_body(sub)
+    if found is not None:
+      return found
+  return None
+
+
+@pytest.mark.parametrize("in_backward", [True, False], ids=["in_backward", "after"])
+def test_stateful_hook_reduces_each_unit_before_the_next_units_backward(monkeypatch,
+                                                                        in_backward):
+  """In the step's program the hook's reduce-scatter of the last block comes
+  before the backward matmuls of the first block: a unit's full gradient is
+  reduced as soon as it is complete, not kept until the whole backward pass
+  has run (the path kept for stacked units, checked here as the contrast)."""
+  from fsdp_jax._src import grads as grads_lib
+  if not in_backward:
+    monkeypatch.setattr(grads_lib, "_gates_apply", lambda plan, state: False)
+  mesh = fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4])
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP_BLOCKS,
+                               comm_hook=fsdp_jax.hooks.ErrorFeedbackHook(jnp.bfloat16))
+  state = fsdp_jax.init_train_state(params=mlp_params(), optimizer=optax.sgd(0.1), mesh=mesh,
+                                    config=config)
+  step = fsdp_jax.shard_train_step(mlp_loss, optax.sgd(0.1), mesh=mesh, config=config)
+  names = [e.primitive.name for e in _shard_map_body(
+      jax.make_jaxpr(step.jitted)(state, mlp_batch()).jaxpr).eqns]
+  scatters = [k for k, name in enumerate(names) if name == "reduce_scatter"]
+  matmuls = [k for k, name in enumerate(names) if name == "dot_general"]
+  assert len(scatters) == len(state.plan.units)  # one reduction per unit (and dtype group)
+  if in_backward:
+    assert scatters[0] < matmuls[-1], (scatters, matmuls)
+  else:
+    assert scatters[0] > matmuls[-1], (scatters, matmuls)

@@ -364,7 +364,8 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
   Evaluates ``loss_fn`` on this device's batch with every unit gathered right
   before its first use. ``probes`` (``{leaf_id: zeros}`` or None) are added to
   the gathered leaves: their gradient is the leaf's full, unreduced local
-  gradient (used by ``no_sync`` accumulation and stateful hooks). ``rng`` is
+  gradient (used by ``no_sync`` accumulation, and by stateful hooks that
+  cannot run in the backward pass). ``rng`` is
   passed as ``loss_fn(..., rng=rng)`` when ``loss_fn`` accepts it.
 
   With CPU offload the stored arrays are in host memory: each unit's are
@@ -373,6 +374,13 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
   the trainable arrays, see :func:`_offload_deltas`, or None) are added to
   those copies: the gradient with respect to them is the gradient of the
   shards, in device memory.
+
+  ``gates`` (``{(unit index, group index): (zeros shaped like the group's
+  stored local arrays, hook state)}`` or None): a stateful communication
+  hook runs in the backward pass, as soon as the group's gradient is
+  complete; the gradient with respect to the zeros is the hook's reduced
+  shard, the one with respect to the state its new state (see
+  :func:`_hook_gate`).
 
   The trace binds ``config.data_axis_name`` with the data-parallel world's
   size and rewrites the model's collectives over it to the mesh's data axes.
@@ -455,7 +463,7 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
     rest = jax.tree_util.tree_leaves(batch) + ms_leaves + jax.tree_util.tree_leaves(key)
     return closed, out_shape, kind, rest, key_pos
 
-  def local(params, batch, model_state=None, probes=None, rng=None, deltas=None):
+  def local(params, batch, model_state=None, probes=None, rng=None, deltas=None, gates=None):
     closed, out_shape, kind, rest, key_pos = prepare(batch, model_state, rng)
     storage = jax.tree_util.tree_leaves(params) if plan.use_orig_params else params
 
@@ -481,9 +489,13 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
       probe_ids = [i for i in unit.leaf_ids if probes is not None and i in probes]
       probe_of = dict(zip(probe_ids, extra))
       out = {}
-      for group, spec in specs_per_unit[u]:
+      for gi, (group, spec) in enumerate(specs_per_unit[u]):
         locs = layout.group_locals(plan, group, local_arrays)
-        for i, v in zip(group, collectives.gather(locs, spec)):
+        vals = collectives.gather(locs, spec)
+        if gates is not None and (u, gi) in gates:
+          vals = _hook_gate(plan.config.comm_hook, spec, plan.prefix(unit))(
+              list(vals), *gates[(u, gi)])
+        for i, v in zip(group, vals):
           out[i] = v + probe_of[i] if i in probe_of else v
       return out
 
@@ -634,6 +646,43 @@ def _recomputes_cheap_ops(plan: Plan) -> bool:
           and not any(u.stacked and plan.secondary_size(u) for u in plan.units))
 
 
+def _hook_gate(hook, spec, prefix):
+  """``gate(vals, zeros, state) -> vals``, whose backward runs the stateful
+  ``hook`` on the group's full gradient (the cotangent of ``vals``) and
+  returns its reduced shard as the cotangent of ``zeros`` and its new state
+  as the cotangent of ``state``: the hook runs where the default reduction
+  would, so no unit's full gradient outlives its backward computation."""
+
+  @jax.custom_vjp
+  def gate(vals, zeros, state):
+    del zeros, state
+    return vals
+
+  def fwd(vals, zeros, state):
+    del zeros
+    return vals, state
+
+  def bwd(state, cts):
+    full = collectives.pack_full(list(cts), spec, prefix)
+    reduced, new_state = hooks.call_hook(hook, state, full, spec)
+    reduced = collectives.split_rows(
+        collectives.finish_gradient(reduced, spec, spec.stored_dtype), spec)
+    new_state = jax.tree.map(lambda n, o: jnp.asarray(n).astype(o.dtype), new_state, state)
+    return None, reduced, new_state
+
+  gate.defvjp(fwd, bwd)
+  return gate
+
+
+def _gates_apply(plan: Plan, hook_state) -> bool:
+  """Whether a stateful hook can run in the backward pass: no stacked
+  trainable unit (scan loops reduce layer by layer) and a floating state
+  (it travels as a cotangent)."""
+  if any(u.stacked for u in plan.trainable_units):
+    return False
+  return all(jnp.issubdtype(x.dtype, jnp.floating) for x in jax.tree.leaves(hook_state))
+
+
 def _offload_deltas(plan: Plan, trainable) -> dict:
   """Trainable arrays in the stored layout (as :func:`split_trainable`
   returns them) -> ``{leaf id or flat key: array}``, as ``local`` reads
@@ -710,14 +759,20 @@ def reduce_full_grads(plan: Plan, full_grads: dict, hook_state=None):
   for l in plan.ignored_leaves:
     if not l.frozen:
       local[("ignored", l.index)] = full_grads[l.index][None].astype(l.dtype)
+  return _assemble_grads(plan, local), new_hook_state
+
+
+def _assemble_grads(plan: Plan, local: dict):
+  """``{(unit index, leaf id or "flat") or ("ignored", leaf id): reduced}``
+  -> the trainable gradients in the stored layout."""
   if plan.use_orig_params:
     leaves = [None if l.frozen else local[("ignored", l.index) if l.ignored else (l.unit, l.index)]
               for l in plan.leaves]
-    return jax.tree_util.tree_unflatten(plan.treedef, leaves), new_hook_state
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
   out = {u.flat_key: local[(u.index, "flat")] for u in plan.trainable_units}
   out.update({plan.ignored_key(l): local[("ignored", l.index)]
               for l in plan.ignored_leaves if not l.frozen})
-  return {k: out[k] for k in sorted(out)}, new_hook_state
+  return {k: out[k] for k in sorted(out)}
 
 
 def hook_key(unit, group_index: int) -> str:
@@ -885,6 +940,50 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
 
   probed = schedule.ordered(probed, ordering)
 
+  def hooked(params, batch, model_state, rng, scale, hook_state):
+    """A stateful hook in the backward pass: differentiate with respect to
+    zeros and the hook's state at each group's gate (and zeros added to the
+    ignored leaves), the stored arrays being constants."""
+    trainable, frozen = split_trainable(plan, params)
+    stored = merge_trainable(plan, trainable, frozen)
+    zeros, states = {}, {}
+    for u in plan.trainable_units:
+      arrays = layout.unit_storage(plan, u, stored)
+      arrays = (dict(zip(u.leaf_ids, arrays)) if plan.use_orig_params else {"flat": arrays[0]})
+      for gi, (group, _) in enumerate(layout.gather_specs(plan, u)):
+        zeros[(u.index, gi)] = [jnp.zeros(x.shape, x.dtype)
+                                for x in layout.group_locals(plan, group, arrays)]
+        states[(u.index, gi)] = jax.tree.map(lambda x: x[0], hook_state[hook_key(u, gi)])
+    leaves = jax.tree_util.tree_leaves(stored) if plan.use_orig_params else None
+    ignored = {}
+    for l in plan.ignored_leaves:
+      if not l.frozen:
+        key = l.index if plan.use_orig_params else plan.ignored_key(l)
+        x = leaves[l.index] if plan.use_orig_params else stored[key]
+        ignored[key] = jnp.zeros(x.shape, x.dtype)
+
+    def objective(z, st, dz):
+      out = local(stored, batch, model_state, None, rng, dz,
+                  {k: (z[k], st[k]) for k in z})
+      return objective_of(out, scale), out
+
+    (_, out), (reduced, new_states, d_ignored) = jax.value_and_grad(
+        objective, argnums=(0, 1, 2), has_aux=True)(zeros, states, ignored)
+    per = {}
+    for (ui, gi), arrays in reduced.items():
+      group = layout.gather_specs(plan, plan.units[ui])[gi][0]
+      for k, v in zip(group if plan.use_orig_params else ["flat"], arrays):
+        per[(ui, k)] = v
+    for l in plan.ignored_leaves:
+      if not l.frozen:
+        per[("ignored", l.index)] = d_ignored[l.index if plan.use_orig_params
+                                              else plan.ignored_key(l)]
+    new_hook = {hook_key(plan.units[ui], gi): jax.tree.map(lambda x: x[None], st)
+                for (ui, gi), st in new_states.items()}
+    return out, _assemble_grads(plan, per), new_hook
+
+  hooked = schedule.ordered(hooked, ordering)
+
   def global_weight(local_weights):
     w = loss_lib.weight_total(local_weights, data_axes)
     return w, jnp.float32(world) / w
@@ -894,7 +993,9 @@ def value_and_grad(loss_fn: Callable, *, plan: Plan, gradient_accumulation_steps
     if k == 1:
       w = raw.weight(batch, model_state, rng)
       total_w, scale = global_weight(w) if w is not None else (None, None)
-      if use_probes:
+      if stateful_hook and _gates_apply(plan, hook_state):
+        out, grads, new_hook = hooked(params, batch, model_state, rng, scale, hook_state)
+      elif use_probes:
         out, full = probed(params, batch, model_state, rng, scale)
         grads, new_hook = reduce_full_grads(plan, full, hook_state)
       else:

@@ -12,11 +12,15 @@ the sharded step, once per unit (per dtype group) and step:
 * it returns this device's reduced shard ``(..., S)`` (any float dtype: it is
   cast to the stored dtype afterwards) and its new state.
 
-Stateless hooks (``stateful = False``) run inside the backward pass, exactly
-where the default reduce-scatter would. Stateful hooks declare
+Hooks run inside the backward pass, where the default reduce-scatter would,
+as soon as a unit's gradient is complete. Stateful hooks declare
 ``init(shape, dtype) -> state`` with a state per device; their state lives in
-``ShardedTrainState.comm_hook_state`` and the hook runs after the backward pass
-(the unit's full gradient is kept until then).
+``ShardedTrainState.comm_hook_state`` (a floating state travels through the
+backward pass as a cotangent). Two cases run a stateful hook after the
+backward pass instead, on every unit's full gradient kept until then: a plan
+with a stacked (scanned) trainable unit, or a state with non-floating leaves;
+and with ``gradient_accumulation_steps > 1`` it runs once, on the accumulated
+full gradients.
 
 Built-ins mirror ``torch.distributed.algorithms._comm_hooks.default_hooks``:
 :data:`allreduce_hook` (NO_SHARD), :data:`reduce_scatter_hook` (sharded
