@@ -642,7 +642,7 @@ def _recomputes_cheap_ops(plan: Plan) -> bool:
   the gathers: recomputing the cheap operations of a scanned layer made the
   compiled program gather each layer a third time, in a loop of its own.
   """
-  return (any(plan.reshard(u) for u in plan.units)
+  return (any(plan.regather(u) for u in plan.units)
           and not any(u.stacked and plan.secondary_size(u) for u in plan.units))
 
 
@@ -695,7 +695,7 @@ def _offload_deltas(plan: Plan, trainable) -> dict:
 
 
 def _maybe_remat(local, plan: Plan):
-  if any(plan.reshard(u) for u in plan.units):
+  if any(plan.regather(u) for u in plan.units):
     policy = collectives.remat_policy if _recomputes_cheap_ops(plan) else (
         collectives.save_all_but_gathers)
     # jax.checkpoint picks its implementation when it wraps (jax 0.10).

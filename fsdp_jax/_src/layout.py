@@ -114,7 +114,7 @@ def gather_specs(plan: Plan, unit: UnitSpec, *, layer: bool = False):
         flat=not plan.use_orig_params, leaves=leaves, n=plan.n, chunk=chunk,
         stored_dtype=stored, compute_dtype=compute, reduce_dtype=reduce,
         shard_axes=axes.shard_axes, reduce_axes=reduce_axes,
-        pre_divide=pre, post_divide=post, reshard=plan.reshard(unit),
+        pre_divide=pre, post_divide=post, reshard=plan.regather(unit),
         keep_low_precision_grads=bool(mp and mp.keep_low_precision_grads),
         label=unit.display_name,
         hook=None if hook is None or is_stateful(hook) else hook,

@@ -15,7 +15,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fsdp_jax._src import offload
-from fsdp_jax._src.config import FSDPConfig, MixedPrecision, ShardingStrategy, gradient_divide_factors
+from fsdp_jax._src.config import (FSDPConfig, MixedPrecision, ShardingStrategy,
+                                  gradient_divide_factors, is_float_dtype)
 from fsdp_jax._src.mesh import MeshAxes
 
 
@@ -158,6 +159,25 @@ class Plan:
   def reshard(self, unit: UnitSpec) -> bool:
     """FULL_SHARD/HYBRID_SHARD free a unit after forward; the root is kept."""
     return bool(self.config.reshard_after_forward) and not unit.is_root
+
+  def regather(self, unit: UnitSpec) -> bool:
+    """Whether the backward pass gathers ``unit`` again rather than keeping
+    its forward gather: when it is resharded, and under NO_SHARD when the
+    "gather" (this device's unpacking of its replicated copy, no
+    communication) copies: slices of a flat parameter, or casts to
+    ``param_dtype``. Redone in backward, that costs one copy; kept, it held
+    a second copy of the unit from forward to backward."""
+    if self.reshard(unit):
+      return True
+    if self.axes.shard_axes:
+      return False
+    if not self.use_orig_params:
+      return True
+    mp = self.mixed_precision(unit)
+    cast = None if mp is None else mp.param_dtype
+    return cast is not None and any(
+        is_float_dtype(self.leaves[i].dtype)
+        and np.dtype(self.leaves[i].dtype) != np.dtype(cast) for i in unit.leaf_ids)
 
   def secondary_size(self, unit: UnitSpec) -> int:
     """``k`` when ``reshard_after_forward=k`` keeps a ``1/k`` slice of the
