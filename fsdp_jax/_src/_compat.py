@@ -287,6 +287,23 @@ def nested_jaxprs(eqn):
   return out
 
 
+def params_jaxprs(params: dict) -> list:
+  """The jaxprs among a primitive's params (as a remat policy receives them:
+  a call's body, a custom_jvp's function...), as open jaxprs."""
+  out = []
+  for v in params.values():
+    for x in (v if isinstance(v, (tuple, list)) else (v,)):
+      if isinstance(x, (Jaxpr, ClosedJaxpr)):
+        out.append(split_closed(x)[0])
+  return out
+
+
+# Primitives that call a jaxpr once, as it is (jit, custom_jvp / custom_vjp
+# functions, closed calls), across jax 0.10 to 0.12.
+CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                             "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
 # -- remat partial evaluation of fsdp_jax's own gather --------------------------
 # jax._src.interpreters.partial_eval (0.10 to 0.12, same signatures): no public
 # API lets a primitive decide how jax.checkpoint splits it (hpZ saves a

@@ -667,6 +667,9 @@ RECOMPUTED = frozenset({
     "pow", "reduce_precision", "rem", "reshape", "round", "rsqrt", "select_n", "sign",
     "sin", "sinh", "sqrt", "square", "squeeze", "stop_gradient", "sub", "tan", "tanh",
     "transpose", "xor", "slice", "concatenate", "pad", "dynamic_slice", "rev", "split",
+    # jax 0.12: tanh's derivative is one_minus_square(tanh(x)); erfc's uses
+    # polynomial and bitcast_convert_type; log2.
+    "one_minus_square", "log2", "polynomial", "bitcast_convert_type",
     # CPU offload: a unit's device copy of its host shards is made again for
     # the backward re-gather, not held from the forward pass.
     "device_put",
@@ -681,10 +684,25 @@ def save_all_but_gathers(prim, *_, **params) -> bool:
               or prim.name == "device_put")
 
 
+def _recomputed_body(jaxpr) -> bool:
+  """Whether every equation of ``jaxpr`` is one :data:`RECOMPUTED` primitive
+  or a call of such equations."""
+  return all(e.primitive.name in RECOMPUTED
+             or (e.primitive.name in _compat.CALL_PRIMITIVES
+                 and all(_recomputed_body(b) for b in _compat.nested_jaxprs(e)))
+             for e in jaxpr.eqns)
+
+
 def remat_policy(prim, *_, **params) -> bool:
   """Saves what is costly to recompute, except the outputs of resharded
   gathers (re-gathered in the backward pass); elementwise and layout
-  primitives are recomputed."""
+  primitives are recomputed, and so are calls of nothing else (a
+  ``custom_jvp`` activation such as ``jax.nn.softplus``, a jitted one)."""
   if prim is fsdp_all_gather_p:
     return not params["spec"].reshard
-  return prim.name not in RECOMPUTED
+  if prim.name in RECOMPUTED:
+    return False
+  if prim.name in _compat.CALL_PRIMITIVES:
+    bodies = _compat.params_jaxprs(params)
+    return not (bodies and all(_recomputed_body(b) for b in bodies))
+  return True

@@ -245,7 +245,7 @@ ELEMENTWISE = frozenset({
     "not", "or", "pow", "real", "reduce_precision", "rem", "round", "rsqrt", "select_n",
     "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh",
     "sqrt", "square", "sub", "tan", "tanh", "xor", "population_count", "conj", "complex",
-    "stop_gradient",
+    "stop_gradient", "one_minus_square", "log2", "polynomial",
 })
 # Primitives that only annotate their operands (sharding, scheduling).
 _PASSTHROUGH = ("optimization_barrier", "reshard", "sharding_constraint", "mesh_cast")
