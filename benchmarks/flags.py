@@ -15,10 +15,11 @@ the library's plus the YNN flag it used to set), in a fresh process each
 * a plain single-device ``jax.jit`` train step of the benchmark GPT (the
   user's own code): its step time;
 * fsdp_jax FULL_SHARD fp32 on 8 simulated CPU devices (same model, same
-  global batch), compiled with its options, without the YNN option, and
-  with no options: step time, peak bytes per device (``memory_analysis()``)
-  and all-gathers per step (from the compiled HLO: 2 per unit when the
-  backward re-gathers, 1 when it does not);
+  global batch), compiled with the options it picks for this loss (which
+  does not checkpoint: YNN fusions on), with the YNN option added (what a
+  checkpointing loss gets), and with no options: step time, peak bytes per
+  device (``memory_analysis()``) and all-gathers per step (from the compiled
+  HLO: 2 per unit when the backward re-gathers, 1 when it does not);
 * the same GPT with ``nn.remat`` on every block under FULL_SHARD, with and
   without the YNN option: temporaries per device (what per-block
   checkpointing is for);
@@ -61,9 +62,10 @@ def _flag_sets(flags: tuple[str, ...]) -> dict[str, str]:
   return sets
 
 
-# fsdp_jax's step compiled three ways: name -> options (None: the step's own).
-STEP_VARIANTS = {"own": None, "no_ynn_option": "drop:xla_cpu_experimental_ynn_fusion_type",
-                 "no_options": {}}
+# fsdp_jax's step compiled three ways: name -> compiler_options(mesh,
+# checkpointed=...) or explicit options. "lean" is what shard_train_step picks
+# for a loss that does not checkpoint, "ynn_option" for one that does.
+STEP_VARIANTS = {"lean": False, "ynn_option": True, "no_options": {}}
 
 
 def _child(args) -> dict:
@@ -107,10 +109,8 @@ def _child(args) -> dict:
   own = fsdp_jax.custom.compiler_options(mesh)
 
   def variant_options(v):
-    if v is None:
-      return own
-    if isinstance(v, str):  # "drop:<name>"
-      return {k: x for k, x in own.items() if k != v.split(":", 1)[1]}
+    if isinstance(v, bool):
+      return fsdp_jax.custom.compiler_options(mesh, checkpointed=v)
     return v
 
   def compiled_stats(step, state, batch):
@@ -121,7 +121,9 @@ def _child(args) -> dict:
 
   state0 = fsdp_jax.init_train_state(init_fn=init_fn, rng=jax.random.key(0), optimizer=opt,
                                      mesh=mesh, config=config)
-  base_step = fsdp_jax.shard_train_step(loss_fn, opt)
+  base_step = fsdp_jax.shard_train_step(loss_fn, opt, mesh=mesh, config=config)
+  base_step.lower(state0, batch)  # the options it picks for this loss
+  picked = {"plain": base_step.jitted.options}
   runs = {"plain": run_plain}
   stats = {}
   for name, v in STEP_VARIANTS.items():
@@ -140,9 +142,11 @@ def _child(args) -> dict:
   _, rinit, rloss = fresh.gpt(args, args.layers, remat=True)
   rstate = jax.eval_shape(lambda: fsdp_jax.init_train_state(
       init_fn=rinit, rng=jax.random.key(0), optimizer=opt, mesh=mesh, config=config))
-  rstep = fsdp_jax.shard_train_step(rloss, opt)
+  rstep = fsdp_jax.shard_train_step(rloss, opt, mesh=mesh, config=config)
+  rstep.lower(rstate, batch)
+  picked["remat"] = rstep.jitted.options
   remat = {}
-  for name in ("own", "no_ynn_option"):
+  for name in ("lean", "ynn_option"):
     remat[name] = compiled_stats(
         rstep._with_compiler_options(variant_options(STEP_VARIANTS[name])),  # pylint: disable=protected-access
         rstate, batch)[1]
@@ -164,7 +168,8 @@ def _child(args) -> dict:
   out.update({"units": len(state0.plan.units),
               "remat_units": len(rstate.plan.units),
               "params": sum(l.numel for l in state0.plan.leaves), "jax": jax.__version__,
-              "options": {k: v for k, v in own.items()}})
+              "options": {k: v for k, v in own.items()},
+              "picked": {k: sorted(v) for k, v in picked.items()}})
   return out
 
 
@@ -175,22 +180,27 @@ def _decision(sets, results, med) -> list[str]:
   sched = [n for n in sets if "concurrency_optimized_scheduler" in n and n.startswith("all but")]
   cse = [n for n in sets if "cse_barrier_expander" in n and n.startswith("all but")]
   r = lambda name, k: results[name][0][k] / 2**20
+  ynn = "xla_cpu_experimental_ynn_fusion_type"
+  picked = results[LIBRARY][0]["picked"]
+  assert ynn not in picked["plain"] and ynn in picked["remat"], picked
   lines = [
       f"* The YNN flag is no process flag any more. With it, a plain `jax.jit` step took "
       f"{med(OLD, 'plain_s') / lib('plain_s'):.2f}x the time it takes without it "
-      f"(this run). fsdp_jax's "
-      f"step sets it as its own compiler option: that costs the step "
-      f"{lib('own_s') / lib('no_ynn_option_s'):.2f}x here, and keeps a model that "
-      "checkpoints each block at its checkpointed memory (FULL_SHARD on 2 devices in "
-      "`tests/test_activation_checkpointing.py`: 2.33 MiB of temporaries with it, 2.92 "
-      "without, 5.71 without checkpointing; the last column above, on this GPT whose "
-      "activations are small next to its gathered blocks, barely moves).",
+      f"(this run). fsdp_jax's step sets it as its own compiler option only when the "
+      f"loss checkpoints (`jax.checkpoint`, `nn.remat`; `shard_train_step` traces the "
+      f"loss to see): this GPT's step (no checkpointing) compiled with it anyway took "
+      f"{lib('ynn_option_s') / lib('lean_s'):.2f}x the time; on the same GPT with "
+      f"`nn.remat` per block it keeps temporaries at {r(LIBRARY, 'remat_ynn_option_temp_bytes'):.1f} "
+      f"MiB against {r(LIBRARY, 'remat_lean_temp_bytes'):.1f} without (last column; FULL_SHARD "
+      "on 2 devices in `tests/test_activation_checkpointing.py`, a model whose activations "
+      "outweigh its blocks: 2.33 MiB of temporaries with it, 2.92 without, 5.71 without "
+      "checkpointing).",
   ]
   if sched:
     lines.append(
         f"* `--xla_cpu_enable_concurrency_optimized_scheduler=false` stays a process flag "
         f"(XLA reads it from the process flags only): without it fsdp_jax's peak is "
-        f"{r(sched[0], 'own_peak_bytes'):.1f} MiB instead of {r(LIBRARY, 'own_peak_bytes'):.1f}, "
+        f"{r(sched[0], 'lean_peak_bytes'):.1f} MiB instead of {r(LIBRARY, 'lean_peak_bytes'):.1f}, "
         f"and a plain step without it took {med(sched[0], 'plain_s') / lib('plain_s'):.2f}x "
         "the time it takes with it, within this machine's run-to-run noise (about 10%).")
   if cse:
@@ -199,7 +209,7 @@ def _decision(sets, results, med) -> list[str]:
         f"option it keeps FULL_SHARD's re-gathers under any process flags (with no options "
         f"and XLA's default flags: {results[none][0]['no_options_all_gathers']} all-gathers, "
         f"{r(none, 'no_options_peak_bytes'):.1f} MiB; with its options: "
-        f"{results[none][0]['own_all_gathers']}, {r(none, 'own_peak_bytes'):.1f} MiB). As a "
+        f"{results[none][0]['lean_all_gathers']}, {r(none, 'lean_peak_bytes'):.1f} MiB). As a "
         "process flag it does the same for a hand-written step that does not pass "
         "`fsdp_jax.custom.compiler_options`, and changes nothing in a program without "
         f"optimization barriers (a plain step without it took "
@@ -254,12 +264,14 @@ def main(argv=None):
     rows.append(
         f"| {name} | {med(name, 'plain_s') * 1e3:.0f} | "
         f"{med(name, 'plain_s') / med(LIBRARY, 'plain_s'):.2f} | "
-        f"{med(name, 'own_s') * 1e3:.0f} | "
-        f"{med(name, 'own_s') / med(LIBRARY, 'own_s'):.2f} | "
-        f"{r0['own_all_gathers']} | {mib(r0['own_peak_bytes'])} |")
+        f"{med(name, 'lean_s') * 1e3:.0f} | "
+        f"{med(name, 'lean_s') / med(LIBRARY, 'lean_s'):.2f} | "
+        f"{r0['lean_all_gathers']} | {mib(r0['lean_peak_bytes'])} |")
   opt_rows = []
-  labels = {"own": "its own (`fsdp_jax.custom.compiler_options`)",
-            "no_ynn_option": "its own but the YNN option",
+  labels = {"lean": "its own (`compiler_options(mesh, checkpointed=False)`: the loss "
+                    "does not checkpoint)",
+            "ynn_option": "`compiler_options(mesh)` (with the YNN option: a checkpointing "
+                          "loss's)",
             "no_options": "none"}
   for name in ("none (XLA's defaults)", LIBRARY):
     for v in STEP_VARIANTS:
@@ -283,7 +295,8 @@ def main(argv=None):
       "",
       f"Process flags (`fsdp_jax.CPU_XLA_FLAGS`, set by `simulate_cpu_devices`): "
       f"`{sets[LIBRARY]}`. fsdp_jax's step options "
-      f"(`fsdp_jax.custom.compiler_options(mesh)`, its program only): {opts}.",
+      f"(`fsdp_jax.custom.compiler_options(mesh)`, its program only): {opts}, the "
+      "last only when the loss checkpoints.",
       "",
       "## Process flags: the user's program and fsdp_jax's",
       "",

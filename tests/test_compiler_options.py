@@ -166,3 +166,73 @@ def test_options_are_not_probed_under_a_trace():
   assert inside.shape == ()
   assert fsdp_jax.custom.compiler_options(mesh) == mesh_lib.compiler_options(mesh)
   assert set(fsdp_jax.custom.compiler_options(mesh)) == set(mesh_lib.CPU_COMPILER_OPTIONS)
+
+
+def _block(blk, x):
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  return x + jnp.tanh(x @ blk["w"])
+
+
+def _loss(kind):
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x + jnp.tanh(nn.Dense(4, use_bias=False)(x))
+
+  def loss(p, batch):
+    x = batch
+    if kind == "plain":
+      for blk in p["blocks"]:
+        x = _block(blk, x)
+    elif kind == "checkpoint":
+      for blk in p["blocks"]:
+        x = jax.checkpoint(_block)(blk, x)
+    elif kind == "checkpoint_in_scan":
+      stacked = jax.tree.map(lambda *a: jnp.stack(a), *p["blocks"])
+      x, _ = jax.lax.scan(lambda c, blk: (jax.checkpoint(_block)(blk, c), None), x, stacked)
+    elif kind == "nn_remat":
+      for blk in p["blocks"]:
+        x = nn.remat(Block)().apply({"params": {"Dense_0": {"kernel": blk["w"]}}}, x)
+    return jnp.mean(x ** 2)
+
+  return loss
+
+
+@pytest.mark.parametrize("kind", ["plain", "checkpoint", "checkpoint_in_scan", "nn_remat"])
+def test_ynn_fusions_are_off_only_for_a_checkpointing_loss(kind):
+  """XLA's YNN fusions cost a checkpointing model memory (they fuse across
+  the recomputation) and every other step nothing but speed: the step
+  traces the loss and turns them off only when it calls ``jax.checkpoint``
+  (``nn.remat``), however deeply nested."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=fsdp_jax.ModuleWrapPolicy(["blocks.*"]))
+  params = {"blocks": [{"w": jnp.full((4, 4), 0.1 * (i + 1))} for i in range(3)]}
+  state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+                                    config=config)
+  step = fsdp_jax.shard_train_step(_loss(kind), optax.sgd(0.1), mesh=mesh, config=config,
+                                   donate=False)
+  batch = jnp.ones((4, 4))
+  _, metrics = step(state, batch)
+  checkpointed = kind != "plain"
+  assert step.jitted.options == fsdp_jax.custom.compiler_options(
+      mesh, checkpointed=checkpointed)
+  assert ("xla_cpu_experimental_ynn_fusion_type" in step.jitted.options) == checkpointed
+  # The same numbers as the plain loss compiled with the checkpointing options.
+  plain = fsdp_jax.shard_train_step(_loss("plain"), optax.sgd(0.1), mesh=mesh, config=config,
+                                    donate=False)
+  forced = plain._with_compiler_options(fsdp_jax.custom.compiler_options(mesh))  # pylint: disable=protected-access
+  _, ref = forced(state, batch)
+  assert float(metrics["loss"]) == pytest.approx(float(ref["loss"]), rel=1e-6)
+
+
+def test_options_without_checkpointing_keep_ynn_fusions():
+  mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+  full = fsdp_jax.custom.compiler_options(mesh)
+  lean = fsdp_jax.custom.compiler_options(mesh, checkpointed=False)
+  assert full["xla_cpu_experimental_ynn_fusion_type"] == ""
+  assert lean == {k: v for k, v in full.items() if k != "xla_cpu_experimental_ynn_fusion_type"}

@@ -426,6 +426,20 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
   def prepare(batch, model_state, rng):
     """Traces ``loss_fn`` for this batch; returns ``(closed, out_shape,
     kind, the flat non-parameter arguments, key positions)``."""
+    batch, ms, key = inputs(batch, model_state, rng)
+    closed, out_shape, kind = trace(batch, ms, key)
+    # Typed keys in the model state: each device draws with its own.
+    ms_leaves = jax.tree_util.tree_leaves(ms)
+    key_pos = [j for j, x in enumerate(ms_leaves) if is_key_dtype(x.dtype)]
+    if key_pos:
+      index = loss_lib.device_index(data_axes)
+      ms_leaves = [jax.random.fold_in(x, index) if j in key_pos else x
+                   for j, x in enumerate(ms_leaves)]
+    rest = jax.tree_util.tree_leaves(batch) + ms_leaves + jax.tree_util.tree_leaves(key)
+    return closed, out_shape, kind, rest, key_pos
+
+  def inputs(batch, model_state, rng):
+    """``(batch, model state, key)`` as ``loss_fn`` receives them."""
     if forward_inputs is not None:
       _check_batch_has(batch, forward_inputs)
     if cast_inputs:
@@ -434,6 +448,11 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
       _check_rng(rng)
     key = rng if takes_rng else None
     ms = model_state if with_model_state else None
+    return batch, ms, key
+
+  def trace(batch, ms, key):
+    """``loss_fn`` traced for these shapes (cached): ``(closed, out_shape,
+    kind)``."""
     structs = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), t)
     args = (structs(batch), structs(ms), structs(key))
     cache_key = (jax.tree.structure(args),
@@ -452,16 +471,7 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
                       stacklevel=2)
       closed = loss_lib.bind_axis_names(closed, axis_map)
       traces[cache_key] = (closed, out_shape, check_loss_output(out_shape, with_model_state))
-    closed, out_shape, kind = traces[cache_key]
-    # Typed keys in the model state: each device draws with its own.
-    ms_leaves = jax.tree_util.tree_leaves(ms)
-    key_pos = [j for j, x in enumerate(ms_leaves) if is_key_dtype(x.dtype)]
-    if key_pos:
-      index = loss_lib.device_index(data_axes)
-      ms_leaves = [jax.random.fold_in(x, index) if j in key_pos else x
-                   for j, x in enumerate(ms_leaves)]
-    rest = jax.tree_util.tree_leaves(batch) + ms_leaves + jax.tree_util.tree_leaves(key)
-    return closed, out_shape, kind, rest, key_pos
+    return traces[cache_key]
 
   def local(params, batch, model_state=None, probes=None, rng=None, deltas=None, gates=None):
     closed, out_shape, kind, rest, key_pos = prepare(batch, model_state, rng)
@@ -569,6 +579,16 @@ def make_local_loss(loss_fn: Callable, plan: Plan, *, forward_inputs=None):
   # Forgets the traces. A trace's constants may be values of the trace it
   # was made in: the caller resets at the start of each trace of its own.
   local.reset = traces.clear
+
+  def checkpoints(batch, model_state=None, rng=None) -> bool:
+    """Whether ``loss_fn``, traced on this device's inputs (shapes), calls
+    ``jax.checkpoint`` (``nn.remat``), in any nested computation too."""
+    batch, ms, key = jax.eval_shape(inputs, batch, model_state, rng)
+    with _compat.classic_tracing():
+      closed = trace(batch, ms, key)[0]
+    return schedule.has_user_checkpoint(closed)
+
+  local.checkpoints = checkpoints
   return local
 
 

@@ -38,9 +38,11 @@ CPU_XLA_FLAGS = (
 # ``compiler_options``), so they hold whatever XLA_FLAGS the process has and
 # cost the user's other programs nothing:
 # * the barrier pass as above (merged with passes the user disabled);
-# * no YNNPACK fusions: with them, a model that checkpoints each block keeps
-#   a quarter more temporaries under FULL_SHARD (they fuse across the
-#   recomputation). A process-wide flag made every jax.jit program slower.
+# * no YNNPACK fusions, for a model that checkpoints (``jax.checkpoint``,
+#   ``nn.remat``): with them it keeps a quarter more temporaries under
+#   FULL_SHARD (they fuse across the recomputation). Other steps keep them,
+#   which saves them a tenth of their time; a process-wide flag made every
+#   jax.jit program slower.
 CPU_COMPILER_OPTIONS = {
     "xla_disable_hlo_passes": "cse_barrier_expander",
     "xla_cpu_experimental_ynn_fusion_type": "",
@@ -104,15 +106,20 @@ def _probe(platform: str, name: str, value) -> bool:
   return True
 
 
-def compiler_options(mesh: Mesh) -> dict:
+def compiler_options(mesh: Mesh, *, checkpointed: bool = True) -> dict:
   """The XLA compiler options fsdp_jax compiles a step on ``mesh`` with.
 
   On CPU: :data:`CPU_COMPILER_OPTIONS`, keeping the passes ``XLA_FLAGS``
-  disables, less any option this XLA does not know. Elsewhere, none: GPU
-  pipelines keep optimization barriers through common-subexpression
-  elimination already. :func:`fsdp_jax.shard_train_step` applies them itself;
-  pass them to ``jax.jit`` for a hand-written step, so that FULL_SHARD
-  re-gathers in backward whatever ``XLA_FLAGS`` the process has.
+  disables, less any option this XLA does not know; with
+  ``checkpointed=False`` (the model calls no ``jax.checkpoint`` /
+  ``nn.remat``) without the one that turns XLA's YNN fusions off, which
+  only keeps a checkpointed model's memory down and costs time. Elsewhere,
+  none: GPU pipelines keep optimization barriers through
+  common-subexpression elimination already.
+  :func:`fsdp_jax.shard_train_step` applies them itself (it traces the loss
+  to see whether it checkpoints); pass them to ``jax.jit`` for a
+  hand-written step, so that FULL_SHARD re-gathers in backward whatever
+  ``XLA_FLAGS`` the process has.
 
   Example:
     >>> import jax, fsdp_jax
@@ -126,6 +133,8 @@ def compiler_options(mesh: Mesh) -> dict:
   if platform != "cpu":
     return {}
   opts = dict(CPU_COMPILER_OPTIONS)
+  if not checkpointed:
+    del opts["xla_cpu_experimental_ynn_fusion_type"]
   passes = list(dict.fromkeys([*_user_disabled_passes(), opts["xla_disable_hlo_passes"]]))
   opts["xla_disable_hlo_passes"] = ",".join(passes)
   return {k: v for k, v in opts.items() if _accepted(platform, k, v)}
@@ -139,31 +148,33 @@ class TopLevelJit:
   outermost program only (that program's options then apply)."""
 
   def __init__(self, fn: Callable, compiler_options, **jit_kwargs):
-    """``compiler_options``: a dict, or a function returning one (called at
-    the first top-level use)."""
+    """``compiler_options``: a dict, or a function of the call's arguments
+    returning one (called at the first top-level use)."""
     self._fn = fn
     self._jit_kwargs = jit_kwargs
     self._options = compiler_options
     self.nested = jax.jit(fn, **jit_kwargs)
     self._top = None
+    self.options = None  # what the top-level program is compiled with, once chosen
 
-  def _pick(self):
+  def _pick(self, args, kwargs):
     if _compat.under_trace():
       return self.nested
     if self._top is None:
-      opts = self._options() if callable(self._options) else self._options
+      opts = self._options(*args, **kwargs) if callable(self._options) else self._options
+      self.options = dict(opts)
       self._top = (jax.jit(self._fn, compiler_options=opts, **self._jit_kwargs)
                    if opts else self.nested)
     return self._top
 
   def __call__(self, *args, **kwargs):
-    return self._pick()(*args, **kwargs)
+    return self._pick(args, kwargs)(*args, **kwargs)
 
   def lower(self, *args, **kwargs):
-    return self._pick().lower(*args, **kwargs)
+    return self._pick(args, kwargs).lower(*args, **kwargs)
 
   def trace(self, *args, **kwargs):
-    return self._pick().trace(*args, **kwargs)
+    return self._pick(args, kwargs).trace(*args, **kwargs)
 
 
 def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,

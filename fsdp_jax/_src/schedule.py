@@ -160,13 +160,13 @@ def eval_with_gathers(jaxpr: Jaxpr, consts, args, lazy: dict,
       for v, o in zip(eqn.outvars, _user_checkpoint(eqn, [read(v) for v in eqn.invars])):
         write(v, o)
       continue
-    if _compat.is_scan(eqn) and _has_user_checkpoint(_compat.scan_params(eqn).body):
+    if _compat.is_scan(eqn) and has_user_checkpoint(_compat.scan_params(eqn).body):
       _scan_rebuild(eqn, read, write, g, klass)
       continue
     inner = _compat.call_body(eqn) if _compat.is_call(eqn) else None
     reads_param_values = _PARAM in in_classes
     if inner is not None and (reads_params or reads_param_values
-                              or _has_user_checkpoint(inner[0])):
+                              or has_user_checkpoint(inner[0])):
       inner_jaxpr, inner_consts = inner
       inner_lazy = {iv: lazy[ov] for iv, ov in zip(inner_jaxpr.invars, eqn.invars)
                     if not isinstance(ov, Literal) and ov in lazy}
@@ -569,13 +569,13 @@ def _pipelined_scan(eqn, pushed: dict, units: list, g: Gatherer, read, write,
 # The model's own jax.checkpoint / nn.remat
 
 
-def _has_user_checkpoint(jaxpr) -> bool:
+def has_user_checkpoint(jaxpr) -> bool:
   """Whether ``jaxpr`` (or one nested in it) calls ``jax.checkpoint``."""
   jaxpr = _compat.split_closed(jaxpr)[0] if jaxpr is not None else None
   if not isinstance(jaxpr, Jaxpr):
     return False
   return any(_compat.is_remat(e) for e in jaxpr.eqns) or any(
-      _has_user_checkpoint(sub) for sub in _compat.subjaxprs(jaxpr))
+      has_user_checkpoint(sub) for sub in _compat.subjaxprs(jaxpr))
 
 
 def _user_checkpoint(eqn, invals) -> list:

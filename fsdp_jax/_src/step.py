@@ -342,7 +342,15 @@ def shard_train_step(loss_fn: Callable[..., Any],
       changes["nonfinite_steps"] = state.nonfinite_steps + bad.astype(state.nonfinite_steps.dtype)
     return state.replace(**changes), metrics
 
-  return TrainStep(step, donate=donate, mesh=mesh, config=config)
+  def checkpoints(state: ShardedTrainState, batch) -> bool:
+    plan = state.plan
+    local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        (x.shape[0] // plan.axes.world_size // gradient_accumulation_steps,) + x.shape[1:],
+        x.dtype), batch)
+    raw = grads_lib.make_local_loss(loss_fn, plan, forward_inputs=forward_inputs)
+    return raw.checkpoints(local, state.model_state, state.rng)
+
+  return TrainStep(step, donate=donate, mesh=mesh, config=config, checkpoints=checkpoints)
 
 
 def _keep_if(flag, old, new):
@@ -473,8 +481,11 @@ class TrainStep:
   """
 
   def __init__(self, fn: Callable, *, donate: bool, mesh: Optional[Mesh],
-               config: Optional[FSDPConfig], compiler_options: Optional[dict] = None):
+               config: Optional[FSDPConfig], compiler_options: Optional[dict] = None,
+               checkpoints: Optional[Callable] = None):
     self._fn = fn
+    # checkpoints(state, batch) -> whether the loss calls jax.checkpoint
+    self._checkpoints = checkpoints
     self._donate = donate
     self.mesh = mesh  # None: the state's
     self.config = config  # None: the state's
@@ -489,17 +500,28 @@ class TrainStep:
     if mesh not in self._by_mesh:  # else a dict lookup per step
       if self._compiler_options is not None:
         opts = self._compiler_options
-      else:  # read at the first top-level call (no state yet: the default devices)
-        on = mesh if mesh is not None else Mesh(np.array(jax.devices()[:1]), ("shard",))
-        opts = lambda: mesh_lib.compiler_options(on)
+      else:  # read at the first top-level call
+        opts = lambda state, batch, *_, **__: mesh_lib.compiler_options(
+            mesh if mesh is not None else state.plan.mesh,
+            checkpointed=self._checkpointed(state, batch))
       self._by_mesh[mesh] = mesh_lib.TopLevelJit(
           self._fn, opts, donate_argnums=(0,) if self._donate else ())
     return self._by_mesh[mesh]
 
+  def _checkpointed(self, state, batch) -> bool:
+    """Whether the loss calls ``jax.checkpoint`` (True when it cannot be
+    told: the options that keep a checkpointed model's memory down)."""
+    if self._checkpoints is None:
+      return True
+    try:
+      return bool(self._checkpoints(state, batch))
+    except Exception:  # pylint: disable=broad-except  (the step's own trace reports it)
+      return True
+
   def _with_compiler_options(self, compiler_options: dict) -> "TrainStep":
     """The same step compiled with other XLA options (for measurements)."""
     return TrainStep(self._fn, donate=self._donate, mesh=self.mesh, config=self.config,
-                     compiler_options=dict(compiler_options))
+                     compiler_options=dict(compiler_options), checkpoints=self._checkpoints)
 
   @property
   def jitted(self):

@@ -230,7 +230,8 @@ class InitProgram:
 
     sh = plan.sharding(plan.spec_for(unit))
     replicated = plan.sharding(jax.sharding.PartitionSpec())
-    return mesh_lib.TopLevelJit(run, lambda: mesh_lib.compiler_options(plan.mesh),
+    return mesh_lib.TopLevelJit(run, lambda *_: mesh_lib.compiler_options(
+                                    plan.mesh, checkpointed=False),
                                 out_shardings=([sh] * len(unit.leaf_ids)
                                                if plan.use_orig_params else [sh], replicated))
 
