@@ -333,9 +333,9 @@ def test_no_shard_does_not_keep_unpacked_parameters_until_backward(n, use_orig_p
   keeping every unit's copy from forward to backward. So the step needs at
   most two units' copies more than the original layout in fp32, where the
   leaves are the stored arrays themselves (MiB on 2 devices, jax 0.10.2:
-  1.58 / 1.42 / 1.41 against 1.53, keeping the copies 1.80 / 1.81 / 1.81;
-  jax 0.12: 1.52 / 1.34 / 1.34 against 1.53, keeping them 1.80 / 1.98 /
-  1.98)."""
+  1.58 / 1.43 / 1.43 against 1.76, keeping the copies 1.98 / 1.81 / 1.81;
+  jax 0.12: 1.58 / 1.57 / 1.57 against 1.76, keeping them 1.98 / 1.75 /
+  1.75)."""
   views = _no_shard_temp(n, use_orig_params=True, param_dtype=None)
   temp = _no_shard_temp(n, use_orig_params=use_orig_params, param_dtype=param_dtype)
   unit_bytes = (NS_D * NS_D + NS_D) * 4

@@ -179,6 +179,13 @@ def test_shard_grad_op_scan_keeps_each_gathered_layer_for_backward():
 _INS = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 
 
+def _calls_dot(rhs, comps) -> bool:
+  """Whether the instruction is a fusion whose computation holds a dot (the
+  CPU backend's YNN fusions wrap a matmul with what it feeds)."""
+  m = re.search(r"calls=%([\w.\-]+)", rhs)
+  return bool(m) and " fusion(" in rhs and any(" dot(" in l for l in comps.get(m.group(1), ()))
+
+
 def _loop_graphs(text):
   """For each while body that gathers a layer of ``blocks``: ``{instruction:
   (kind, operand names)}`` with kind 'gather' (the conditional holding the
@@ -205,7 +212,7 @@ def _loop_graphs(text):
       rhs = rest.split(" metadata=")[0]
       if " conditional(" in rhs and any(f"%{g}" in rhs for g in gathering):
         kind = "gather"
-      elif " dot(" in rhs:
+      elif " dot(" in rhs or _calls_dot(rhs, comps):  # XLA may fuse the matmul
         kind = "dot"
       elif " reduce-scatter(" in rhs:
         kind = "scatter"
