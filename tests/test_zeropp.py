@@ -130,7 +130,10 @@ def test_backward_gathers_run_within_groups_of_k(strategy, n, replicate, k, grou
 @pytest.mark.slow
 def test_stacked_unit_regathers_within_groups_inside_the_loop():
   """A scan over stacked layers: the backward loop gathers each layer within
-  groups of k; training is bitwise FULL_SHARD's."""
+  groups of k; training is FULL_SHARD's: the same losses, the parameters to
+  the last bit or two (FULL_SHARD's loop recomputes tanh's derivative, which
+  jax 0.12 computes as one_minus_square and XLA may fuse into a multiply-add;
+  hpZ's loop saves it)."""
   from jax import lax
   key = jax.random.split(jax.random.key(0), 3)
   params = {"inp": {"w": jax.random.normal(key[0], (5, 12)) * 0.3},
@@ -151,7 +154,7 @@ def test_stacked_unit_regathers_within_groups_inside_the_loop():
     losses, state = sharded_run(loss_fn, params, batches, optax.adam(1e-2), mesh, cfg)
     out[k] = (losses, fsdp_jax.summon_full_params(state))
   assert out[True][0] == out[4][0]
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+  jax.tree.map(lambda a, b: np.testing.assert_array_max_ulp(np.asarray(a), np.asarray(b), 2),
                out[True][1], out[4][1])
   _, compiled = _compile(params, batches[0], mesh, loss=loss_fn, auto_wrap_policy=None,
                          stacked_layers=("blocks",), reshard_after_forward=4)
@@ -473,10 +476,15 @@ def test_quantized_gather_is_straight_through_and_masters_stay_exact():
 @pytest.mark.slow
 def test_quantized_training_stays_close_to_unquantized():
   """30 Adam steps of the MLP on three data seeds (the GPT curves are in the
-  strategies notebook). Stochastic rounding makes each run's gap a draw: int4
-  gradients in blocks of 32 land between -1.3% and +2.4% of the exact final
-  loss on jax 0.10 and 0.12 alike. So: every run within 3%, and the mean gap
-  over the seeds within 1% (unbiased rounding; a biased one drifts past it)."""
+  strategies notebook). Stochastic rounding makes each run's gap a draw.
+  ZeRO++ (int4 gradients in blocks of 32, int8 gathers, hpZ) over 12 seeds:
+  mean +0.85% of the exact final loss, standard deviation 1.36%, from -2.4%
+  to +2.3% on jax 0.10; mean +1.43%, deviation 1.31%, from -0.2% to +3.6%
+  on jax 0.12 (a change in how XLA fuses the step changes the gradients'
+  last bits and so every draw). Round-to-nearest int4 lands in the same range at this scale, so
+  this bounds how close training stays (every run within 5%, the mean of
+  three within 2.5%); test_stochastic_rounding_is_unbiased_within_one_step
+  checks the rounding's bias."""
   params = mlp_params(d=32, d_in=16)
   mesh = mesh_for(None, 8)
   settings = {"exact": {}, "qwZ int8": dict(all_gather_quantization=Q()),
@@ -495,8 +503,8 @@ def test_quantized_training_stays_close_to_unquantized():
     for name, loss in final.items():
       gaps[name].append(loss / final["exact"] - 1)
   for name, g in gaps.items():
-    assert max(abs(x) for x in g) <= 0.03, (name, g)
-    assert abs(np.mean(g)) <= 0.01, (name, g)
+    assert max(abs(x) for x in g) <= 0.05, (name, g)
+    assert abs(np.mean(g)) <= 0.025, (name, g)
 
 
 # ---------------------------------------------------------------------------
