@@ -223,3 +223,15 @@ def collective_sizes(plan, unit) -> list[int]:
       out += [plan.n * plan.chunk0(plan.leaves[i]) * plan.leaves[i].row_numel for i in group]
   assert layers >= 1
   return out
+
+
+def shard_map_body(jaxpr):
+  """The step's ``shard_map`` body (the per-device program) in ``jaxpr``."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "shard_map":
+      return eqn.params["jaxpr"]
+  for sub in jax.extend.core.subjaxprs(jaxpr):
+    found = shard_map_body(sub)
+    if found is not None:
+      return found
+  return None

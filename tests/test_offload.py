@@ -19,7 +19,7 @@ from fsdp_jax._src.state_dicts import (load_state_dict, optim_state_dict, optim_
                                  state_dict)
 
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
-                     reference_run, train_steps)
+                     reference_run, shard_map_body, train_steps)
 
 WRAP = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
 OFFLOAD = fsdp_jax.CPUOffload(offload_params=True)
@@ -405,18 +405,6 @@ def test_offload_params_false_is_no_offload():
 # One unit at a time: each gather reads a device copy made for it
 
 
-def _shard_map_body(jaxpr):
-  """The step's ``shard_map`` body (the per-device program)."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "shard_map":
-      return eqn.params["jaxpr"]
-  for sub in jax.extend.core.subjaxprs(jaxpr):
-    found = _shard_map_body(sub)
-    if found is not None:
-      return found
-  return None
-
-
 def _on_host(aval) -> bool:
   return getattr(aval, "memory_space", None) == jax.memory.Space.Host
 
@@ -436,7 +424,7 @@ def test_each_gather_reads_its_own_device_copy_and_gradients_stay_on_device(stra
   config = _config(strategy, use_orig_params=orig)
   state = fsdp_jax.init_train_state(params=mlp_params(), optimizer=OPT, mesh=mesh, config=config)
   step = fsdp_jax.shard_train_step(mlp_loss, OPT, mesh=mesh, config=config, max_norm=1.0)
-  body = _shard_map_body(jax.make_jaxpr(step.jitted)(state, mlp_batch()).jaxpr)
+  body = shard_map_body(jax.make_jaxpr(step.jitted)(state, mlp_batch()).jaxpr)
   eqns = body.eqns
   producer = {o: k for k, e in enumerate(eqns) for o in e.outvars}
   gathers = [k for k, e in enumerate(eqns) if e.primitive.name == "fsdp_all_gather"]

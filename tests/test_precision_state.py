@@ -17,7 +17,7 @@ from fsdp_jax import hlo
 from fsdp_jax._src.config import ShardingStrategy as S
 
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
-                     reference_run, sharded_run, train_steps)
+                     reference_run, shard_map_body, sharded_run, train_steps)
 
 WRAP_BLOCKS = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
 BF16 = fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32,
@@ -592,17 +592,6 @@ def test_stateful_hook_in_the_backward_pass_matches_the_hook_after_it(monkeypatc
   assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(got[2])) > 0
 
 
-def _shard_map_body(jaxpr):
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "shard_map":
-      return eqn.params["jaxpr"]
-  for sub in jax.extend.core.subjaxprs(jaxpr):
-    found = _shard_map_body(sub)
-    if found is not None:
-      return found
-  return None
-
-
 @pytest.mark.parametrize("in_backward", [True, False], ids=["in_backward", "after"])
 def test_stateful_hook_reduces_each_unit_before_the_next_units_backward(monkeypatch,
                                                                         in_backward):
@@ -619,7 +608,7 @@ def test_stateful_hook_reduces_each_unit_before_the_next_units_backward(monkeypa
   state = fsdp_jax.init_train_state(params=mlp_params(), optimizer=optax.sgd(0.1), mesh=mesh,
                                     config=config)
   step = fsdp_jax.shard_train_step(mlp_loss, optax.sgd(0.1), mesh=mesh, config=config)
-  names = [e.primitive.name for e in _shard_map_body(
+  names = [e.primitive.name for e in shard_map_body(
       jax.make_jaxpr(step.jitted)(state, mlp_batch()).jaxpr).eqns]
   scatters = [k for k, name in enumerate(names) if name == "reduce_scatter"]
   matmuls = [k for k, name in enumerate(names) if name == "dot_general"]

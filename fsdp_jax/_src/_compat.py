@@ -279,12 +279,7 @@ def split_closed(jaxpr) -> tuple[Any, list]:
 def nested_jaxprs(eqn):
   """The jaxprs held in ``eqn``'s params (scan and call bodies, cond
   branches...), as open jaxprs."""
-  out = []
-  for v in eqn.params.values():
-    for x in (v if isinstance(v, (tuple, list)) else (v,)):
-      if isinstance(x, (Jaxpr, ClosedJaxpr)):
-        out.append(split_closed(x)[0])
-  return out
+  return params_jaxprs(eqn.params)
 
 
 def params_jaxprs(params: dict) -> list:
