@@ -279,10 +279,18 @@ def shard_train_step(loss_fn: Callable[..., Any],
       elif offloaded:
         # The gradient shards go to the host and the optimizer runs there,
         # writing the new params and optimizer state in host memory.
-        grads = offload.to_host(grads)
+        # The gradient shards travel as 1-D arrays: XLA may give a matmul's
+        # gradient a column-major layout on the device, and the GPU compiler
+        # refuses a host computation whose operand layout differs from its
+        # parameter's (jax 0.11.2 on an H100: "expects the async shape ... to
+        # match"). A 1-D array has one layout; the host reshapes it back.
+        flat_grads, grads_def = jax.tree.flatten(grads)
+        grad_shapes = [g.shape for g in flat_grads]
+        grads = offload.to_host([g.reshape(-1) for g in flat_grads])
         index, value, keep = offload.to_host((optim.shard_index(plan), loss, bad))
 
         def host_update(g, s, t, i, v, k):
+          g = grads_def.unflatten([x.reshape(shape) for x, shape in zip(g, grad_shapes)])
           new_t, new_s = optim.update_local(plan, optimizer, g, s, t, value=v, index=i,
                                             host=True)
           if policy != "propagate":
