@@ -157,8 +157,15 @@ class Plan:
     return tuple(u for u in self.units if not all(self.leaves[i].frozen for i in u.leaf_ids))
 
   def reshard(self, unit: UnitSpec) -> bool:
-    """FULL_SHARD/HYBRID_SHARD free a unit after forward; the root is kept."""
-    return bool(self.config.reshard_after_forward) and not unit.is_root
+    """FULL_SHARD/HYBRID_SHARD free a unit after forward; the root is kept.
+
+    A shard group of one device keeps every unit, as PyTorch FSDP does on a
+    world of one (it runs FULL_SHARD as NO_SHARD): the "gather" returns the
+    device's own copy, so resharding would free only its cast to
+    ``param_dtype`` and cost a rematerialised forward (1.10x plain
+    ``jax.jit``'s step time against 1.05x without it, 1B GPT on one H100,
+    benchmarks/GPU.md)."""
+    return bool(self.config.reshard_after_forward) and not unit.is_root and self.n > 1
 
   def regather(self, unit: UnitSpec) -> bool:
     """Whether the backward pass gathers ``unit`` again rather than keeping
