@@ -2,7 +2,7 @@
 """GPU benchmark: a ~1B-parameter GPT in bf16 with fsdp_jax FULL_SHARD on the
 local GPUs, next to plain ``jax.jit`` on one GPU.
 
-    python benchmarks/gpu.py                      # 1B GPT, writes benchmarks/GPU.md + gpu.json
+    python benchmarks/gpu.py                      # 1B GPT: benchmarks/gpu_runs/gpu-1b-default.{md,json}
     python benchmarks/gpu.py --size tiny --steps 2 --out /tmp/gpu.md   # smoke run (CPU works)
 
 Both programs train the same model with the same dtype policy: fp32 master
@@ -59,6 +59,20 @@ SIZES = {  # name -> (d_model, layers, heads, vocab, seq_len, batch per device)
 PEAK_BF16 = {  # device_kind substring -> dense bf16 FLOP/s
     "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
     "L4": 121e12, "A10G": 70e12,
+}
+# XLA options MaxText runs FSDP with on H100s (its GPU recipe): the
+# latency-hiding scheduler, all-gathers combined up to 128 MiB and
+# reduce-scatters up to 64 MiB, pipelined collectives, double-buffered while
+# loops. ``--xla-options maxtext`` compiles both programs with the ones this
+# XLA accepts (each is probed; the report lists any dropped).
+MAXTEXT_GPU_OPTIONS = {
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_all_gather_combine_threshold_bytes": 134217728,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 67108864,
+    "xla_gpu_enable_pipelined_all_gather": True,
+    "xla_gpu_enable_pipelined_reduce_scatter": True,
+    "xla_gpu_enable_pipelined_all_reduce": True,
+    "xla_gpu_enable_while_loop_double_buffering": True,
 }
 COLLECTIVE_WORDS = ("all-gather", "allgather", "reduce-scatter", "reducescatter",
                     "all-reduce", "allreduce", "nccl", "collective-permute", "all-to-all")
@@ -128,7 +142,7 @@ def hidden_share(kernels):
   comp = _intervals([as_event(k) for k in kernels if not is_coll(k[0])])
   total = sum(b - a for a, b in coll)
   if not total:
-    return None, 0.0, "no collective kernels in the trace"
+    return None, 0.0, f"no collective kernels among {len(kernels)} device kernels"
   hidden, j = 0.0, 0
   for a, b in coll:
     while j < len(comp) and comp[j][1] <= a:
@@ -140,20 +154,56 @@ def hidden_share(kernels):
   return hidden / total, total, f"{len(kernels)} device kernels"
 
 
+def trace_kernels(trace_dir: str):
+  """``(kernels, source)``: the device kernel events of a jax.profiler trace
+  directory (the perfetto JSON's, else the xplane's GPU planes) and where
+  they were read, or ``(None, None)`` when it has none."""
+  kernels = _json_kernels(trace_dir)
+  if kernels is not None:
+    return kernels, "perfetto JSON"
+  kernels = xplane_events(trace_dir)
+  return (kernels, "xplane") if kernels is not None else (None, None)
+
+
+def top_kernels(kernels, k: int = 12):
+  """``[(name, total us, count)]`` of the ``k`` kernels that took longest."""
+  total: dict = {}
+  for name, _, dur in kernels:
+    t, c = total.get(name, (0.0, 0))
+    total[name] = (t + dur, c + 1)
+  ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:k]
+  return [(name, round(t, 1), c) for name, (t, c) in ranked]
+
+
 def hidden_collective_share(trace_dir: str):
   """(share of collective time overlapped by compute, collective us, how) from
   a jax.profiler trace directory, or (None, None, why) when it has no device
   events. Reads the perfetto JSON's device kernels, else the xplane's GPU
   planes."""
-  kernels = _json_kernels(trace_dir)
-  source = "perfetto JSON"
-  if kernels is None:
-    kernels = xplane_events(trace_dir)
-    source = "xplane"
+  kernels, source = trace_kernels(trace_dir)
   if kernels is None:
     return None, None, "the trace has no device (GPU) kernel events"
   share, total, how = hidden_share(kernels)
   return share, total, f"{how} ({source})"
+
+
+def accepted_options(options: dict, platform: str):
+  """``(accepted, dropped)``: the options this XLA compiles a program with on
+  ``platform``, and the names of those it refuses."""
+  from fsdp_jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  ok = {k: v for k, v in options.items() if mesh_lib._probe(platform, k, v)}  # pylint: disable=protected-access
+  return ok, sorted(set(options) - set(ok))
+
+
+def hlo_collectives(hlo_text: str):
+  """``{kind: {dtype: count}}`` of the collectives in a compiled program."""
+  from fsdp_jax import hlo  # pylint: disable=import-outside-toplevel
+  out: dict = {}
+  for c in hlo.collectives(hlo_text):
+    for dtype in c.dtypes:
+      by = out.setdefault(c.kind, {})
+      by[dtype] = by.get(dtype, 0) + 1
+  return out
 
 
 def main(argv=None):
@@ -165,8 +215,12 @@ def main(argv=None):
   p.add_argument("--batch-per-device", type=int, default=None)
   p.add_argument("--seq-len", type=int, default=None)
   p.add_argument("--no-plain", action="store_true", help="skip the plain jit baseline")
+  p.add_argument("--xla-options", choices=("default", "maxtext"), default="default",
+                 help="compile both programs with XLA's defaults or with MaxText's H100 "
+                      "options (MAXTEXT_GPU_OPTIONS)")
   p.add_argument("--out", default=None,
-                 help="markdown report (default: benchmarks/GPU.md on a GPU, none on CPU); "
+                 help="markdown report (default: benchmarks/gpu_runs/gpu-SIZE-OPTIONS.md on a "
+                      "GPU, none on CPU); "
                       "the JSON goes next to it")
   args = p.parse_args(argv)
 
@@ -201,7 +255,16 @@ def main(argv=None):
   num_params = sum(l.numel for l in state.plan.leaves)
   batch = make_batch(cfg, bpd * n)
   step = fsdp_jax.shard_train_step(loss_fn, opt)
+  extra, dropped = {}, []
+  if args.xla_options == "maxtext":
+    extra, dropped = accepted_options(MAXTEXT_GPU_OPTIONS, devices[0].platform)
+    # fsdp_jax's own options for this mesh, plus MaxText's.
+    step = step._with_compiler_options(  # pylint: disable=protected-access
+        {**fsdp_jax.custom.compiler_options(mesh), **extra})
+  t0 = time.perf_counter()
   compiled = step.lower(state, batch).compile()
+  compile_s = {"fsdp_jax FULL_SHARD": time.perf_counter() - t0}
+  collectives = hlo_collectives(compiled.as_text())
   ma = compiled.memory_analysis()
   fsdp_mem = (ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes
               - ma.alias_size_in_bytes)
@@ -229,7 +292,10 @@ def main(argv=None):
       updates, opt_state = opt.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state, loss
 
-    plain = jax.jit(plain_step, donate_argnums=(0, 1)).lower(params, opt_state, local).compile()
+    t0 = time.perf_counter()
+    plain = jax.jit(plain_step, donate_argnums=(0, 1), compiler_options=extra or None).lower(
+        params, opt_state, local).compile()
+    compile_s["plain jax.jit, 1 device"] = time.perf_counter() - t0
     pm = plain.memory_analysis()
     plain_mem = (pm.argument_size_in_bytes + pm.temp_size_in_bytes + pm.output_size_in_bytes
                  - pm.alias_size_in_bytes)
@@ -254,10 +320,15 @@ def main(argv=None):
       times[name].append(time.perf_counter() - t0)
 
   trace_dir = tempfile.mkdtemp(prefix="fsdp_jax_gpu_profile_")
-  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-    for _ in range(args.profile_steps):
-      run_fsdp()
-  hidden, coll_us, how = hidden_collective_share(trace_dir)
+  try:  # a profiler that fails (no CUPTI) costs the overlap figure, not the run
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(args.profile_steps):
+        run_fsdp()
+    hidden, coll_us, how = hidden_collective_share(trace_dir)
+    kernels, _ = trace_kernels(trace_dir)
+  except Exception as e:  # pylint: disable=broad-except
+    hidden, coll_us, how, kernels = None, None, f"the profile failed: {e!r:.300}", None
+  top = top_kernels(kernels) if kernels else []
   peak_in_use = None
   stats = getattr(devices[0], "memory_stats", lambda: None)()
   if stats and "peak_bytes_in_use" in stats:
@@ -268,7 +339,10 @@ def main(argv=None):
   flops_per_device = model_flops(num_params, layers, d, seq, tokens_per_device)
   rows, result = [], {"device_kind": kind, "devices": n, "jax": jax.__version__,
                       "size": args.size, "params": num_params, "seq_len": seq,
-                      "batch_per_device": bpd, "programs": {}}
+                      "batch_per_device": bpd, "xla_options": args.xla_options,
+                      "xla_options_applied": extra, "xla_options_dropped": dropped,
+                      "compile_s": compile_s, "fsdp_hlo_collectives": collectives,
+                      "top_kernels_fsdp": top, "programs": {}}
   for name, ts in times.items():
     t = statistics.median(ts)
     mfu = flops_per_device / t / peak if peak else None
@@ -295,7 +369,11 @@ def main(argv=None):
       f" on {n} x {kind}, jax {jax.__version__}. GPT of {num_params:,} parameters "
       f"({layers} blocks, d_model {d}, {heads} heads, vocab {vocab}), sequence {seq}, "
       f"{bpd} sequences per device; AdamW, fp32 master parameters, bf16 compute; median of "
-      f"{args.steps} steps after {args.warmup} warm-up, the programs alternating.",
+      f"{args.steps} steps after {args.warmup} warm-up, the programs alternating. "
+      f"XLA options: {args.xla_options}"
+      + (f" ({', '.join(f'{k}={v}' for k, v in extra.items())}"
+         f"{'; refused by this XLA: ' + ', '.join(dropped) if dropped else ''})"
+         if args.xla_options != "default" else "") + ".",
       "",
       "| program | step ms | tokens/s per device | MFU | compiled peak MiB per device |",
       "|---|---|---|---|---|",
@@ -306,11 +384,18 @@ def main(argv=None):
       f"Collective time hidden behind compute (fsdp_jax): {hidden_line}.",
       f"Device 0 peak bytes in use: "
       f"{f'{peak_in_use / 2**30:.2f} GiB' if peak_in_use else 'not reported by this backend'}.",
+      f"Compile seconds: {', '.join(f'{k} {v:.1f}' for k, v in compile_s.items())}.",
+      f"Collectives in fsdp_jax's compiled step (kind: dtype x count): "
+      f"{json.dumps(collectives) if collectives else 'none'}.",
+      f"Trace: {len(kernels) if kernels else 0} device kernel events; longest: "
+      + ("; ".join(f"{name[:60]} {us / 1e3:.1f} ms x{c}" for name, us, c in top[:5])
+         if top else "none") + ".",
       ""])
   print(text)
   out = args.out
   if out is None and jax.default_backend() == "gpu":
-    out = os.path.join(HERE, "GPU.md")
+    out = os.path.join(HERE, "gpu_runs", f"gpu-{args.size}-{args.xla_options}.md")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
   if out:
     with open(out, "w") as f:
       f.write(text)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from benchmarks import gpu
+from benchmarks import gpu, gpu_overhead
 from tests.helpers import REPO, subprocess_env
 
 
@@ -93,3 +93,60 @@ def test_runs_at_a_tiny_size_on_cpu(tmp_path):
       re.search(r"Collective time hidden behind compute \(fsdp_jax\): [\d.]+%", text), text
   result = json.loads((tmp_path / "gpu.json").read_text())
   assert result["params"] > 0 and result["fsdp_over_plain"] > 0
+
+
+def test_top_kernels_and_the_kernel_split():
+  kernels = [("nvjet_sm90_gemm", 0.0, 10.0), ("fusion_1", 10.0, 4.0), ("nvjet_sm90_gemm", 20.0, 6.0),
+             ("fusion_1", 30.0, 2.0)]
+  assert gpu.top_kernels(kernels, 1) == [("nvjet_sm90_gemm", 16.0, 2)]
+  split = gpu_overhead.kernel_split(kernels, steps=2)
+  assert split == {"gemm_ms": 16.0 / 1e3 / 2, "other_ms": 6.0 / 1e3 / 2,
+                   "busy_ms": 22.0 / 1e3 / 2, "span_ms": 32.0 / 1e3 / 2, "kernels": 2.0}
+
+
+def test_hidden_share_says_how_many_kernels_it_found_without_collectives():
+  share, total, how = gpu.hidden_share([("fusion", 0.0, 3.0), ("gemm", 3.0, 1.0)])
+  assert share is None and total == 0.0 and "among 2 device kernels" in how
+
+
+def test_options_this_xla_refuses_are_dropped_and_named():
+  ok, dropped = gpu.accepted_options({"xla_backend_optimization_level": 1,
+                                      "xla_no_such_option_anywhere": True}, "cpu")
+  assert ok == {"xla_backend_optimization_level": 1}
+  assert dropped == ["xla_no_such_option_anywhere"]
+
+
+@pytest.mark.slow
+def test_overhead_and_collectives_scripts_run_on_cpu(tmp_path):
+  out = subprocess.run([sys.executable, "benchmarks/gpu_overhead.py", "--size", "tiny",
+                        "--steps", "2", "--variants", "flat,flat-noremat",
+                        "--out", str(tmp_path / "o.json")],
+                       cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=subprocess_env(JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads((tmp_path / "o.json").read_text())
+  flat, noremat = result["variants"]["flat"], result["variants"]["flat-noremat"]
+  assert flat["ratio"] > 0 and noremat["ratio"] > 0
+  out = subprocess.run([sys.executable, "benchmarks/gpu_collectives.py", "--devices", "4",
+                        "--cpu", "--out", str(tmp_path / "c.json")],
+                       cwd=REPO, capture_output=True, text=True, timeout=300,
+                       env=subprocess_env(JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stderr[-3000:]
+  result = json.loads((tmp_path / "c.json").read_text())
+  assert result["devices"] == 4 and result["psum_scatter_bf16"] == {"reduce-scatter": {"f32": 1}}
+  for key in ("fsdp_step_reduce_bfloat16", "fsdp_step_reduce_float32"):
+    assert set(result[key]) >= {"all-gather", "reduce-scatter"}, result[key]
+
+
+@pytest.mark.slow
+def test_native_device_mode_skips_meshes_larger_than_the_machine():
+  """FSDP_JAX_TEST_DEVICES=native (how the GPU run tests on one GPU): on this
+  machine that is one CPU device; a test that needs 2 is skipped, naming
+  both counts, and one that fits runs."""
+  out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-rs",
+                        "-p", "no:cacheprovider", "tests/test_engine.py", "-k",
+                        "test_matches_unsharded_training and (FULL_SHARD-2-flat or FULL_SHARD-1-flat)"],
+                       cwd=REPO, capture_output=True, text=True, timeout=600,
+                       env=subprocess_env(FSDP_JAX_TEST_DEVICES="native", JAX_PLATFORMS="cpu"))
+  assert "1 passed, 1 skipped" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
+  assert "1 device(s) here" in out.stdout and "needs 2 devices" in out.stdout, out.stdout[-3000:]
