@@ -115,7 +115,9 @@ def compiler_options(mesh: Mesh, *, checkpointed: bool = True) -> dict:
   ``nn.remat``) without the one that turns XLA's YNN fusions off, which
   only keeps a checkpointed model's memory down and costs time. Elsewhere,
   none: GPU pipelines keep optimization barriers through
-  common-subexpression elimination already.
+  common-subexpression elimination already, and MaxText's H100 options
+  (latency-hiding scheduler, collective combining, double-buffered loops)
+  changed nothing on one H100 (benchmarks/GPU.md), so none is imposed.
   :func:`fsdp_jax.shard_train_step` applies them itself (it traces the loss
   to see whether it checkpoints); pass them to ``jax.jit`` for a
   hand-written step, so that FULL_SHARD re-gathers in backward whatever
