@@ -42,7 +42,7 @@ MODULE_ORDER = [
     "fsdp_jax._src.config", "fsdp_jax._src.quantization", "fsdp_jax._src.wrap",
     "fsdp_jax._src.mesh", "fsdp_jax._src.state", "fsdp_jax._src.plan",
     "fsdp_jax._src.step", "fsdp_jax._src.loss", "fsdp_jax._src.full",
-    "fsdp_jax._src.state_dicts", "fsdp_jax._src.checkpoint", "fsdp_jax._src.distributed",
+    "fsdp_jax._src.state_dicts", "fsdp_jax._src.checkpoint", "fsdp_jax._src.runtime.distributed",
 ]
 # Section titles (the implementation modules are private: titles only).
 TITLES = {
@@ -57,7 +57,7 @@ TITLES = {
     "fsdp_jax._src.full": "Full parameters",
     "fsdp_jax._src.state_dicts": "State dicts",
     "fsdp_jax._src.checkpoint": "Checkpoints",
-    "fsdp_jax._src.distributed": "Several processes",
+    "fsdp_jax._src.runtime.distributed": "Several processes",
 }
 # The custom-step building blocks, then the public sub-modules, in this order.
 CUSTOM_MODULE = "fsdp_jax.custom"
@@ -424,8 +424,8 @@ def module_members(module, names=None) -> list[tuple[str, object]]:
 
 
 # Implementation modules documented in another module's section.
-SECTION_OF = {"fsdp_jax._src.cluster": "fsdp_jax._src.distributed",
-              "fsdp_jax._src.preemption": "fsdp_jax._src.distributed"}
+SECTION_OF = {"fsdp_jax._src.runtime.cluster": "fsdp_jax._src.runtime.distributed",
+              "fsdp_jax._src.runtime.preemption": "fsdp_jax._src.runtime.distributed"}
 
 
 def _section_of(mod: str) -> str:

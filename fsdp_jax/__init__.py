@@ -85,8 +85,8 @@ from fsdp_jax._src.checkpoint import (
 )
 
 # Multi-process.
-from fsdp_jax._src.cluster import DistributedInfo as DistributedInfo
-from fsdp_jax._src.distributed import (
+from fsdp_jax._src.runtime.cluster import DistributedInfo as DistributedInfo
+from fsdp_jax._src.runtime.distributed import (
     MonitoredBarrierError as MonitoredBarrierError,
     monitored_barrier as monitored_barrier,
 )

@@ -83,7 +83,8 @@ watchdog tears the process down for the same reason). JAX's own heartbeat
 timeout is set ``peer_timeout + 20`` seconds as a backstop.
 """
 
-from fsdp_jax._src.cluster import (
+from fsdp_jax._src import deprecations as _deprecations
+from fsdp_jax._src.runtime.cluster import (
     DEFAULT_BARRIER_TIMEOUT as DEFAULT_BARRIER_TIMEOUT,
     DEFAULT_INIT_TIMEOUT as DEFAULT_INIT_TIMEOUT,
     DEFAULT_PEER_TIMEOUT as DEFAULT_PEER_TIMEOUT,
@@ -91,14 +92,9 @@ from fsdp_jax._src.cluster import (
     DistributedInfo as DistributedInfo,
     EXIT_PEER_LOST as EXIT_PEER_LOST,
     EXIT_RESTART as EXIT_RESTART,
-    HEARTBEAT_INTERVAL as HEARTBEAT_INTERVAL,
-    default_coordinator_bind_address as default_coordinator_bind_address,
-    describe_process as describe_process,
     detect_platform as detect_platform,
-    gpu_count as gpu_count,
-    port_problem as port_problem,
 )
-from fsdp_jax._src.distributed import (
+from fsdp_jax._src.runtime.distributed import (
     MonitoredBarrierError as MonitoredBarrierError,
     get_local_rank as get_local_rank,
     get_rank as get_rank,
@@ -110,7 +106,7 @@ from fsdp_jax._src.distributed import (
     monitored_barrier as monitored_barrier,
     shutdown as shutdown,
 )
-from fsdp_jax._src.preemption import (
+from fsdp_jax._src.runtime.preemption import (
     handle_preemption as handle_preemption,
     should_stop as should_stop,
 )
@@ -123,22 +119,25 @@ __all__ = [
     "DistributedInfo",
     "EXIT_PEER_LOST",
     "EXIT_RESTART",
-    "HEARTBEAT_INTERVAL",
     "MonitoredBarrierError",
-    "default_coordinator_bind_address",
-    "describe_process",
     "detect_platform",
     "get_local_rank",
     "get_rank",
     "get_world_size",
-    "gpu_count",
     "handle_preemption",
     "info",
     "initialize",
     "install_failure_hooks",
     "is_initialized",
     "monitored_barrier",
-    "port_problem",
     "should_stop",
     "shutdown",
 ]
+
+# Helpers of the launcher and the watchdog, public until 0.1: they keep
+# working with a DeprecationWarning.
+_INTERNAL = "an internal helper of the launcher and the watchdog; it may change without notice."
+__getattr__ = _deprecations.module_getattr(__name__, {
+    name: ("fsdp_jax._src.runtime.cluster", _INTERNAL)
+    for name in ("HEARTBEAT_INTERVAL", "default_coordinator_bind_address",
+                 "describe_process", "gpu_count", "port_problem")})

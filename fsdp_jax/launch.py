@@ -11,7 +11,7 @@ notebooks). The launcher never imports JAX's backends.
 
 import sys
 
-from fsdp_jax._src.launch import (
+from fsdp_jax._src.runtime.launch import (
     WorkerGroup as WorkerGroup,
     WorkerResult as WorkerResult,
     free_port as free_port,

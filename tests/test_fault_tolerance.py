@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from fsdp_jax import distributed
-from fsdp_jax._src import preemption
+from fsdp_jax._src.runtime import preemption
 
 from helpers import Background, subprocess_env
 

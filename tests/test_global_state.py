@@ -42,7 +42,7 @@ def test_import_and_library_calls_install_no_hook():
       fsdp_jax.distributed.install_failure_hooks()  # twice: installs once
       assert sys.excepthook is not sys.__excepthook__
       ours = [m for m in registered if m.startswith("fsdp_jax")]
-      assert ours == ["fsdp_jax._src.distributed"], ours
+      assert ours == ["fsdp_jax._src.runtime.distributed"], ours
       print("ok")
   """)
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
@@ -58,7 +58,7 @@ def test_worker_entry_point_runs_a_script_like_python(tmp_path):
       print("hooked", sys.excepthook is not sys.__excepthook__)
       sys.exit(3)
   """))
-  out = _run(None, "-m", "fsdp_jax._src.worker", str(script), "--lr", "1e-3")
+  out = _run(None, "-m", "fsdp_jax._src.runtime.worker", str(script), "--lr", "1e-3")
   assert out.returncode == 3, out.stderr[-3000:]
   assert f"argv [{str(script)!r}, '--lr', '1e-3']" in out.stdout
   assert "name __main__" in out.stdout
@@ -68,11 +68,11 @@ def test_worker_entry_point_runs_a_script_like_python(tmp_path):
 
 def test_worker_entry_point_runs_a_module(tmp_path):
   (tmp_path / "mytrain.py").write_text("import sys\nprint('argv', sys.argv[1:], __name__)\n")
-  out = _run(None, "-m", "fsdp_jax._src.worker", "-m", "mytrain", "x", cwd=tmp_path)
+  out = _run(None, "-m", "fsdp_jax._src.runtime.worker", "-m", "mytrain", "x", cwd=tmp_path)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "argv ['x'] __main__" in out.stdout
 
 
 def test_worker_entry_point_usage_error():
-  out = _run(None, "-m", "fsdp_jax._src.worker")
-  assert out.returncode != 0 and "usage: python -m fsdp_jax._src.worker" in out.stderr
+  out = _run(None, "-m", "fsdp_jax._src.runtime.worker")
+  assert out.returncode != 0 and "usage: python -m fsdp_jax._src.runtime.worker" in out.stderr

@@ -36,8 +36,8 @@ import pytest
 
 from fsdp_jax import launch
 from fsdp_jax import distributed
-from fsdp_jax._src import cluster
-from fsdp_jax._src import distributed as distributed_impl
+from fsdp_jax._src.runtime import cluster
+from fsdp_jax._src.runtime import distributed as distributed_impl
 from fsdp_jax.launch import WorkerGroup, free_port, worker_env
 
 import mp_worker
@@ -783,8 +783,8 @@ def test_coordinator_listens_only_where_it_must(tmp_path, where):
 
 def test_bind_address_rules(monkeypatch):
   monkeypatch.delenv("JAX_COORDINATOR_BIND_ADDRESS", raising=False)
-  assert distributed.default_coordinator_bind_address("localhost:29500") == "127.0.0.1:29500"
-  assert distributed.default_coordinator_bind_address("[::1]:29500") == "[::1]:29500"
+  assert cluster.default_coordinator_bind_address("localhost:29500") == "127.0.0.1:29500"
+  assert cluster.default_coordinator_bind_address("[::1]:29500") == "[::1]:29500"
   # A host name that resolves to loopback (Debian maps the host name to
   # 127.0.1.1) while other machines must connect: refused with the fix.
   with pytest.raises(ValueError, match=(
@@ -795,5 +795,5 @@ def test_bind_address_rules(monkeypatch):
   cluster.check_bind_address("127.0.1.1:29500", "node0:29500", 2, 2)  # one machine
   cluster.check_bind_address("127.0.0.1:29500", "127.0.0.1:29500", 4, 2)  # meant
   monkeypatch.setenv("JAX_COORDINATOR_BIND_ADDRESS", "0.0.0.0:29500")
-  assert distributed.default_coordinator_bind_address("node0:29500") == "0.0.0.0:29500"
+  assert cluster.default_coordinator_bind_address("node0:29500") == "0.0.0.0:29500"
   cluster.check_bind_address("127.0.1.1:29500", "node0:29500", 4, 2)  # user's choice

@@ -39,7 +39,7 @@ PUBLIC_MODULES = ("fsdp_jax", "fsdp_jax.custom", "fsdp_jax.hooks", "fsdp_jax.hlo
 WITHOUT_EXAMPLE = {
     "fsdp_jax.DistributedInfo", "fsdp_jax.MonitoredBarrierError",
     "fsdp_jax.monitored_barrier", "fsdp_jax.distributed.DistributedInfo",
-    "fsdp_jax.distributed.MonitoredBarrierError", "fsdp_jax.distributed.describe_process",
+    "fsdp_jax.distributed.MonitoredBarrierError",
     "fsdp_jax.distributed.handle_preemption", "fsdp_jax.distributed.info",
     "fsdp_jax.distributed.monitored_barrier", "fsdp_jax.distributed.should_stop",
     "fsdp_jax.distributed.shutdown", "fsdp_jax.distributed.install_failure_hooks",

@@ -51,12 +51,11 @@ def _implementation(module: str) -> str:
 
 
 def _public_spelling(module: str, name: str) -> str:
-  """Where ``fsdp_jax.<module>.<name>`` lives now, as a user should write it."""
-  import fsdp_jax  # pylint: disable=import-outside-toplevel
-  import fsdp_jax.custom  # pylint: disable=import-outside-toplevel
-  if name in getattr(fsdp_jax, "__all__", ()):
+  """Where ``fsdp_jax.<module>.<name>`` lives now, as a user should write it
+  (the package is loaded: this runs on an attribute read of an alias)."""
+  if name in getattr(sys.modules["fsdp_jax"], "__all__", ()):
     return f"fsdp_jax.{name}"
-  if name in fsdp_jax.custom.__all__:
+  if name in importlib.import_module("fsdp_jax.custom").__all__:
     return f"fsdp_jax.custom.{name}"
   if name in MOVED_NAMES:
     return MOVED_NAMES[name][0]
@@ -86,6 +85,21 @@ class _MovedModule(types.ModuleType):
 
   def __dir__(self):
     return dir(importlib.import_module(_implementation(self._fsdp_module)))
+
+
+def module_getattr(module: str, moved: dict):
+  """A public module's ``__getattr__`` for names it no longer exports:
+  ``moved`` maps each to ``(implementation module, why)``; reading one warns
+  and returns it."""
+
+  def __getattr__(name: str):
+    if name not in moved:
+      raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    where, why = moved[name]
+    warnings.warn(f"{module}.{name} is deprecated: {why}", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(where), name)
+
+  return __getattr__
 
 
 def register_moved_modules(package: str) -> None:

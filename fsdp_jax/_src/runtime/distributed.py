@@ -15,17 +15,17 @@ import os
 import sys
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 
-from fsdp_jax._src import _compat
-from fsdp_jax._src.cluster import (BARRIER, DEFAULT_BARRIER_TIMEOUT, DEFAULT_INIT_TIMEOUT,
+from fsdp_jax._src import _compat, mesh
+from fsdp_jax._src.runtime.cluster import (BARRIER, DEFAULT_BARRIER_TIMEOUT, DEFAULT_INIT_TIMEOUT,
     DEFAULT_PEER_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT, DistributedInfo, EXIT_PEER_LOST, HB,
     backends_started, check_bind_address, cluster_env, cluster_local_rank,
     default_coordinator_bind_address, describe_process, detect_platform, env_float,
     env_int, first_line, jax_client, port_problem, publish_info, seconds, split_host_port)
-from fsdp_jax._src.watchdog import Watchdog, is_communication_error
+from fsdp_jax._src.runtime.watchdog import Watchdog, is_communication_error
 
 
 # The job this process belongs to. Process-wide because jax.distributed is:
@@ -33,6 +33,10 @@ from fsdp_jax._src.watchdog import Watchdog, is_communication_error
 # shutdown().
 _info: Optional[DistributedInfo] = None
 _watchdog: Optional["Watchdog"] = None  # the peer watchdog initialize() started
+# Teardown of what other runtime modules install (preemption's SIGTERM handler
+# and agent thread), registered by them with register_teardown: name ->
+# (called by shutdown(), called at interpreter exit before JAX's handler).
+_teardowns: dict = {}
 # monitored_barrier() calls so far: each call's keys in the coordination
 # service are numbered, as every process calls the barriers in the same order.
 _barrier_seq = [0]
@@ -216,8 +220,7 @@ def initialize(*, coordinator_address: Optional[str] = None,
     if forced:  # asked for CPU: do not probe for accelerators
       jax.config.update("jax_platforms", "cpu")
     if devices_per_process is not None:
-      from fsdp_jax._src.mesh import simulate_cpu_devices
-      simulate_cpu_devices(devices_per_process)
+      mesh.simulate_cpu_devices(devices_per_process)
   elif devices_per_process is not None:
     local_device_ids = list(range(local_rank * devices_per_process,
                                   (local_rank + 1) * devices_per_process))
@@ -398,11 +401,20 @@ def shutdown() -> None:
       # a daemon thread in native code at interpreter exit aborts the process.
       wd.join(timeout=2 * wd.interval + 5)
     _watchdog = None
-  from fsdp_jax._src import preemption  # pylint: disable=import-outside-toplevel
-  preemption.uninstall()
+  for on_shutdown, _ in list(_teardowns.values()):
+    on_shutdown()
   if jax_client() is not None:
     jax.distributed.shutdown()
   _info = None
+
+
+def register_teardown(name: str, *, on_shutdown: Callable[[], None],
+                      on_exit: Callable[[], None]) -> None:
+  """Registers what :func:`shutdown` and the exit handler of
+  :func:`install_failure_hooks` call to tear down process-wide state another
+  runtime module installed (e.g. :func:`fsdp_jax.distributed.handle_preemption`'s
+  signal handler); registering a name again replaces its calls."""
+  _teardowns[name] = (on_shutdown, on_exit)
 
 
 def _start_watchdog(info: DistributedInfo, peer_timeout: float) -> None:
@@ -476,8 +488,8 @@ def install_failure_hooks() -> None:
 def _at_exit() -> None:
   """Runs before JAX's own exit handler (atexit is last-in, first-out; JAX
   registers its handler when jax is imported, before this module is)."""
-  from fsdp_jax._src import preemption  # pylint: disable=import-outside-toplevel
-  preemption.stop_preemption_agent()
+  for _, on_exit in list(_teardowns.values()):
+    on_exit()
   wd = _watchdog
   if wd is None:
     return

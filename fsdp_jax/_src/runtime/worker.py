@@ -1,5 +1,5 @@
 """The launcher's worker entry point:
-``python -m fsdp_jax._src.worker (SCRIPT | -m MODULE) [ARGS...]``.
+``python -m fsdp_jax._src.runtime.worker (SCRIPT | -m MODULE) [ARGS...]``.
 
 ``python -m fsdp_jax.launch`` starts every worker through this module. It
 installs the process-wide failure hooks
@@ -16,14 +16,14 @@ import os
 import runpy
 import sys
 
-USAGE = "usage: python -m fsdp_jax._src.worker (SCRIPT | -m MODULE) [ARGS...]"
+from fsdp_jax._src.runtime import distributed
+
+USAGE = "usage: python -m fsdp_jax._src.runtime.worker (SCRIPT | -m MODULE) [ARGS...]"
 
 
 def main(argv: list[str]) -> None:
   if not argv or (argv[0] == "-m" and len(argv) < 2):
     raise SystemExit(USAGE)
-  # Imported here so that a usage error does not import jax.
-  from fsdp_jax._src import distributed  # pylint: disable=import-outside-toplevel
   if argv[0] == "-m":
     module, args = argv[1], argv[2:]
     sys.argv = [module, *args]  # run_module puts the module's file first

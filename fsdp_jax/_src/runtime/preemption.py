@@ -10,8 +10,8 @@ import threading
 import time
 from typing import Optional
 
-from fsdp_jax._src.cluster import EXIT_RESTART, KV, env_int, first_line, jax_client, seconds
-from fsdp_jax._src import distributed as dist
+from fsdp_jax._src.runtime.cluster import EXIT_RESTART, KV, env_int, first_line, jax_client, seconds
+from fsdp_jax._src.runtime import distributed as dist
 
 
 # --------------------------------------------------------------------------
@@ -206,6 +206,7 @@ def handle_preemption(*, timeout: float = 120.0) -> None:
         "not joined the others yet.")
   p = Preemption(multi=multi)
   p.install()
+  dist.register_teardown("preemption", on_shutdown=uninstall, on_exit=stop_preemption_agent)
   if multi:
     p.agent = _PreemptionAgent(p, dist.get_rank(), dist.get_world_size(), float(timeout))
     p.agent.start()  # stopped by shutdown(), or at exit by install_failure_hooks()'s handler

@@ -311,11 +311,9 @@ def publish_info(info: DistributedInfo) -> None:
     pass
 
 
-def describe_process(rank: int, world: Optional[int] = None, client=None) -> str:
-  """``"process 1 of 2 (host h, pid 123, LOCAL_RANK 1)"`` from the KV store."""
-  if not world:
-    from fsdp_jax._src.distributed import get_world_size  # pylint: disable=import-outside-toplevel
-    world = get_world_size()
+def describe_process(rank: int, world: int, client=None) -> str:
+  """``"process 1 of 2 (host h, pid 123, LOCAL_RANK 1)"`` from the KV store
+  (``world``: the number of processes)."""
   text = f"process {rank} of {world}"
   client = client or jax_client()
   if client is None:

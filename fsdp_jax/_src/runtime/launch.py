@@ -57,6 +57,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from fsdp_jax._src.runtime import cluster
+
 __all__ = ["WorkerGroup", "WorkerResult", "free_port", "main", "worker_env"]
 
 
@@ -495,14 +497,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parser.parse_args(argv)
   _validate(parser, args)
 
-  from fsdp_jax._src import cluster as distributed  # light: no JAX backend starts
-
   platform = args.platform
   if platform == "auto":
-    platform = distributed.detect_platform()
+    platform = cluster.detect_platform()
   devices = args.devices_per_proc
   if platform == "gpu":
-    n_gpu = distributed.gpu_count()
+    n_gpu = cluster.gpu_count()
     if devices is None and n_gpu:
       if n_gpu % args.nproc:
         parser.error(f"{n_gpu} GPUs cannot be split evenly over --nproc {args.nproc}; "
@@ -520,7 +520,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   ranks = [args.node_rank * args.nproc + i for i in range(args.nproc)]
   # Every worker starts through the worker entry point, which installs the
   # failure hooks (fsdp_jax/_src/worker.py) and runs the script as __main__.
-  cmd = [sys.executable, "-m", "fsdp_jax._src.worker"]
+  cmd = [sys.executable, "-m", "fsdp_jax._src.runtime.worker"]
   cmd += ["-m", args.script] if args.module else [args.script]
   cmd += list(args.script_args)
 
@@ -550,7 +550,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               for i, r in enumerate(ranks)]
       if args.node_rank == 0:
         _check_coordinator_port(parser, args, envs[0]["JAX_COORDINATOR_ADDRESS"], port,
-                                world, distributed)
+                                world)
       attempt = f" (restart {restart} of {args.max_restarts})" if restart else ""
       print(f"fsdp_jax.launch: starting {args.nproc} worker(s) (RANK {ranks[0]}..{ranks[-1]} "
             f"of {world}), platform {platform}, "
@@ -577,10 +577,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return exit_status(failure.returncode)
       if received:  # a signal came while the workers were being stopped
         print(f"fsdp_jax.launch: got {signal.Signals(received[0]).name} before the "
-              f"restart; not restarting. Exiting with status {distributed.EXIT_RESTART} "
+              f"restart; not restarting. Exiting with status {cluster.EXIT_RESTART} "
               "(restart the job to resume from its latest checkpoint).",
               file=sys.stderr, flush=True)
-        return distributed.EXIT_RESTART
+        return cluster.EXIT_RESTART
       restart += 1
       print(f"fsdp_jax.launch: restarting all {args.nproc} worker(s) (restart {restart} of "
             f"{args.max_restarts}); the script resumes from its latest checkpoint.",
@@ -590,17 +590,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       signal.signal(sig, handler)
 
 
-def _check_coordinator_port(parser, args, address: str, port: int, world: int,
-                            distributed) -> None:
+def _check_coordinator_port(parser, args, address: str, port: int, world: int) -> None:
   """Process 0 runs on this machine: check now that its coordinator can
   listen, rather than have the worker fail with gRPC's "Failed to start RPC
   server"."""
-  bind = distributed.default_coordinator_bind_address(address)
+  bind = cluster.default_coordinator_bind_address(address)
   try:
-    distributed.check_bind_address(bind, address, world, args.nproc)
+    cluster.check_bind_address(bind, address, world, args.nproc)
   except ValueError as e:
     parser.error(str(e))
-  problem = distributed.port_problem(bind)
+  problem = cluster.port_problem(bind)
   if problem:
     how = ("pass another --master-port (the same on every machine)" if args.nnodes > 1
            else "pass another --master-port, or leave it out to get a free port")
@@ -614,7 +613,6 @@ def _supervise(group: WorkerGroup, args, received: list) -> str:
   """Waits for the workers: ``"done"`` when all exited (``group.first_failure``
   tells whether one failed), ``"signal"`` when the launcher got a signal
   (forwarded; the workers have exited or been killed)."""
-  from fsdp_jax._src.cluster import EXIT_RESTART
   try:
     while group.running():
       if received:
@@ -622,7 +620,7 @@ def _supervise(group: WorkerGroup, args, received: list) -> str:
         return "signal"
       failure = group.poll()
       if failure is not None:
-        if failure.returncode == EXIT_RESTART:
+        if failure.returncode == cluster.EXIT_RESTART:
           # The worker saved after a SIGTERM (or lost a peer): the others are
           # saving and exiting too. Let them finish before stopping them.
           deadline = time.monotonic() + args.term_timeout
@@ -666,17 +664,16 @@ def _forward(group: WorkerGroup, args, received: list) -> None:
 def _after_signal(group: WorkerGroup, sig: int) -> int:
   """The launcher's status after forwarding ``sig``: 0 if every worker
   finished, 75 if they all saved and asked to be restarted, else 128+sig."""
-  from fsdp_jax._src.cluster import EXIT_RESTART
   results = group.results()
   codes = [r.returncode for r in results]
   if all(c == 0 for c in codes):
     status = 0
-  elif all(c in (0, EXIT_RESTART) for c in codes):
-    status = EXIT_RESTART
+  elif all(c in (0, cluster.EXIT_RESTART) for c in codes):
+    status = cluster.EXIT_RESTART
   else:
     status = 128 + sig
   meaning = {0: "every worker finished",
-             EXIT_RESTART: "the workers saved and stopped: restart the job to resume"}
+             cluster.EXIT_RESTART: "the workers saved and stopped: restart the job to resume"}
   print("fsdp_jax.launch: after " + signal.Signals(sig).name + ": "
         + "; ".join(f"RANK={r.rank} {describe_status(r.returncode)}" for r in results)
         + f". Exiting with status {status}"
@@ -686,14 +683,13 @@ def _after_signal(group: WorkerGroup, sig: int) -> int:
 
 
 def _report_failure(group: WorkerGroup, args, failure: WorkerResult) -> None:
-  from fsdp_jax._src.cluster import EXIT_RESTART
 
   def ended(r: WorkerResult) -> str:
-    return r.describe() + (" (restart me)" if r.returncode == EXIT_RESTART else "")
+    return r.describe() + (" (restart me)" if r.returncode == cluster.EXIT_RESTART else "")
 
   results = group.results()
   lines = [f"fsdp_jax.launch: {ended(failure)} "
-           + ("stopped first." if failure.returncode == EXIT_RESTART else "failed first.")]
+           + ("stopped first." if failure.returncode == cluster.EXIT_RESTART else "failed first.")]
   stopped = [r for r in results if r.stopped]
   if stopped:
     lines.append("fsdp_jax.launch: stopped the other workers: "

@@ -13,7 +13,7 @@ import time
 import traceback
 from typing import Optional
 
-from fsdp_jax._src.cluster import (ABORT, DEFAULT_SHUTDOWN_TIMEOUT, DONE, DistributedInfo,
+from fsdp_jax._src.runtime.cluster import (ABORT, DEFAULT_SHUTDOWN_TIMEOUT, DONE, DistributedInfo,
     EXIT_PEER_LOST, HB, HEARTBEAT_INTERVAL, describe_process, env_int, jax_client, seconds)
 
 
