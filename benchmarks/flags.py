@@ -2,7 +2,7 @@
 """What each of fsdp_jax's CPU XLA settings costs and earns.
 
 Two kinds of setting: process-wide ``XLA_FLAGS`` that
-``fsdp_jax.simulate_cpu_devices()`` appends (``fsdp_jax.CPU_XLA_FLAGS``),
+``fsdp_jax.simulate_cpu_devices()`` appends (``fsdp_jax.custom.CPU_XLA_FLAGS``),
 which every program of the process gets, and the compiler options fsdp_jax's
 own step is compiled with (``fsdp_jax.custom.compiler_options(mesh)``), which
 no other program gets. A process flag that helps fsdp_jax but slows an
@@ -237,7 +237,7 @@ def main(argv=None):
     return None
 
   import fsdp_jax  # pylint: disable=import-outside-toplevel  (no backend starts)
-  sets = _flag_sets(tuple(fsdp_jax.CPU_XLA_FLAGS))
+  sets = _flag_sets(tuple(fsdp_jax.custom.CPU_XLA_FLAGS))
   raw = list(argv if argv is not None else sys.argv[1:])
   child_args = []
   while raw:  # everything but --out and its value
@@ -293,7 +293,7 @@ def main(argv=None):
       f"turn, each in a fresh process. Machine: {os.cpu_count()} cores, load average "
       f"{os.getloadavg()[0]:.1f} at the end.",
       "",
-      f"Process flags (`fsdp_jax.CPU_XLA_FLAGS`, set by `simulate_cpu_devices`): "
+      f"Process flags (`fsdp_jax.custom.CPU_XLA_FLAGS`, set by `simulate_cpu_devices`): "
       f"`{sets[LIBRARY]}`. fsdp_jax's step options "
       f"(`fsdp_jax.custom.compiler_options(mesh)`, its program only): {opts}, the "
       "last only when the loss checkpoints.",

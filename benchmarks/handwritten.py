@@ -10,7 +10,7 @@ JAX's transpose of the all-gather, and AdamW on the shards. The embeddings,
 final norm and head are gathered once, like fsdp_jax's root unit.
 
 For each per-device batch, both steps of the same GPT are compiled in one
-process (``fsdp_jax.CPU_XLA_FLAGS``): step time (round-robin), peak bytes
+process (``fsdp_jax.custom.CPU_XLA_FLAGS``): step time (round-robin), peak bytes
 per device (``memory_analysis()``) and a per-op breakdown of what the
 compiled step moves (operands and results of every operation XLA runs, per
 device, from the compiled module: ``hlo_stats.op_breakdown``). Writes

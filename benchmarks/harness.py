@@ -730,7 +730,7 @@ def parse_args(argv=None, description: str = "fsdp_jax benchmark"):
   p.add_argument("--no-state-scaling", action="store_true")
   p.add_argument("--xla-flags", default=None, metavar="FLAGS",
                  help="ablation: run every variant with exactly these XLA_FLAGS instead of "
-                      "fsdp_jax.CPU_XLA_FLAGS ('' = XLA's defaults)")
+                      "fsdp_jax.custom.CPU_XLA_FLAGS ('' = XLA's defaults)")
   p.add_argument("--no-cpu-flags", dest="xla_flags", action="store_const", const="",
                  help="same as --xla-flags ''")
   p.add_argument("--devices", type=int, default=8)

@@ -425,6 +425,7 @@ def module_members(module, names=None) -> list[tuple[str, object]]:
 
 # Implementation modules documented in another module's section.
 SECTION_OF = {"fsdp_jax._src.runtime.cluster": "fsdp_jax._src.runtime.distributed",
+              "fsdp_jax._src.frameworks": "fsdp_jax._src.state",
               "fsdp_jax._src.runtime.preemption": "fsdp_jax._src.runtime.distributed"}
 
 

@@ -39,7 +39,6 @@ from fsdp_jax._src.wrap import (
 
 # Devices.
 from fsdp_jax._src.mesh import (
-    CPU_XLA_FLAGS as CPU_XLA_FLAGS,
     make_mesh as make_mesh,
     simulate_cpu_devices as simulate_cpu_devices,
 )
@@ -47,10 +46,10 @@ from fsdp_jax._src.mesh import (
 # State and the train step.
 from fsdp_jax._src.loss import WeightedLoss as WeightedLoss
 from fsdp_jax._src.plan import Plan as Plan
+from fsdp_jax._src.frameworks import module_classes as module_classes
 from fsdp_jax._src.state import (
     ShardedTrainState as ShardedTrainState,
     init_train_state as init_train_state,
-    module_classes as module_classes,
 )
 from fsdp_jax._src.step import (
     NonFiniteError as NonFiniteError,
@@ -102,7 +101,7 @@ from fsdp_jax._src import deprecations as _deprecations
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackwardPrefetch", "CPUOffload", "CPU_XLA_FLAGS", "CheckpointError",
+    "BackwardPrefetch", "CPUOffload", "CheckpointError",
     "CheckpointManager", "CustomPolicy", "DistributedInfo", "FSDPConfig",
     "MixedPrecision", "ModuleWrapPolicy", "MonitoredBarrierError", "Node",
     "NonFiniteError", "OptimStateKeyType", "Plan", "Quantization",

@@ -15,11 +15,14 @@ these pieces are the same ones it is made of, to be called inside your own
   storage;
 * :func:`sharded_grads` - the reduced gradient shards of one batch, outside a
   step (for ``summon_full_params(with_grads=True, grads=...)``);
-* :class:`GatherSpec` and :func:`reduce_gradient` - what a communication hook
-  receives and the default reduction it may call;
+* :class:`GatherSpec` (with a :class:`LeafLayout` per leaf) and
+  :func:`reduce_gradient` - what a communication hook receives and the
+  default reduction it may call;
 * :func:`compiler_options` - what to pass to your ``jax.jit`` so the step
   compiles the way :func:`fsdp_jax.shard_train_step`'s does (on CPU,
-  FULL_SHARD's backward re-gather survives XLA's optimisations).
+  FULL_SHARD's backward re-gather survives XLA's optimisations), and
+  :data:`CPU_XLA_FLAGS`, the process flags
+  :func:`fsdp_jax.simulate_cpu_devices` adds.
 
 See docs/custom_step.md for a complete step.
 
@@ -36,22 +39,28 @@ Example:
 from fsdp_jax._src.clipping import clip_grad_norm as clip_grad_norm
 from fsdp_jax._src.collectives import (
     GatherSpec as GatherSpec,
+    LeafLayout as LeafLayout,
     reduce_gradient as reduce_gradient,
 )
 from fsdp_jax._src.full import sharded_grads as sharded_grads
-from fsdp_jax._src.mesh import compiler_options as compiler_options
 from fsdp_jax._src.grads import (
+    optimizer_step as optimizer_step,
+    value_and_grad as value_and_grad,
+)
+from fsdp_jax._src.mesh import (
+    CPU_XLA_FLAGS as CPU_XLA_FLAGS,
+    compiler_options as compiler_options,
+)
+from fsdp_jax._src.plan import (
     batch_spec as batch_spec,
     merge_trainable as merge_trainable,
-    optimizer_step as optimizer_step,
     param_specs as param_specs,
     split_trainable as split_trainable,
-    value_and_grad as value_and_grad,
 )
 from fsdp_jax._src.state import opt_state_specs as opt_state_specs
 
 __all__ = [
-    "GatherSpec", "batch_spec", "clip_grad_norm", "compiler_options", "merge_trainable",
-    "opt_state_specs", "optimizer_step", "param_specs", "reduce_gradient",
-    "sharded_grads", "split_trainable", "value_and_grad",
+    "CPU_XLA_FLAGS", "GatherSpec", "LeafLayout", "batch_spec", "clip_grad_norm",
+    "compiler_options", "merge_trainable", "opt_state_specs", "optimizer_step", "param_specs",
+    "reduce_gradient", "sharded_grads", "split_trainable", "value_and_grad",
 ]

@@ -26,8 +26,8 @@ def restore_and_train(spec):
   import numpy as np
   import optax
   import fsdp_jax
-  from fsdp_jax._src.checkpoint import CheckpointManager
-  from fsdp_jax._src.state_dicts import state_dict
+  from fsdp_jax import CheckpointManager
+  from fsdp_jax import state_dict
   from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params, train_steps
 
   strategy = fsdp_jax.ShardingStrategy[spec["strategy"]]
@@ -61,7 +61,7 @@ def crash_during_save(spec):
   import jax.numpy as jnp
   import optax
   import fsdp_jax
-  from fsdp_jax._src.checkpoint import CheckpointManager
+  from fsdp_jax import CheckpointManager
 
   mesh = fsdp_jax.make_mesh(shard=jax.device_count())
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -118,9 +118,9 @@ def multiprocess(spec):
   import numpy as np
   import optax
   import fsdp_jax
-  from fsdp_jax._src.checkpoint import CheckpointManager
-  from fsdp_jax._src.state_dicts import (full_optim_state_dict, load_state_dict, optim_state_dict,
-                                   scatter_full_optim_state_dict, state_dict)
+  from fsdp_jax import CheckpointManager
+  from fsdp_jax import (full_optim_state_dict, load_state_dict, optim_state_dict,
+                        scatter_full_optim_state_dict, state_dict)
 
   T = fsdp_jax.StateDictType
   pid = jax.process_index()

@@ -204,8 +204,7 @@ def collectives_per_call(plan, unit) -> tuple[int, int]:
   reduction of ``unit`` (one layer of a stacked unit) issue: one per dtype
   group, or one per leaf where leaves move on their own
   (``use_orig_params=True``)."""
-  from fsdp_jax._src import layout  # pylint: disable=import-outside-toplevel
-  groups = layout.group_collectives(plan, unit)
+  groups = plan.group_collectives(unit)
   return sum(g[2] for g in groups), sum(g[3] for g in groups)
 
 
@@ -213,10 +212,9 @@ def collective_sizes(plan, unit) -> list[int]:
   """Elements each all-gather of one gather of ``unit`` (one layer of a
   stacked unit) returns: the unit's padded buffer (flat layout), or each
   leaf padded along dim 0."""
-  from fsdp_jax._src import layout  # pylint: disable=import-outside-toplevel
   layers = unit.num_layers if unit.stacked else 1
   out = []
-  for group, spec, gathers, _ in layout.group_collectives(plan, unit):
+  for group, spec, gathers, _ in plan.group_collectives(unit):
     if gathers == 1:
       out.append(plan.n * spec.chunk)
     else:

@@ -140,7 +140,7 @@ def checkpoint_round(directory: str, steps: int = 3):
   """Trains ``steps`` steps, saves a checkpoint to ``directory``, takes one
   more step. Returns ``(loss of that step, params after it)``."""
   import fsdp_jax
-  from fsdp_jax._src.checkpoint import CheckpointManager
+  from fsdp_jax import CheckpointManager
   state, step, _ = setup()
   state, _ = run_steps(state, step, 0, steps)
   with CheckpointManager(directory) as mngr:
@@ -155,7 +155,7 @@ def resume_round(directory: str):
   this run's devices and takes the next step. Returns ``(loss, params)``."""
   import jax
   import fsdp_jax
-  from fsdp_jax._src.checkpoint import CheckpointManager
+  from fsdp_jax import CheckpointManager
   target, step, _ = setup()
   with CheckpointManager(directory, read_only=True) as mngr:
     state = mngr.restore(target)
@@ -215,7 +215,7 @@ def main_checkpoint(args, info):
   """Saves ``--save-dir`` from this run and resumes ``--restore-dir``;
   also takes a FULL state dict (rank0_only) across the processes."""
   import fsdp_jax
-  from fsdp_jax._src.state_dicts import state_dict
+  from fsdp_jax import state_dict
 
   out = {}
   loss, params = checkpoint_round(args.save_dir)

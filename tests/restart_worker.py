@@ -71,7 +71,7 @@ def main(argv=None):
   import optax
 
   import fsdp_jax
-  from fsdp_jax._src.checkpoint import CheckpointManager
+  from fsdp_jax import CheckpointManager
   from helpers import mlp_loss
 
   rank, world = info.rank, info.world_size

@@ -23,10 +23,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fsdp_jax
-from fsdp_jax._src.checkpoint import CheckpointError, CheckpointManager, export_params, import_params
-from fsdp_jax._src.config import ShardingStrategy as S
-from fsdp_jax._src.state import ShardedTrainState
-from fsdp_jax._src.state_dicts import full_optim_state_dict
+from fsdp_jax import CheckpointError, CheckpointManager, export_params, import_params
+from fsdp_jax import ShardingStrategy as S
+from fsdp_jax import ShardedTrainState
+from fsdp_jax import full_optim_state_dict
 
 from checkpoint_worker import MP_PARAMS, SMALL
 from helpers import (Background, assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
@@ -152,7 +152,7 @@ def test_restore_on_4_2_3_devices_in_separate_processes(run):
   """Saved on 8 devices; each process restores onto its own device count,
   strategy and layout, and training continues with the same numbers."""
   procs = run["workers"]
-  expected = {".".join(fsdp_jax._src.state.key_name(k) for k in p): np.asarray(x) for p, x in
+  expected = {".".join(fsdp_jax._src.naming.key_name(k) for k in p): np.asarray(x) for p, x in
               jax.tree_util.tree_flatten_with_path(fsdp_jax.summon_full_params(run["final"]))[0]}
   for spec, proc in procs:
     rc, log = proc.wait(), proc.output()

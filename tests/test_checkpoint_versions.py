@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import fsdp_jax
-from fsdp_jax._src.checkpoint import CheckpointManager
+from fsdp_jax import CheckpointManager
 
 # Each test restores stored checkpoints of every layout and trains on.
 pytestmark = pytest.mark.slow

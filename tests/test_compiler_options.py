@@ -80,7 +80,7 @@ def _probe(xla_flags: str) -> dict:
 @pytest.mark.parametrize("xla_flags", [
     "",  # XLA's defaults: no simulate_cpu_devices()
     "--xla_disable_hlo_passes=dot_merger",  # the user's own list of disabled passes
-    " ".join(fsdp_jax.CPU_XLA_FLAGS),
+    " ".join(fsdp_jax.custom.CPU_XLA_FLAGS),
 ], ids=["no_flags", "user_flags", "library_flags"])
 def test_full_shard_regathers_whatever_the_process_flags(xla_flags):
   r = _probe(xla_flags)
@@ -122,10 +122,10 @@ def test_no_process_flag_slows_the_users_programs():
   in benchmarks/FLAGS.md; the YNN flag, which slowed it, is the step's own
   compiler option now and no process flag."""
   flags = os.environ.get("XLA_FLAGS", "")
-  assert all(f in flags for f in fsdp_jax.CPU_XLA_FLAGS), flags  # conftest.py set them
-  assert "ynn" not in " ".join(fsdp_jax.CPU_XLA_FLAGS)
+  assert all(f in flags for f in fsdp_jax.custom.CPU_XLA_FLAGS), flags  # conftest.py set them
+  assert "ynn" not in " ".join(fsdp_jax.custom.CPU_XLA_FLAGS)
   table = (Path(REPO) / "benchmarks" / "FLAGS.md").read_text()
-  for flag in fsdp_jax.CPU_XLA_FLAGS:
+  for flag in fsdp_jax.custom.CPU_XLA_FLAGS:
     assert f"| all but {flag} |" in table, f"{flag} is not measured in benchmarks/FLAGS.md"
   for name in mesh_lib.CPU_COMPILER_OPTIONS:
     assert name in table, f"{name} is not measured in benchmarks/FLAGS.md"

@@ -11,7 +11,7 @@ import pytest
 
 import fsdp_jax
 from fsdp_jax import hlo
-from fsdp_jax._src.config import ShardingStrategy as S
+from fsdp_jax import ShardingStrategy as S
 
 from helpers import (HYBRID, assert_trees_close, mesh_for, mlp_batch, mlp_loss,
                      mlp_params, reference_run, sharded_run)

@@ -181,7 +181,7 @@ def test_train_gpt_preemption(jobs, tmp_path):
   the data position) and exits 75; the same command resumes there."""
   import signal
 
-  from fsdp_jax._src.checkpoint import CheckpointManager
+  from fsdp_jax import CheckpointManager
 
   ckpt = tmp_path / "ckpt"
   cmd = [sys.executable, GPT, "--platform", "cpu", "--steps", "40", "--log-every", "1",

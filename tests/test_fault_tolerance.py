@@ -266,7 +266,7 @@ def test_checkpoint_data_state_round_trip(tmp_path):
   import jax.numpy as jnp
   import optax
   import fsdp_jax
-  from fsdp_jax._src.checkpoint import CheckpointManager
+  from fsdp_jax import CheckpointManager
 
   mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
   state = fsdp_jax.init_train_state(params={"w": jnp.ones(4)}, optimizer=optax.sgd(0.1),

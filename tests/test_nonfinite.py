@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import fsdp_jax
-from fsdp_jax._src.config import ShardingStrategy as S
+from fsdp_jax import ShardingStrategy as S
 
 from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params
 

@@ -12,11 +12,10 @@ import pytest
 
 import fsdp_jax
 from fsdp_jax._src import offload
-from fsdp_jax._src.checkpoint import CheckpointManager
-from fsdp_jax._src.config import ShardingStrategy as S
-from fsdp_jax._src.offload import entry_memory_bytes
-from fsdp_jax._src.state_dicts import (load_state_dict, optim_state_dict, optim_state_dict_to_load,
-                                 state_dict)
+from fsdp_jax import CheckpointManager
+from fsdp_jax import ShardingStrategy as S
+from fsdp_jax.hlo import entry_memory_bytes
+from fsdp_jax import load_state_dict, optim_state_dict, optim_state_dict_to_load, state_dict
 
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
                      reference_run, shard_map_body, train_steps)

@@ -25,7 +25,7 @@ import pytest
 import fsdp_jax
 from fsdp_jax._src import hlo, layout, optim
 from fsdp_jax._src import state as state_lib
-from fsdp_jax._src.config import ShardingStrategy as S
+from fsdp_jax import ShardingStrategy as S
 
 from helpers import mesh_for
 

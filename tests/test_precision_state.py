@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import fsdp_jax
 from fsdp_jax import hlo
-from fsdp_jax._src.config import ShardingStrategy as S
+from fsdp_jax import ShardingStrategy as S
 
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
                      reference_run, shard_map_body, sharded_run, train_steps)

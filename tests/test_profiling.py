@@ -8,7 +8,7 @@ import re
 import optax
 
 import fsdp_jax
-from fsdp_jax._src.config import ShardingStrategy as S
+from fsdp_jax import ShardingStrategy as S
 
 from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params
 

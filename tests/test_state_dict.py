@@ -14,13 +14,12 @@ import optax
 import pytest
 
 import fsdp_jax
-from fsdp_jax._src.config import ShardingStrategy as S, StateDictType as T
-from fsdp_jax._src.state import ShardedTrainState
-from fsdp_jax._src.state_dicts import (OptimStateKeyType, canonical_sharding, clear_caches,
-                                       full_optim_state_dict, load_state_dict,
-                                       optim_state_dict, optim_state_dict_to_load,
-                                       rekey_optim_state_dict, scatter_full_optim_state_dict,
-                                       shard_full_optim_state_dict, state_dict)
+from fsdp_jax import ShardingStrategy as S, StateDictType as T
+from fsdp_jax import ShardedTrainState
+from fsdp_jax import (OptimStateKeyType, full_optim_state_dict, load_state_dict, optim_state_dict,
+                      optim_state_dict_to_load, rekey_optim_state_dict,
+                      scatter_full_optim_state_dict, shard_full_optim_state_dict, state_dict)
+from fsdp_jax._src.state_dicts import canonical_sharding, clear_caches
 from fsdp_jax._src.state_dicts import convert
 
 from helpers import assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params
@@ -50,7 +49,7 @@ def build(case, orig, params=None, optimizer=OPT):
 
 
 def by_name(tree):
-  return {".".join(fsdp_jax._src.state.key_name(k) for k in p): np.asarray(x)
+  return {".".join(fsdp_jax._src.naming.key_name(k) for k in p): np.asarray(x)
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 

@@ -33,8 +33,49 @@ from jax.extend import core as _ext_core
 from jax.extend.core import primitives as _ext_primitives
 from jax.extend import source_info_util  # public: jax.extend.source_info_util (0.10+)
 
-JAX_VERSION: tuple[int, ...] = tuple(
-    int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
+# -- primitive names, by what fsdp_jax does with them -------------------------
+# Primitive names are not a stable API: each table lists the names jax 0.10
+# to 0.12 use.
+
+# Elementwise arithmetic shared by the step's remat (recomputed in backward)
+# and the optimizer's shard evaluator (evaluated shard by shard). jax 0.12
+# computes tanh's derivative with one_minus_square and erfc's with
+# polynomial; log2 is 0.12's too.
+_ELEMENTWISE_MATH = frozenset({
+    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt",
+    "ceil", "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh", "div", "eq",
+    "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "integer_pow",
+    "is_finite", "le", "log", "log1p", "log2", "logistic", "lt", "max", "min", "mul", "ne",
+    "neg", "nextafter", "not", "one_minus_square", "or", "polynomial", "pow",
+    "reduce_precision", "rem", "round", "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt",
+    "square", "stop_gradient", "sub", "tan", "tanh", "xor",
+})
+# The optimizer's shard evaluator: elementwise on every operand, any dtype.
+ELEMENTWISE_PRIMITIVES = _ELEMENTWISE_MATH | frozenset({
+    "complex", "conj", "digamma", "igamma", "igammac", "imag", "lgamma", "population_count",
+    "real", "shift_left", "shift_right_arithmetic", "shift_right_logical",
+})
+# The step's remat recomputes these in backward instead of saving their
+# outputs: elementwise math, layout (broadcasts, reshapes, slices, ...), and
+# device_put (CPU offload: a unit's device copy of its host shards is made
+# again for the backward re-gather, not held from the forward pass).
+RECOMPUTED_PRIMITIVES = _ELEMENTWISE_MATH | frozenset({
+    "add_any", "bitcast_convert_type", "broadcast_in_dim", "concatenate", "device_put",
+    "dynamic_slice", "expand_dims", "pad", "reshape", "rev", "slice", "split", "squeeze",
+    "transpose",
+})
+# Primitives that only annotate their operands (sharding, scheduling).
+PASSTHROUGH_PRIMITIVES = ("optimization_barrier", "reshard", "sharding_constraint", "mesh_cast")
+# Reductions the shard evaluator runs over the shards, with their combining op.
+REDUCTION_PRIMITIVES = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min",
+                        "reduce_and": "and", "reduce_or": "or"}
+# Matmuls: where a layer's compute starts (the loops' prefetch anchor).
+MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
+# init_fn analysis: PRNG key data a unit's init reads, and integer scalar
+# arithmetic folded to a constant.
+KEY_DATA_PRIMITIVES = frozenset({"random_fold_in"})
+FOLDABLE_PRIMITIVES = frozenset({"add", "sub", "mul", "convert_element_type"})
+
 
 # -- public, re-exported -----------------------------------------------------
 # jax.extend.core (0.10+): the jaxpr data structures.
@@ -249,9 +290,12 @@ def scan_params(eqn) -> ScanParams:
 
 # -- calls (jit inside the traced function, closed_call) -----------------------
 
-# Call primitives whose body is inlined when it reads parameters: a nested
-# jax.jit is "pjit" up to 0.10 and "jit" from 0.11.
-CALL_PRIMITIVES = ("pjit", "jit", "closed_call", "core_call")
+# Primitives that call a jaxpr once, as it is (jit, custom_jvp / custom_vjp
+# functions, closed calls), across jax 0.10 to 0.12: a nested jax.jit is
+# "pjit" up to 0.10 and "jit" from 0.11. A call that reads parameters is
+# inlined (its gathers placed inside).
+CALL_PRIMITIVES = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                             "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
 def is_call(eqn) -> bool:
@@ -347,73 +391,50 @@ def replace_eqn(eqn, *, params: Optional[dict] = None, merge_params: bool = True
 # -- axis names ----------------------------------------------------------------
 
 
-def rename_axis_names(closed, mapping: dict):
-  """``closed`` with every collective over a name in ``mapping`` rewritten
-  to run over the mesh axes it maps to, nested jaxprs included.
+# The params of a collective that name mesh axes: ``axes`` (psum, pmax,
+# pmin), ``axis_name`` (ppermute, all_gather, axis_index, ...).
+AXIS_PARAMS = ("axes", "axis_name")
 
-  Needs (0.10-0.12): collectives carry their names in the params ``axes``
-  (psum, pmax, pmin) or ``axis_name`` (ppermute, all_gather, axis_index,
-  ...); ``Jaxpr.replace`` / ``JaxprEqn.replace``; ``axis_index`` lowers for
-  one axis only, so one over several axes becomes a ``closed_call`` of
-  ``lax.axis_index(axes)``. No public API renames an axis in a traced
-  program.
-  """
-  from jax import lax  # pylint: disable=import-outside-toplevel
-  memo: dict = {}
 
-  def names(value):
-    if isinstance(value, str):
-      return mapping.get(value, (value,)), value in mapping
-    if isinstance(value, tuple) and any(isinstance(v, str) and v in mapping for v in value):
-      out = []
-      for v in value:
-        for n in (mapping.get(v, (v,)) if isinstance(v, str) else (v,)):
-          if n not in out:
-            out.append(n)
-      return tuple(out), True
-    return value, False
+def axis_params(eqn) -> dict:
+  """``{param name: axis names}`` of ``eqn``'s params in :data:`AXIS_PARAMS`."""
+  return {k: v for k, v in eqn.params.items() if k in AXIS_PARAMS}
 
-  def param(key, value):
-    if key in ("axes", "axis_name"):
-      new, changed = names(value)
-      if changed:
-        return new
-      return value
-    return sub(value)
+
+def rebuild_params(eqn, axes: dict, jaxpr_fn: Callable):
+  """``eqn`` with the axis params in ``axes`` replaced and every nested
+  jaxpr (a param that is a ``Jaxpr`` / ``ClosedJaxpr``, or a tuple or list
+  holding some) mapped by ``jaxpr_fn`` (``JaxprEqn.replace``, 0.10 to 0.12)."""
 
   def sub(value):
-    if isinstance(value, ClosedJaxpr):
-      return value.replace(jaxpr=jaxpr_(value.jaxpr))
-    if isinstance(value, Jaxpr):
-      return jaxpr_(value)
-    if isinstance(value, (tuple, list)) and any(
-        isinstance(v, (ClosedJaxpr, Jaxpr)) for v in value):
+    if isinstance(value, (ClosedJaxpr, Jaxpr)):
+      return jaxpr_fn(value)
+    if isinstance(value, (tuple, list)) and any(isinstance(v, (ClosedJaxpr, Jaxpr))
+                                                for v in value):
       return type(value)(sub(v) for v in value)
     return value
 
-  def eqn_(e):
-    if e.primitive.name == "axis_index":
-      new, changed = names(e.params["axis_name"])
-      axes = new if isinstance(new, tuple) else (new,)
-      if changed and len(axes) > 1:
-        # The primitive lowers for one axis only: lax.axis_index(axes)
-        # combines one per axis, called in place of the equation.
-        call = jax.make_jaxpr(lambda: lax.axis_index(axes))()
-        return _ext_core.new_jaxpr_eqn(
-            [], e.outvars, _ext_primitives.closed_call_p, {"call_jaxpr": call},
-            call.effects, e.source_info, e.ctx)
-      if changed:
-        return e.replace(params={**e.params, "axis_name": axes[0]})
-      return e
-    return e.replace(params={k: param(k, v) for k, v in e.params.items()})
+  return eqn.replace(params={k: axes[k] if k in axes else sub(v)
+                             for k, v in eqn.params.items()})
 
-  def jaxpr_(jaxpr):
-    if id(jaxpr) not in memo:
-      eqns = [eqn_(e) for e in jaxpr.eqns]
-      memo[id(jaxpr)] = (jaxpr, jaxpr.replace(eqns=eqns))
-    return memo[id(jaxpr)][1]
 
-  return closed.replace(jaxpr=jaxpr_(closed.jaxpr))
+def replace_jaxpr_eqns(jaxpr, eqns):
+  """``jaxpr`` with other equations (``Jaxpr.replace``, 0.10 to 0.12)."""
+  return jaxpr.replace(eqns=eqns)
+
+
+def replace_closed_jaxpr(closed, jaxpr):
+  """``closed`` around another open jaxpr (``ClosedJaxpr.replace``)."""
+  return closed.replace(jaxpr=jaxpr)
+
+
+def call_eqn(eqn, call):
+  """A ``closed_call`` of the closed jaxpr ``call`` with ``eqn``'s outputs,
+  source and context, taking no inputs (``jax.extend.core.new_jaxpr_eqn``
+  and ``closed_call_p``; the equation's fields are not public)."""
+  return _ext_core.new_jaxpr_eqn(
+      [], eqn.outvars, _ext_primitives.closed_call_p, {"call_jaxpr": call},
+      call.effects, eqn.source_info, eqn.ctx)
 
 
 # -- implementation switches ---------------------------------------------------

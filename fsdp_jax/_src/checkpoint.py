@@ -38,10 +38,10 @@ from fsdp_jax._src import offload
 from fsdp_jax._src.plan import Plan
 from fsdp_jax._src.state import ShardedTrainState
 # The state dicts' interface for checkpoints: names, layouts, conversions.
+from fsdp_jax._src.naming import ROOT, path_name
 from fsdp_jax._src.state_dicts.convert import (
     OPT_STATE,
     PARAMS,
-    ROOT,
     canonical_sharding,
     data_fields,
     dtype_name,
@@ -49,7 +49,6 @@ from fsdp_jax._src.state_dicts.convert import (
     leaves_to_storage,
     opt_layout,
     param_names,
-    path_name,
     problems,
     require_state,
     storage_to_leaves)
@@ -305,7 +304,8 @@ def from_checkpoint_tree(target: ShardedTrainState, restored: dict, meta: dict):
   plan = target.plan
   names = param_names(plan)
   leaves = {i: restored[PARAMS][n] for i, n in enumerate(names)}
-  params = offload.place_state_tree(plan.config, leaves_to_storage(plan, leaves, target.params))
+  params = offload.place_state_tree(plan.memory_kind,
+                                    leaves_to_storage(plan, leaves, target.params))
   ro = restored[OPT_STATE]
   osd = {"state": ro["state"], "param_groups": [dict(ro["param_groups"][0])]}
   opt_state = load_named_opt(target, osd, what="restore", check=False)

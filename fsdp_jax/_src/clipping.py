@@ -8,11 +8,9 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
-from fsdp_jax._src import layout, optim
-from fsdp_jax._src.plan import Plan
-from fsdp_jax._src.grads import split_trainable
+from fsdp_jax._src.optim import Geometry
+from fsdp_jax._src.plan import Plan, split_trainable
 
 
 def _ignored_flags(plan: Plan):
@@ -29,7 +27,7 @@ def _grad_dtypes(plan: Plan):
   dtype with ``keep_low_precision_grads``, else the stored dtype."""
   out = []
   for unit in plan.trainable_units:
-    for group, spec in layout.gather_specs(plan, unit):
+    for group, spec in plan.gather_specs(unit):
       d = spec.reduce_dtype if spec.keep_low_precision_grads else spec.stored_dtype
       out.extend(jnp.dtype(d) for i in group if not plan.leaves[i].frozen)
   out.extend(jnp.dtype(l.dtype) for l in plan.ignored_leaves if not l.frozen)
@@ -129,7 +127,6 @@ def nonfinite_leaves(grads, *, plan: Plan):
   """Per trainable parameter (in ``tree_leaves`` order), whether any element
   of its reduced gradient is non-finite, agreed over the data axes (inside
   ``jax.shard_map``; one small all-reduce)."""
-  from fsdp_jax._src.optim import Geometry  # pylint: disable=import-outside-toplevel
   geo = Geometry(plan)
   flags = []
   stored = (jax.tree_util.tree_leaves(grads) if plan.use_orig_params else grads)

@@ -33,8 +33,9 @@ ZeRO++'s policies live here too:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,23 +48,60 @@ from fsdp_jax._src._compat import Primitive
 from fsdp_jax._src import quantization
 
 
+class LeafLayout(NamedTuple):
+  """How one leaf of a gather is laid out (one layer of a stacked unit).
+
+  Example: a ``(5, 3)`` leaf over 2 devices holds 3 rows on each, the last
+  one padding:
+
+    >>> from fsdp_jax.custom import LeafLayout
+    >>> leaf = LeafLayout(layer_shape=(5, 3), dim0=5, chunk0=3, row_numel=3)
+    >>> 2 * leaf.chunk0 - leaf.dim0
+    1
+  """
+
+  layer_shape: tuple[int, ...]  # the leaf's full shape
+  dim0: int  # its first dimension, unpadded (1 for a scalar)
+  chunk0: int  # rows of it each device holds: dim0 padded to a multiple of N, over N
+  row_numel: int  # elements in one row (the product of the other dimensions)
+
+
 @dataclasses.dataclass(frozen=True)
 class GatherSpec:
-  """Static description of one gather (hashable: a primitive parameter).
+  """How one unit (or one dtype group of it) is gathered and its gradient
+  reduced: static and hashable (a primitive parameter). A communication hook
+  receives one as ``spec``.
 
-  ``leaves`` holds, per output leaf, ``(layer_shape, dim0, chunk0, row_numel)``.
-  ``chunk`` is the local buffer length per layer (``S``). ``secondary`` is
-  ``k`` under ``reshard_after_forward=k`` (0 otherwise); ``gather_quant`` and
-  ``reduce_quant`` the :class:`~fsdp_jax.Quantization` of the all-gather and
-  of the gradient reduction (or None); ``axis_sizes`` the sizes of the mesh
-  axes in ``shard_axes`` and ``reduce_axes``.
+  Layout:
 
-  A communication hook receives one as ``spec``. Example:
+  * ``flat``: the unit is one flat parameter (``use_orig_params=False``);
+  * ``leaves``: one :class:`LeafLayout` per output leaf, in order;
+  * ``n``: devices in the shard group; ``chunk``: the local buffer length
+    per layer (``S``: a hook's ``grad`` has shape ``(..., n, chunk)``).
+
+  Precision (PyTorch's ``MixedPrecision``): ``stored_dtype`` (the sharded
+  master), ``compute_dtype`` (what the gather moves and the loss sees:
+  ``param_dtype``), ``reduce_dtype``; ``keep_low_precision_grads``.
+
+  Reduction: ``shard_axes`` (reduce-scattered over), ``reduce_axes``
+  (all-reduced over after it: HYBRID's ``"replicate"``), ``pre_divide`` /
+  ``post_divide`` (PyTorch's gradient divide factors), ``axis_sizes``
+  (``(mesh axis, size)`` of both), ``hook`` (a stateless communication hook
+  replacing :func:`reduce_gradient`, or None).
+
+  Resharding and ZeRO++: ``reshard`` (the backward gathers the unit again),
+  ``secondary`` (``k`` under ``reshard_after_forward=k``: the backward
+  all-gather runs within groups of ``k`` from a saved ``1/k`` slice; 0
+  otherwise), ``gather_quant`` / ``reduce_quant`` (the
+  :class:`~fsdp_jax.Quantization` of the all-gather and of the gradient
+  reduction, or None). ``label``: the unit's name, for messages.
+
+  Example:
 
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax
     >>> seen = []
     >>> def my_hook(hook_state, grad, spec):  # the default reduction, written out
-    ...   seen.append((spec.shard_axes, spec.reduce_dtype, grad.shape))
+    ...   seen.append((spec.shard_axes, spec.reduce_dtype, grad.shape, spec.leaves[0].layer_shape))
     ...   return fsdp_jax.custom.reduce_gradient(grad, spec), hook_state
     >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
     >>> config = fsdp_jax.FSDPConfig(comm_hook=my_hook)
@@ -73,11 +111,11 @@ class GatherSpec:
     ...     optax.sgd(0.1), mesh=mesh, config=config)
     >>> state, metrics = step(state, {"x": jnp.ones((2, 4))})
     >>> seen  # one unit: its (N, S) gradient buffer, N = 2 devices
-    [(('shard',), dtype('float32'), (2, 4))]
+    [(('shard',), dtype('float32'), (2, 4), (4, 2))]
   """
 
   flat: bool
-  leaves: tuple[tuple[tuple[int, ...], int, int, int], ...]
+  leaves: tuple[LeafLayout, ...]
   n: int
   chunk: int
   stored_dtype: Any
@@ -90,13 +128,10 @@ class GatherSpec:
   reshard: bool
   keep_low_precision_grads: bool
   label: str = ""
-  hook: Any = None  # a stateless communication hook replacing reduce_gradient
-  # reshard_after_forward=k: the backward all-gather runs within groups of k
-  # adjacent devices of the shard axes from a saved 1/k slice (0: off).
+  hook: Any = None
   secondary: int = 0
-  gather_quant: Any = None  # a fsdp_jax.Quantization of the all-gather payload
-  reduce_quant: Any = None  # a fsdp_jax.Quantization of the gradient reduction
-  # ((mesh axis, size), ...) of shard_axes + reduce_axes.
+  gather_quant: Any = None
+  reduce_quant: Any = None
   axis_sizes: tuple = ()
 
   def axis_name(self):
@@ -252,7 +287,7 @@ def local_prefix(x0, spec: GatherSpec) -> tuple:
   shape = tuple(x0.shape)
   if spec.flat:
     return shape[:-1]
-  return shape[:len(shape) - max(1, len(spec.leaves[0][0]))]
+  return shape[:len(shape) - max(1, len(spec.leaves[0].layer_shape))]
 
 
 def local_shapes(prefix, spec: GatherSpec) -> list:
@@ -463,7 +498,7 @@ def pack_gradient(cts, spec: GatherSpec, order=None):
   """A unit's full leaf gradients -> the (prefix..., N, S) buffer it reduces:
   raw for a communication hook; cast to ``reduce_dtype`` and pre-divided leaf
   by leaf otherwise (the same values as on the packed buffer)."""
-  prefix = tuple(cts[0].shape[:cts[0].ndim - len(spec.leaves[0][0])])
+  prefix = tuple(cts[0].shape[:cts[0].ndim - len(spec.leaves[0].layer_shape)])
   if spec.hook is not None:
     return pack_full(list(cts), spec, prefix, order=order)
   # Flat parameters are reduced as one (N * S) vector: reshaping the packed
@@ -475,7 +510,6 @@ def pack_gradient(cts, spec: GatherSpec, order=None):
 def reduce_packed(g, spec: GatherSpec, stored_dtype):
   """The buffer from :func:`pack_gradient` -> this device's reduced shard."""
   if spec.hook is not None:
-    from fsdp_jax._src.hooks import call_hook  # hooks imports this module
     r, _ = call_hook(spec.hook, None, g, spec)
   else:
     r = reduce_gradient(g, dataclasses.replace(spec, pre_divide=1.0), tiled=spec.flat)
@@ -501,7 +535,7 @@ def _reduce_leaves(cts, spec: GatherSpec, stored_dtype):
   (HYBRID) or data axes (NO_SHARD) the unit's rows are concatenated and
   all-reduced once before dividing."""
   dtype = np.dtype(spec.reduce_dtype)
-  p = cts[0].ndim - len(spec.leaves[0][0])
+  p = cts[0].ndim - len(spec.leaves[0].layer_shape)
   prefix = tuple(cts[0].shape[:p])
   after = _divides_after(spec)
   divides = ([spec.pre_divide] if after else []) + [spec.post_divide]
@@ -546,7 +580,7 @@ def _reduce_impl(*cts, spec: GatherSpec, stored_dtype):
 
 
 def _reduce_abstract_eval(*cts, spec: GatherSpec, stored_dtype):
-  prefix = cts[0].shape[:len(cts[0].shape) - len(spec.leaves[0][0])]
+  prefix = cts[0].shape[:len(cts[0].shape) - len(spec.leaves[0].layer_shape)]
   return [_compat.ShapedArray(s, stored_dtype) for s in local_shapes(prefix, spec)]
 
 
@@ -658,22 +692,7 @@ def gather(locs, spec: GatherSpec):
 # the backward computations that read them. Without remat XLA does the same on
 # its own; saving them (e.g. every intermediate of a GELU) held 2.4x the
 # activations of the unsharded program.
-RECOMPUTED = frozenset({
-    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2",
-    "atanh", "broadcast_in_dim", "cbrt", "ceil", "clamp", "convert_element_type", "copy",
-    "copy_p", "cos", "cosh", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2",
-    "expand_dims", "expm1", "floor", "ge", "gt", "integer_pow", "is_finite", "le", "log",
-    "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or",
-    "pow", "reduce_precision", "rem", "reshape", "round", "rsqrt", "select_n", "sign",
-    "sin", "sinh", "sqrt", "square", "squeeze", "stop_gradient", "sub", "tan", "tanh",
-    "transpose", "xor", "slice", "concatenate", "pad", "dynamic_slice", "rev", "split",
-    # jax 0.12: tanh's derivative is one_minus_square(tanh(x)); erfc's uses
-    # polynomial and bitcast_convert_type; log2.
-    "one_minus_square", "log2", "polynomial", "bitcast_convert_type",
-    # CPU offload: a unit's device copy of its host shards is made again for
-    # the backward re-gather, not held from the forward pass.
-    "device_put",
-})
+RECOMPUTED = _compat.RECOMPUTED_PRIMITIVES  # recomputed by the step's remat
 
 
 def save_all_but_gathers(prim, *_, **params) -> bool:
@@ -706,3 +725,112 @@ def remat_policy(prim, *_, **params) -> bool:
     bodies = _compat.params_jaxprs(params)
     return not (bodies and all(_recomputed_body(b) for b in bodies))
   return True
+
+
+# --------------------------------------------------------------------------
+# The communication-hook contract: how the reductions above call a hook
+# (the built-in hooks are in fsdp_jax._src.hooks)
+
+
+def check_hook(hook) -> None:
+  """Validates a hook's signature with a clear error."""
+  if not callable(hook):
+    raise TypeError(f"comm_hook={hook!r} is not callable. A hook is called as "
+                    "hook(state, grad, spec) -> (reduced, new_state); see fsdp_jax.hooks.")
+  try:
+    hash(hook)
+  except TypeError as e:
+    raise TypeError(f"comm_hook={hook!r} must be hashable (a function or a frozen "
+                    "dataclass): it is static configuration of the compiled step.") from e
+  try:
+    sig = inspect.signature(hook)
+    sig.bind(None, None, None)
+  except TypeError as e:
+    raise TypeError(
+        f"comm_hook {hook!r} has signature {sig}; a hook is called as "
+        "hook(state, grad, spec) and returns (reduced, new_state). Example:\n"
+        "  def my_hook(state, grad, spec):\n"
+        "    return fsdp_jax.custom.reduce_gradient(grad, spec), state") from e
+  except ValueError:  # builtins without signatures
+    pass
+  if getattr(hook, "stateful", False) and not callable(getattr(hook, "init", None)):
+    raise TypeError(f"comm_hook {hook!r} is stateful but has no init(shape, dtype) "
+                    "method returning its initial state.")
+
+
+def _hook_name(hook) -> str:
+  """How messages name a hook: its qualified name, else its repr."""
+  name = getattr(hook, "__qualname__", None)
+  if isinstance(name, str):  # a function (instances of hook classes have none)
+    module = getattr(hook, "__module__", None)
+    return f"{module}.{name}" if module else name
+  return repr(hook)
+
+
+def _describe(x) -> str:
+  if isinstance(x, (tuple, list)):
+    return f"a {type(x).__name__} of {len(x)} values"
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"an array of shape {tuple(x.shape)} {jnp.dtype(x.dtype).name}"
+  return f"a {type(x).__name__}"
+
+
+def call_hook(hook, state, grad, spec: GatherSpec):
+  """Calls ``hook(state, grad, spec)`` and checks what it returns.
+
+  A hook returns ``(reduced, new_state)``: this device's reduced shard of
+  shape ``grad.shape[:-2] + grad.shape[-1:]`` in a floating-point dtype, and
+  its new state (for a stateful hook: the structure and shapes of ``state``).
+  Anything else raises a ``TypeError`` naming the hook, what it returned and
+  the fix, instead of a bare unpacking or shape error further on.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from fsdp_jax._src import collectives
+    >>> def forgot_the_state(state, grad, spec):
+    ...   return grad[..., 0, :]
+    >>> collectives.call_hook(forgot_the_state, None, jnp.ones((2, 3)), spec=None)
+    Traceback (most recent call last):
+    ...
+    TypeError: Fix: return (reduced, state) from comm_hook ...forgot_the_state: ...
+  """
+  out = hook(state, grad, spec)
+  name = _hook_name(hook)
+  expected = tuple(grad.shape[:-2]) + tuple(grad.shape[-1:])
+  example = ("  def my_hook(state, grad, spec):\n"
+             "    reduced = fsdp_jax.custom.reduce_gradient(grad, spec)\n"
+             "    return reduced, state")
+  if not isinstance(out, tuple) or len(out) != 2:
+    raise TypeError(
+        f"Fix: return (reduced, state) from comm_hook {name}: it returned "
+        f"{_describe(out)} for a gradient of shape {tuple(grad.shape)}, but a hook "
+        f"returns a pair: this device's reduced shard (shape {expected}) and its new "
+        "state (the state it was given, for a stateless hook). Example:\n" + example)
+  reduced, new_state = out
+  if not hasattr(reduced, "shape") or tuple(reduced.shape) != expected or \
+      not jnp.issubdtype(reduced.dtype, jnp.floating):
+    raise TypeError(
+        f"Fix: return this device's reduced shard as the first value of comm_hook "
+        f"{name}: it returned {_describe(reduced)} for a gradient of shape "
+        f"{tuple(grad.shape)} (rows: the parts the {grad.shape[-2]} devices of the "
+        f"shard group keep), but the reduced shard has shape {expected} in a "
+        "floating-point dtype (reduce_gradient(grad, spec) computes it). Example:\n"
+        + example)
+  if is_stateful(hook):
+    def shapes(tree):
+      return jax.tree.map(lambda x: tuple(getattr(x, "shape", ())), tree)
+    try:
+      same = (jax.tree.structure(new_state) == jax.tree.structure(state)
+              and shapes(new_state) == shapes(state))
+    except Exception:  # pragma: no cover - exotic state trees
+      same = False
+    if not same:
+      raise TypeError(
+          f"Fix: return a new state shaped like the one it was given from stateful "
+          f"comm_hook {name}: it got {shapes(state)} and returned "
+          f"{shapes(new_state)}.")
+  return reduced, new_state
+
+
+def is_stateful(hook) -> bool:
+  return hook is not None and bool(getattr(hook, "stateful", False))

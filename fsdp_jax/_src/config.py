@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsdp_jax._src.collectives import check_hook
 from fsdp_jax._src.quantization import Quantization
 
 
@@ -435,7 +436,6 @@ class FSDPConfig(_ValueEquality):
         self.mixed_precision, MixedPrecision):
       raise TypeError("mixed_precision must be a fsdp_jax.MixedPrecision or None.")
     if self.comm_hook is not None:
-      from fsdp_jax._src.hooks import check_hook  # pylint: disable=import-outside-toplevel
       check_hook(self.comm_hook)
     if isinstance(self.stacked_layers, str):
       object.__setattr__(self, "stacked_layers", (self.stacked_layers,))

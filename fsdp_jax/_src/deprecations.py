@@ -28,10 +28,11 @@ MOVED_NAMES = {
     "value_and_grad": ("fsdp_jax.custom.value_and_grad", "fsdp_jax._src.grads", "value_and_grad"),
     "clip_grad_norm": ("fsdp_jax.custom.clip_grad_norm", "fsdp_jax._src.clipping", "clip_grad_norm"),
     "optimizer_step": ("fsdp_jax.custom.optimizer_step", "fsdp_jax._src.grads", "optimizer_step"),
-    "param_specs": ("fsdp_jax.custom.param_specs", "fsdp_jax._src.grads", "param_specs"),
-    "batch_spec": ("fsdp_jax.custom.batch_spec", "fsdp_jax._src.grads", "batch_spec"),
-    "split_trainable": ("fsdp_jax.custom.split_trainable", "fsdp_jax._src.grads", "split_trainable"),
-    "merge_trainable": ("fsdp_jax.custom.merge_trainable", "fsdp_jax._src.grads", "merge_trainable"),
+    "param_specs": ("fsdp_jax.custom.param_specs", "fsdp_jax._src.plan", "param_specs"),
+    "batch_spec": ("fsdp_jax.custom.batch_spec", "fsdp_jax._src.plan", "batch_spec"),
+    "split_trainable": ("fsdp_jax.custom.split_trainable", "fsdp_jax._src.plan", "split_trainable"),
+    "merge_trainable": ("fsdp_jax.custom.merge_trainable", "fsdp_jax._src.plan", "merge_trainable"),
+    "CPU_XLA_FLAGS": ("fsdp_jax.custom.CPU_XLA_FLAGS", "fsdp_jax._src.mesh", "CPU_XLA_FLAGS"),
     "sharded_grads": ("fsdp_jax.custom.sharded_grads", "fsdp_jax._src.full", "sharded_grads"),
     "opt_state_specs": ("fsdp_jax.custom.opt_state_specs", "fsdp_jax._src.state", "opt_state_specs"),
 }
@@ -42,12 +43,26 @@ MOVED_MODULES = (
     "layout", "loss", "mesh", "offload", "optim", "plan", "quantization",
     "schedule", "state", "state_dict", "step", "wrap",
 )
-# Where an old module's contents live now, when not at fsdp_jax._src.<same name>.
-_IMPLEMENTATION = {"state_dict": "state_dicts"}
+# Where an old module's contents live now, when not (only) at
+# fsdp_jax._src.<same name>: the modules searched, in order.
+_IMPLEMENTATION = {
+    "state_dict": ("state_dicts",),
+    "grads": ("grads", "local_loss", "loss", "plan"),
+    "layout": ("layout", "plan"),
+    "hooks": ("hooks", "collectives"),
+    "plan": ("plan", "report"),
+    "schedule": ("schedule", "schedule.placement", "schedule.loops", "schedule.checkpoints",
+                 "schedule.ordering", "plan"),
+    "state": ("state", "frameworks", "naming"),
+}
+
+
+def _implementations(module: str) -> list[str]:
+  return [f"fsdp_jax._src.{m}" for m in _IMPLEMENTATION.get(module, (module,))]
 
 
 def _implementation(module: str) -> str:
-  return f"fsdp_jax._src.{_IMPLEMENTATION.get(module, module)}"
+  return _implementations(module)[0]
 
 
 def _public_spelling(module: str, name: str) -> str:
@@ -61,7 +76,9 @@ def _public_spelling(module: str, name: str) -> str:
     return MOVED_NAMES[name][0]
   if name == "entry_memory_bytes":
     return "fsdp_jax.hlo.entry_memory_bytes"
-  return f"{_implementation(module)}.{name} (internal: it may change without notice)"
+  where = next((m for m in _implementations(module)
+                if hasattr(importlib.import_module(m), name)), _implementation(module))
+  return f"{where}.{name} (internal: it may change without notice)"
 
 
 class _MovedModule(types.ModuleType):
@@ -75,7 +92,10 @@ class _MovedModule(types.ModuleType):
   def __getattr__(self, name: str):
     if name.startswith("__"):
       raise AttributeError(name)
-    target = importlib.import_module(_implementation(self._fsdp_module))
+    for where in _implementations(self._fsdp_module):
+      target = importlib.import_module(where)
+      if hasattr(target, name):
+        break
     value = getattr(target, name)  # AttributeError as usual for a wrong name
     warnings.warn(
         f"fsdp_jax.{self._fsdp_module}.{name} is deprecated: use "
@@ -84,7 +104,8 @@ class _MovedModule(types.ModuleType):
     return value
 
   def __dir__(self):
-    return dir(importlib.import_module(_implementation(self._fsdp_module)))
+    return sorted({n for m in _implementations(self._fsdp_module)
+                   for n in dir(importlib.import_module(m))})
 
 
 def module_getattr(module: str, moved: dict):

@@ -25,6 +25,9 @@ from typing import Any, Optional
 
 import jax
 
+from fsdp_jax._src import naming
+from fsdp_jax._src.loss import cast_floats
+
 PARAMS = "params"
 
 
@@ -38,13 +41,6 @@ def _nnx():
   except ImportError:  # pragma: no cover
     return None
   return nnx
-
-
-def _eqx():
-  if "equinox" not in sys.modules:
-    return None
-  import equinox  # pylint: disable=import-outside-toplevel
-  return equinox
 
 
 def split_model_state(tree) -> tuple[Any, Any, Optional[str]]:
@@ -78,25 +74,19 @@ def split_model_state(tree) -> tuple[Any, Any, Optional[str]]:
 # equinox
 
 
-def is_equinox_module(x) -> bool:
-  eqx = _eqx()
-  return eqx is not None and isinstance(x, eqx.Module)
-
-
 def equinox_classes(module) -> dict:
   """``{subtree path: equinox module class}`` for every ``eqx.Module`` in
   ``module``'s tree (the root at ``()``), paths spelled as the parameter
   tree's dotted names (``("layers", "0")``). The model is walked, never
   called."""
-  from fsdp_jax._src.state import key_name  # pylint: disable=import-outside-toplevel
-  eqx = _eqx()
+  eqx = naming.equinox()
   out = {(): type(module)}
 
   def walk(m, prefix):
     is_sub = lambda x: x is not m and isinstance(x, eqx.Module)
     for path, x in jax.tree_util.tree_flatten_with_path(m, is_leaf=is_sub)[0]:
       if isinstance(x, eqx.Module):
-        p = prefix + tuple(key_name(k) for k in path)
+        p = prefix + tuple(naming.key_name(k) for k in path)
         out.setdefault(p, type(x))
         walk(x, p)
 
@@ -205,3 +195,101 @@ def _common_prefix(names) -> str:
   if len(parts) == 1 and out:
     out = out[:-1]  # one leaf: its parent subtree
   return ".".join(out) or "<the scanned subtree>"
+
+
+def cast_unit_inputs(dtypes: dict):
+  """PyTorch's ``cast_forward_inputs`` for non-root units, while ``loss_fn``
+  is traced: a Flax linen module that is a unit named in ``dtypes`` (``{unit
+  name: param_dtype}``) gets its floating arguments cast to that dtype.
+  (Other frameworks need no cast: JAX promotes mixed dtypes where PyTorch
+  would raise.)"""
+  if not dtypes:
+    return contextlib.nullcontext()
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel  (optional dependency)
+
+  def interceptor(next_fun, args, kwargs, context):
+    if context.method_name == "__call__":
+      path = ".".join(str(p) for p in context.module.path)
+      dtype = dtypes.get(path, dtypes.get(f"params.{path}"))
+      if dtype is not None:
+        args, kwargs = cast_floats((args, kwargs), dtype)
+    return next_fun(*args, **kwargs)
+
+  return nn.intercept_methods(interceptor)
+
+
+# --------------------------------------------------------------------------
+# Module classes, for ModuleWrapPolicy
+
+
+def module_classes(model_or_fn, *args, **kwargs) -> dict:
+  """Maps subtree paths to the module classes that own them.
+
+  * a ``flax.nnx.Module``: read from the object graph;
+  * an ``equinox.Module``: read from the module tree (walked, not called),
+    paths as in ``eqx.partition(model, eqx.is_inexact_array)`` (``("layers",
+    "0")`` for ``model.layers[0]``);
+  * a function (e.g. ``model.init`` of a Flax linen model) and its
+    arguments: the function runs abstractly (``jax.eval_shape``) while Flax
+    module calls are intercepted; paths are prefixed with ``"params"``.
+
+  The result is what :class:`~fsdp_jax.ModuleWrapPolicy` matches classes
+  against; :func:`init_train_state` collects it itself from ``init_fn``.
+
+  Example:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp, fsdp_jax
+    >>> model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
+    >>> classes = fsdp_jax.module_classes(model.init, jax.random.key(0),
+    ...                                   jnp.ones((1, 3)))
+    >>> classes[("params", "layers_0")].__name__
+    'Dense'
+    >>> import equinox as eqx
+    >>> mlp = eqx.nn.MLP(3, 2, width_size=8, depth=2, key=jax.random.key(0))
+    >>> fsdp_jax.module_classes(mlp)[("layers", "1")].__name__
+    'Linear'
+  """
+  try:
+    from flax import nnx  # pylint: disable=import-outside-toplevel  (optional)
+  except ImportError:  # pragma: no cover
+    nnx = None
+  if nnx is not None and isinstance(model_or_fn, nnx.Module):
+    out = {}
+    for path, value in nnx.iter_graph(model_or_fn):
+      if isinstance(value, nnx.Module):
+        out[tuple(str(p) for p in path)] = type(value)
+    return out
+  if naming.is_equinox_module(model_or_fn):
+    if args or kwargs:
+      raise TypeError("module_classes(eqx_model) reads the module tree; it takes no "
+                      "further arguments.")
+    return equinox_classes(model_or_fn)
+  out: dict = {}
+  _, captured, _ = trace_capturing(model_or_fn, *args, **kwargs)
+  out.update(captured)
+  return out
+
+
+def trace_capturing(fn, *args, **kwargs):
+  """``(shapes, linen modules called inside, closed jaxpr)`` of ``fn``: one
+  trace, whose jaxpr ``init_program`` reuses."""
+  captured: dict = {}
+  # A fresh function object each time: JAX caches traces per function, and a
+  # cached trace would skip the interceptor.
+  trace = lambda: jax.make_jaxpr(lambda *a, **k: fn(*a, **k), return_shape=True)(
+      *args, **kwargs)
+  try:
+    import flax.linen as nn  # pylint: disable=import-outside-toplevel  (optional)
+  except ImportError:  # pragma: no cover
+    closed, shapes = trace()
+    return shapes, captured, closed
+
+  def interceptor(next_fun, a, kw, context):
+    mod = context.module
+    path = tuple(str(p) for p in mod.path)
+    for collection in ("params",):
+      captured.setdefault((collection,) + path, type(mod))
+    return next_fun(*a, **kw)
+
+  with nn.intercept_methods(interceptor):
+    closed, shapes = trace()
+  return shapes, captured, closed

@@ -27,8 +27,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from fsdp_jax._src import grads as grads_lib
 from fsdp_jax._src import layout, offload
 from fsdp_jax._src import loss as loss_lib
+from fsdp_jax._src import plan as plan_lib
 from fsdp_jax._src.state import (ShardedTrainState, assemble_storage, ignored_storage,
                             pack_ignored, unpack_all)
+from fsdp_jax._src.step import place_batch
 
 
 def _to_host(tree):
@@ -76,9 +78,9 @@ def summon_full_params(state: ShardedTrainState, *, rank0_only: bool = False,
   params = jax.jit(unpack, out_shardings=replicated)(state.params)
   full_grads = None
   if with_grads:
-    frozen = grads_lib.split_trainable(plan, state.params)[1]
+    frozen = plan_lib.split_trainable(plan, state.params)[1]
     zeros = jax.tree.map(lambda x: x, frozen)
-    merged = grads_lib.merge_trainable(plan, grads, zeros)
+    merged = plan_lib.merge_trainable(plan, grads, zeros)
     full_grads = jax.jit(unpack, out_shardings=replicated)(merged)
     if plan.has_frozen:
       leaves = jax.tree_util.tree_leaves(full_grads)
@@ -220,12 +222,11 @@ def sharded_grads(loss_fn: Callable, state: ShardedTrainState, batch):
     >>> full_grads["w"].tolist()
     [[4.0, 4.0], [4.0, 4.0], [4.0, 4.0], [4.0, 4.0]]
   """
-  from fsdp_jax._src.step import place_batch  # pylint: disable=import-outside-toplevel
   plan = state.plan
   vg = grads_lib.value_and_grad(loss_fn, plan=plan)
-  p_specs = grads_lib.param_specs(plan)
-  t_specs = grads_lib.split_trainable(plan, p_specs)[0]
-  b_specs = jax.tree.map(lambda _: grads_lib.batch_spec(plan), batch)
+  p_specs = plan_lib.param_specs(plan)
+  t_specs = plan_lib.split_trainable(plan, p_specs)[0]
+  b_specs = jax.tree.map(lambda _: plan_lib.batch_spec(plan), batch)
   ms_specs = jax.tree.map(lambda _: P(), state.model_state)
   rng_specs = jax.tree.map(lambda _: P(), state.rng)
 

@@ -36,10 +36,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from fsdp_jax._src.collectives import GatherSpec, reduce_gradient
@@ -156,107 +154,3 @@ allreduce_hook = DefaultHook("allreduce")
 reduce_scatter_hook = DefaultHook("reduce_scatter")
 fp16_compress_hook = LowPrecisionHook(jnp.float16)
 bf16_compress_hook = LowPrecisionHook(jnp.bfloat16)
-
-
-def check_hook(hook) -> None:
-  """Validates a hook's signature with a clear error."""
-  if not callable(hook):
-    raise TypeError(f"comm_hook={hook!r} is not callable. A hook is called as "
-                    "hook(state, grad, spec) -> (reduced, new_state); see fsdp_jax.hooks.")
-  try:
-    hash(hook)
-  except TypeError as e:
-    raise TypeError(f"comm_hook={hook!r} must be hashable (a function or a frozen "
-                    "dataclass): it is static configuration of the compiled step.") from e
-  try:
-    sig = inspect.signature(hook)
-    sig.bind(None, None, None)
-  except TypeError as e:
-    raise TypeError(
-        f"comm_hook {hook!r} has signature {sig}; a hook is called as "
-        "hook(state, grad, spec) and returns (reduced, new_state). Example:\n"
-        "  def my_hook(state, grad, spec):\n"
-        "    return fsdp_jax.custom.reduce_gradient(grad, spec), state") from e
-  except ValueError:  # builtins without signatures
-    pass
-  if getattr(hook, "stateful", False) and not callable(getattr(hook, "init", None)):
-    raise TypeError(f"comm_hook {hook!r} is stateful but has no init(shape, dtype) "
-                    "method returning its initial state.")
-
-
-def _hook_name(hook) -> str:
-  """How messages name a hook: its qualified name, else its repr."""
-  name = getattr(hook, "__qualname__", None)
-  if isinstance(name, str):  # a function (instances of hook classes have none)
-    module = getattr(hook, "__module__", None)
-    return f"{module}.{name}" if module else name
-  return repr(hook)
-
-
-def _describe(x) -> str:
-  if isinstance(x, (tuple, list)):
-    return f"a {type(x).__name__} of {len(x)} values"
-  if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return f"an array of shape {tuple(x.shape)} {jnp.dtype(x.dtype).name}"
-  return f"a {type(x).__name__}"
-
-
-def call_hook(hook, state, grad, spec: GatherSpec):
-  """Calls ``hook(state, grad, spec)`` and checks what it returns.
-
-  A hook returns ``(reduced, new_state)``: this device's reduced shard of
-  shape ``grad.shape[:-2] + grad.shape[-1:]`` in a floating-point dtype, and
-  its new state (for a stateful hook: the structure and shapes of ``state``).
-  Anything else raises a ``TypeError`` naming the hook, what it returned and
-  the fix, instead of a bare unpacking or shape error further on.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from fsdp_jax._src import hooks
-    >>> def forgot_the_state(state, grad, spec):
-    ...   return grad[..., 0, :]
-    >>> hooks.call_hook(forgot_the_state, None, jnp.ones((2, 3)), spec=None)
-    Traceback (most recent call last):
-    ...
-    TypeError: Fix: return (reduced, state) from comm_hook ...forgot_the_state: ...
-  """
-  out = hook(state, grad, spec)
-  name = _hook_name(hook)
-  expected = tuple(grad.shape[:-2]) + tuple(grad.shape[-1:])
-  example = ("  def my_hook(state, grad, spec):\n"
-             "    reduced = fsdp_jax.custom.reduce_gradient(grad, spec)\n"
-             "    return reduced, state")
-  if not isinstance(out, tuple) or len(out) != 2:
-    raise TypeError(
-        f"Fix: return (reduced, state) from comm_hook {name}: it returned "
-        f"{_describe(out)} for a gradient of shape {tuple(grad.shape)}, but a hook "
-        f"returns a pair: this device's reduced shard (shape {expected}) and its new "
-        "state (the state it was given, for a stateless hook). Example:\n" + example)
-  reduced, new_state = out
-  if not hasattr(reduced, "shape") or tuple(reduced.shape) != expected or \
-      not jnp.issubdtype(reduced.dtype, jnp.floating):
-    raise TypeError(
-        f"Fix: return this device's reduced shard as the first value of comm_hook "
-        f"{name}: it returned {_describe(reduced)} for a gradient of shape "
-        f"{tuple(grad.shape)} (rows: the parts the {grad.shape[-2]} devices of the "
-        f"shard group keep), but the reduced shard has shape {expected} in a "
-        "floating-point dtype (reduce_gradient(grad, spec) computes it). Example:\n"
-        + example)
-  if is_stateful(hook):
-    def shapes(tree):
-      return jax.tree.map(lambda x: tuple(getattr(x, "shape", ())), tree)
-    try:
-      same = (jax.tree.structure(new_state) == jax.tree.structure(state)
-              and shapes(new_state) == shapes(state))
-    except Exception:  # pragma: no cover - exotic state trees
-      same = False
-    if not same:
-      raise TypeError(
-          f"Fix: return a new state shaped like the one it was given from stateful "
-          f"comm_hook {name}: it got {shapes(state)} and returned "
-          f"{shapes(new_state)}.")
-  return reduced, new_state
-
-
-def is_stateful(hook) -> bool:
-  return hook is not None and bool(getattr(hook, "stateful", False))

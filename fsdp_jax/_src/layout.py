@@ -21,10 +21,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fsdp_jax._src import collectives
-from fsdp_jax._src.collectives import GatherSpec
-from fsdp_jax._src.hooks import is_stateful
-from fsdp_jax._src.config import is_float_dtype
 from fsdp_jax._src.plan import Plan, UnitSpec
 
 
@@ -81,63 +77,6 @@ def unpack_storage_full(plan: Plan, unit: UnitSpec, arrays: list) -> dict:
     size = leaf.layer_numel
     out[i] = lax.slice_in_dim(flat, off, off + size, axis=p).reshape(leaf.shape)
     off += size
-  return out
-
-
-def gather_specs(plan: Plan, unit: UnitSpec, *, layer: bool = False):
-  """One :class:`GatherSpec` per dtype group of ``unit``, with its leaf ids."""
-  mp = plan.mixed_precision(unit)
-  axes = plan.axes
-  hook = plan.config.comm_hook
-  pre, post = plan.divide_factors()
-  out = []
-  for group in plan.dtype_groups(unit):
-    stored = jnp.dtype(plan.leaves[group[0]].dtype)
-    compute = stored
-    reduce = stored
-    if mp is not None and is_float_dtype(stored):
-      if mp.param_dtype is not None:
-        compute = jnp.dtype(mp.param_dtype)
-      if mp.effective_reduce_dtype is not None:
-        reduce = jnp.dtype(mp.effective_reduce_dtype)
-    leaves = tuple((plan.leaves[i].layer_shape, plan.leaves[i].dim0,
-                    plan.chunk0(plan.leaves[i]), plan.leaves[i].row_numel)
-                   for i in group)
-    if plan.use_orig_params:
-      chunk = sum(plan.chunk0(plan.leaves[i]) * plan.leaves[i].row_numel for i in group)
-    else:
-      chunk = plan.flat_chunk(unit)
-    reduce_axes = axes.replicate_axes
-    is_float = is_float_dtype(stored)
-    cfg = plan.config
-    spec = GatherSpec(
-        flat=not plan.use_orig_params, leaves=leaves, n=plan.n, chunk=chunk,
-        stored_dtype=stored, compute_dtype=compute, reduce_dtype=reduce,
-        shard_axes=axes.shard_axes, reduce_axes=reduce_axes,
-        pre_divide=pre, post_divide=post, reshard=plan.regather(unit),
-        keep_low_precision_grads=bool(mp and mp.keep_low_precision_grads),
-        label=unit.display_name,
-        hook=None if hook is None or is_stateful(hook) else hook,
-        secondary=plan.secondary_size(unit),
-        gather_quant=cfg.all_gather_quantization if is_float and axes.shard_axes else None,
-        reduce_quant=cfg.reduce_scatter_quantization if is_float and axes.shard_axes else None,
-        axis_sizes=tuple((a, int(plan.mesh.shape[a])) for a in axes.shard_axes + reduce_axes))
-    out.append((group, spec))
-  return out
-
-
-def group_collectives(plan: Plan, unit: UnitSpec) -> list:
-  """``(group, spec, gathers, reduce-scatters)`` per dtype group of ``unit``:
-  how many collectives its all-gather and its gradient reduction take, one
-  for the unit's buffer or one per leaf
-  (:func:`fsdp_jax._src.collectives.gathers_per_leaf`; a stateful hook
-  reduces the packed buffer)."""
-  stateful = is_stateful(plan.config.comm_hook)
-  out = []
-  for group, spec in gather_specs(plan, unit):
-    gathers = len(group) if collectives.gathers_per_leaf(spec) else 1
-    reduces = len(group) if collectives.reduces_per_leaf(spec) and not stateful else 1
-    out.append((group, spec, gathers, reduces))
   return out
 
 

@@ -10,7 +10,10 @@
   (``nn.BatchNorm(axis_name="batch")``) are bound to the mesh's data axes
   (:func:`bind_axis_names`, ``FSDPConfig(data_axis_name=...)``).
 
-The helpers at the end read the traced loss: which inputs an output depends
+Then the checks and casts of what ``loss_fn`` gets and returns
+(:class:`LossOutput`, :func:`check_loss_output`, :func:`check_rng`,
+:func:`check_forward_inputs`, :func:`cast_floats`). The helpers at the end
+read the traced loss: which inputs an output depends
 on, and the evaluation of selected outputs only (the weight of a
 :class:`WeightedLoss`, computed before the gradient).
 """
@@ -28,6 +31,7 @@ from jax import lax
 
 from fsdp_jax._src import _compat
 from fsdp_jax._src._compat import Literal
+from fsdp_jax._src.config import data_axis_names, is_float_dtype, is_key_dtype
 
 __all__ = ["WeightedLoss"]
 
@@ -123,7 +127,61 @@ def bind_axis_names(closed, mapping: dict):
   """
   if not mapping:
     return closed
-  return _compat.rename_axis_names(closed, mapping)
+  return _rename_axis_names(closed, mapping)
+
+
+def _rename_axis_names(closed, mapping: dict):
+  """``closed`` with every collective over a name in ``mapping`` rewritten
+  to run over the mesh axes it maps to, nested jaxprs included.
+
+  Collectives carry their names in the params ``axes`` (psum, pmax, pmin)
+  or ``axis_name`` (ppermute, all_gather, axis_index, ...); ``axis_index``
+  lowers for one axis only, so one over several axes becomes a
+  ``closed_call`` of ``lax.axis_index(axes)``. No public API renames an axis
+  in a traced program (the equation accessors are ``_compat``'s).
+  """
+  memo: dict = {}
+
+  def names(value):
+    if isinstance(value, str):
+      return mapping.get(value, (value,)), value in mapping
+    if isinstance(value, tuple) and any(isinstance(v, str) and v in mapping for v in value):
+      out = []
+      for v in value:
+        for n in (mapping.get(v, (v,)) if isinstance(v, str) else (v,)):
+          if n not in out:
+            out.append(n)
+      return tuple(out), True
+    return value, False
+
+  def any_jaxpr(value):
+    if isinstance(value, _compat.ClosedJaxpr):
+      return _compat.replace_closed_jaxpr(value, jaxpr_(value.jaxpr))
+    return jaxpr_(value)
+
+  def eqn_(e):
+    renamed = {}
+    for key, value in _compat.axis_params(e).items():
+      new, changed = names(value)
+      if changed:
+        renamed[key] = new
+    if e.primitive.name == "axis_index" and "axis_name" in renamed:
+      new = renamed["axis_name"]
+      axes = new if isinstance(new, tuple) else (new,)
+      if len(axes) > 1:
+        # The primitive lowers for one axis only: lax.axis_index(axes)
+        # combines one per axis, called in place of the equation.
+        return _compat.call_eqn(e, jax.make_jaxpr(lambda: lax.axis_index(axes))())
+      renamed["axis_name"] = axes[0]
+    return _compat.rebuild_params(e, renamed, any_jaxpr)
+
+  def jaxpr_(jaxpr):
+    if id(jaxpr) not in memo:
+      eqns = [eqn_(e) for e in jaxpr.eqns]
+      memo[id(jaxpr)] = (jaxpr, _compat.replace_jaxpr_eqns(jaxpr, eqns))
+    return memo[id(jaxpr)][1]
+
+  return _compat.replace_closed_jaxpr(closed, jaxpr_(closed.jaxpr))
 
 
 _UNBOUND = re.compile(r"unbound axis name: ([^\s.]+)")
@@ -143,7 +201,7 @@ def explain_unbound_axis(name: str, plan) -> str:
   axes = plan.axes.data_axes
   sizes = dict(plan.mesh.shape)
   bound = ", ".join(f"{a!r} (mesh axis, size {sizes[a]})" for a in plan.mesh.axis_names)
-  aliases = _aliases(plan)
+  aliases = data_axis_names(plan.config)
   if aliases:
     bound += ", " + ", ".join(f"{a!r} (data_axis_name: all of {axes})" for a in aliases)
   world = plan.axes.world_size
@@ -164,14 +222,186 @@ def explain_unbound_axis(name: str, plan) -> str:
       f"of the global batch; or use {target} as the axis name in the model.")
 
 
-def _aliases(plan) -> tuple[str, ...]:
-  from fsdp_jax._src.config import data_axis_names  # pylint: disable=import-outside-toplevel
-  return data_axis_names(plan.config)
-
-
 def axis_mapping(plan) -> dict:
   """``{model axis name: data-parallel mesh axes}`` for the plan's config."""
-  return {n: tuple(plan.axes.data_axes) for n in _aliases(plan)}
+  return {n: tuple(plan.axes.data_axes) for n in data_axis_names(plan.config)}
+
+
+# --------------------------------------------------------------------------
+# What loss_fn gets and returns: checks and casts
+
+
+def cast_floats(tree, dtype, only=None):
+  """Casts floating leaves to ``dtype``; with ``only`` (top-level keys), just
+  the leaves under those keys."""
+  def cast(path, x):
+    if not hasattr(x, "dtype"):
+      return x
+    if only is not None:
+      top = path[0] if path else None
+      key = getattr(top, "key", getattr(top, "idx", getattr(top, "name", None)))
+      if key not in only:
+        return x
+    return x.astype(dtype) if is_float_dtype(x.dtype) else x
+  return jax.tree_util.tree_map_with_path(cast, tree)
+
+
+def check_forward_inputs(forward_inputs):
+  """``forward_inputs`` as a frozenset of top-level batch keys; a string (whose
+  ``in`` would match substrings) or a non-iterable is refused."""
+  if forward_inputs is None:
+    return None
+  if isinstance(forward_inputs, (str, bytes)):
+    raise TypeError(
+        f"forward_inputs={forward_inputs!r} is a string; it must be a collection of "
+        f"top-level batch keys. Fix: forward_inputs=({forward_inputs!r},).")
+  try:
+    return frozenset(forward_inputs)
+  except TypeError:
+    raise TypeError(
+        f"forward_inputs must be a collection of top-level batch keys (e.g. "
+        f"(\"input_ids\",)), got {forward_inputs!r}.") from None
+
+
+def check_batch_has(batch, forward_inputs) -> None:
+  """Every key of ``forward_inputs`` is a top-level key of ``batch``."""
+  if isinstance(batch, dict):
+    keys = set(batch)
+  elif hasattr(batch, "_fields"):  # NamedTuple
+    keys = set(batch._fields)
+  elif dataclasses.is_dataclass(batch):
+    keys = {f.name for f in dataclasses.fields(batch)}
+  elif isinstance(batch, (tuple, list)):
+    keys = set(range(len(batch)))
+  else:
+    keys = set()
+  missing = sorted((k for k in forward_inputs if k not in keys), key=repr)
+  if missing:
+    have = ", ".join(repr(k) for k in sorted(keys, key=repr)) or "none"
+    raise KeyError(
+        f"forward_inputs names {', '.join(repr(k) for k in missing)}, which the batch "
+        f"({type(batch).__name__}) does not have at its top level. Its keys: {have}. "
+        "Fix: list only the batch's top-level keys that are the model's forward inputs.")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LossOutput:
+  """What the loss returned on this device: ``loss``, ``aux`` (or None) and
+  the new ``model_state`` (or None).
+
+  For a :class:`~fsdp_jax.WeightedLoss`, ``weight`` is its weight: from
+  :class:`~fsdp_jax._src.local_loss.LocalLoss`, ``loss`` and ``weight`` are this device's
+  ``total`` and ``weight``; from :func:`~fsdp_jax._src.grads.value_and_grad`, ``loss`` is the
+  global ratio ``psum(total) / psum(weight)`` and ``weight`` the global
+  ``psum(weight)`` (float32), the same on every device. ``weight`` is None
+  for a mean loss."""
+
+  loss: Any
+  aux: Any
+  model_state: Any
+  weight: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputKind:
+  has_aux: bool
+  weighted: bool
+
+
+def check_loss_output(out_shape, with_model_state: bool) -> OutputKind:
+  """Reads ``loss_fn``'s output structure: whether it has aux and whether
+  the loss is a :class:`~fsdp_jax.WeightedLoss`; raises for anything else."""
+
+  def is_scalar(s):
+    return hasattr(s, "shape") and s.shape == () and is_float_dtype(s.dtype)
+
+  def is_loss(s):
+    if isinstance(s, WeightedLoss):
+      for field in ("total", "weight"):
+        v = getattr(s, field)
+        if not (hasattr(v, "shape") and v.shape == ()):
+          raise ValueError(
+              f"WeightedLoss.{field} must be a scalar (the sum over the device's "
+              f"batch); got shape {getattr(v, 'shape', type(v).__name__)}. Fix: "
+              "WeightedLoss(total=jnp.sum(loss * w), weight=jnp.sum(w)).")
+      if not is_float_dtype(s.total.dtype):
+        raise ValueError(f"WeightedLoss.total must be floating point; got {s.total.dtype}.")
+      return True
+    return is_scalar(s)
+
+  show = lambda t: jax.tree.map(lambda s: f"{s.dtype}{list(s.shape)}", t)
+  head = out_shape
+  if with_model_state:
+    if not (isinstance(out_shape, (tuple, list)) and len(out_shape) == 2):
+      raise ValueError(
+          "With model state, loss_fn(params, batch, model_state) must return "
+          "(loss, new_model_state) or ((loss, aux), new_model_state); it returned "
+          f"{show(out_shape)}.")
+    head = out_shape[0]
+  if is_loss(head):
+    return OutputKind(False, isinstance(head, WeightedLoss))
+  if isinstance(head, (tuple, list)) and len(head) == 2 and is_loss(head[0]):
+    return OutputKind(True, isinstance(head[0], WeightedLoss))
+  first = head[0] if isinstance(head, (tuple, list)) and head else head
+  shape = getattr(first, "shape", None)
+  raise ValueError(
+      f"loss_fn must return a scalar floating-point loss (the mean over the "
+      f"device's batch), a fsdp_jax.WeightedLoss(total=, weight=), or a (loss, aux) "
+      f"pair; it returned {show(head)}"
+      + (f" (loss of shape {shape})" if shape else "")
+      + ". Fix: reduce it, e.g. `return jnp.mean(per_example_loss)`.")
+
+
+def check_rng(rng) -> None:
+  if rng is None:
+    raise ValueError(
+        "loss_fn takes rng=, but the train state holds no key. Fix: pass "
+        "rng=jax.random.key(seed) to fsdp_jax.init_train_state (it also seeds init_fn); "
+        "each step then passes fold_in(fold_in(rng, step), device_index).")
+  for x in jax.tree_util.tree_leaves(rng):
+    dtype = getattr(x, "dtype", None)
+    if not (is_key_dtype(dtype) or (dtype == jnp.uint32 and x.ndim >= 1)):  # typed or raw
+      raise TypeError(
+          f"loss_fn takes rng=, but the state's rng is not a PRNG key (a leaf of dtype "
+          f"{dtype} and shape {getattr(x, 'shape', None)}). Fix: pass "
+          "rng=jax.random.key(seed) to fsdp_jax.init_train_state.")
+
+
+def stored_model_state(model_state, new_ms, key_pos, jaxpr, out_shape, ms_start: int):
+  """The new model state as stored: the structure checked, and the typed
+  keys (folded with the device index for ``loss_fn``) put back as stored.
+  ``ms_start``: the position of the model state's first leaf among the
+  traced loss's inputs."""
+  old_leaves, old_def = jax.tree_util.tree_flatten(model_state)
+  new_leaves, new_def = jax.tree_util.tree_flatten(new_ms)
+  if old_def != new_def:
+    raise ValueError(
+        "loss_fn must return the new model state with the structure of the model state "
+        f"it got:\n  got:      {old_def}\n  returned: {new_def}\nFix: return every "
+        "collection, e.g. {**model_state, **updates} for Flax linen's "
+        "model.apply(..., mutable=[...]) updates, or nnx.state(model, nnx.Not(nnx.Param)).")
+  if not key_pos:
+    return new_ms
+  # A key leaf must come back as the very input it was: a step cannot keep
+  # per-device keys in replicated state.
+  first_ms_out = len(jax.tree_util.tree_leaves(out_shape)) - len(new_leaves)
+  for j in key_pos:
+    if jaxpr.outvars[first_ms_out + j] is not jaxpr.invars[ms_start + j]:
+      raise ValueError(
+          "loss_fn returns a new value for a PRNG key in the model state (leaf "
+          f"{j} of {old_def}). Keys in model_state are constants of the train state "
+          "(each device's loss_fn sees fold_in(key, device_index)); per-step "
+          "randomness comes from the step. Fix: return the key unchanged, and take "
+          "a key that changes every step as loss_fn(..., rng=...) (pass "
+          "rng= to init_train_state).")
+  return jax.tree_util.tree_unflatten(
+      new_def, [old_leaves[j] if j in key_pos else x for j, x in enumerate(new_leaves)])
+
+
+def as_stored_dtype(new, old):
+  """A model-state leaf back in its stored dtype (PRNG keys as they are)."""
+  return new if is_key_dtype(old.dtype) else new.astype(old.dtype)
 
 
 # --------------------------------------------------------------------------

@@ -65,14 +65,6 @@ def check_backend(mesh: Mesh) -> None:
           "cpu_offload (or pass CPUOffload(offload_params=False)) on this backend.")
 
 
-def with_state_memory(sharding: NamedSharding, config) -> NamedSharding:
-  """``sharding`` in the memory the state's params/optimizer state use."""
-  kind = state_memory_kind(config)
-  if kind is None:
-    return sharding
-  return sharding.with_memory_kind(kind)
-
-
 def _space(x):
   try:
     return getattr(jax.typeof(x), "memory_space", None)
@@ -110,15 +102,15 @@ def default_memory_kind(sharding) -> str:
     return "device"
 
 
-def place_state_tree(config, tree):
+def place_state_tree(memory_kind: Optional[str], tree):
   """Puts the ``jax.Array`` leaves of ``tree`` (stored params or optimizer
-  state) into the memory ``config`` keeps them in: ``pinned_host`` with
-  offload, the device's default memory without. Leaves already there are
-  returned as they are."""
+  state) into ``memory_kind`` (a plan's :attr:`~fsdp_jax.Plan.memory_kind`:
+  ``pinned_host`` with offload), or the device's default memory when None.
+  Leaves already there are returned as they are."""
   def place(x):
     if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding):
       return x
-    want = state_memory_kind(config) or default_memory_kind(x.sharding)
+    want = memory_kind or default_memory_kind(x.sharding)
     if x.sharding.memory_kind == want:
       return x
     return jax.device_put(x, x.sharding.with_memory_kind(want))

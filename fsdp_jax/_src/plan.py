@@ -2,6 +2,11 @@
 
 A :class:`Plan` is static (hashable) metadata carried by the train state. It is
 what ``print(state.plan)`` shows, like printing an FSDP-wrapped PyTorch model.
+It reads the config once for the rest of the engine: how each unit is
+gathered and reduced (:meth:`Plan.gather_specs`), the prefetch ordering
+(:attr:`Plan.ordering`, :attr:`Plan.loop_prefetch`), hooks and offload. This
+module also holds what a custom step needs from the plan: the
+``PartitionSpec`` s of ``shard_map`` and the trainable/frozen split.
 """
 
 from __future__ import annotations
@@ -11,13 +16,64 @@ import math
 from typing import Any, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fsdp_jax._src import offload
-from fsdp_jax._src.config import (FSDPConfig, MixedPrecision, ShardingStrategy,
+from fsdp_jax._src import collectives, offload, report
+from fsdp_jax._src.collectives import GatherSpec, LeafLayout
+from fsdp_jax._src.config import (FSDPConfig, MixedPrecision, data_axis_names,
                                   gradient_divide_factors, is_float_dtype)
 from fsdp_jax._src.mesh import MeshAxes
+
+
+@dataclasses.dataclass(frozen=True)
+class Ordering:
+  """PyTorch's prefetch settings, as explicit ordering of a step's
+  collectives (:func:`fsdp_jax._src.schedule.ordering.ordered`).
+
+  ``backward_prefetch``: ``"BACKWARD_PRE"``, ``"BACKWARD_POST"`` or ``None``.
+  ``reshard``: labels of the units freed after their forward use.
+  ``forward_prefetch_units`` / ``backward_prefetch_units``: explicit
+  prefetch (FSDP2's ``set_modules_to_{forward,backward}_prefetch``),
+  ``((unit label, (labels gathered early, in order)), ...)``.
+  """
+
+  backward_prefetch: Optional[str]
+  forward_prefetch: bool
+  limit_all_gathers: bool
+  reshard: frozenset = frozenset()
+  forward_prefetch_units: tuple = ()
+  backward_prefetch_units: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPrefetch:
+  """How a ``scan`` over stacked units overlaps gathers with compute
+  (:mod:`fsdp_jax._src.schedule.loops`).
+
+  Iteration ``i`` of the forward loop gathers layer ``i+1`` (in loop order)
+  while it computes layer ``i`` and hands it on in the carry; the backward
+  loop does the same for layer ``i-1`` while it differentiates layer ``i``,
+  so each loop holds at most two gathered layers. When the next gather is
+  issued follows PyTorch's settings, as for units outside a loop:
+  ``forward_prefetch`` (at the start of the iteration, else after the
+  layer's first matmul) and ``backward_prefetch`` (``"BACKWARD_PRE"``: before
+  the layer's gradient computation; ``"BACKWARD_POST"``: after it, before its
+  reduce-scatter; ``None``: after its reduce-scatter).
+
+  ``units``: the stacked units whose loops do this; ``reshard``: those freed
+  after forward (the backward loop re-gathers them; the others keep each
+  layer's gathered parameters for backward, as SHARD_GRAD_OP does);
+  ``axis_env``: the model's axis names and sizes the loop bodies are traced
+  with.
+  """
+
+  forward_prefetch: bool
+  backward_prefetch: Optional[str]
+  units: frozenset
+  reshard: frozenset
+  axis_env: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,49 +351,186 @@ class Plan:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         structs, shard)
 
-  # ---- printing ----------------------------------------------------------
+  # ---- what the config means for the engine ------------------------------
+  @property
+  def comm_hook(self):
+    """The communication hook (``FSDPConfig.comm_hook``), or None."""
+    return self.config.comm_hook
+
+  @property
+  def stateful_hook(self) -> bool:
+    """Whether the hook carries state from step to step."""
+    return collectives.is_stateful(self.config.comm_hook)
+
+  @property
+  def offloaded(self) -> bool:
+    """``CPUOffload(offload_params=True)``: the stored state is in host memory."""
+    return offload.offloads(self.config)
+
+  @property
+  def nonfinite(self) -> str:
+    """What the step does on a non-finite loss or gradient norm
+    (``FSDPConfig.nonfinite``)."""
+    return self.config.nonfinite
+
+  @property
+  def root_input_dtype(self):
+    """The dtype floating batch leaves are cast to before the loss runs
+    (``MixedPrecision(cast_root_forward_inputs=True)`` with a
+    ``param_dtype``), or None."""
+    mp = self.config.mixed_precision
+    if mp is not None and mp.param_dtype is not None and mp.cast_root_forward_inputs:
+      return mp.param_dtype
+    return None
+
+  @property
+  def ordering(self) -> "Ordering":
+    """PyTorch's prefetch settings for the step's top-level gathers."""
+    cfg = self.config
+    return Ordering(
+        backward_prefetch=None if cfg.backward_prefetch is None else cfg.backward_prefetch.name,
+        forward_prefetch=bool(cfg.forward_prefetch),
+        limit_all_gathers=bool(cfg.limit_all_gathers),
+        reshard=frozenset(u.display_name for u in self.units if self.reshard(u)),
+        forward_prefetch_units=cfg.forward_prefetch_units,
+        backward_prefetch_units=cfg.backward_prefetch_units)
+
+  @property
+  def loop_prefetch(self) -> "LoopPrefetch":
+    """How scans over stacked units carry the next layer's gather (hpZ's
+    backward gathers from its secondary slice instead, one layer per
+    iteration)."""
+    cfg = self.config
+    return LoopPrefetch(
+        forward_prefetch=bool(cfg.forward_prefetch),
+        backward_prefetch=None if cfg.backward_prefetch is None else cfg.backward_prefetch.name,
+        units=frozenset(u.index for u in self.units if u.stacked and not self.secondary_size(u)),
+        reshard=frozenset(u.index for u in self.units if self.reshard(u)),
+        axis_env=self.axis_env)
+
+  @property
+  def unit_input_dtypes(self) -> dict:
+    """``{unit name: param_dtype}`` of the non-root units whose
+    MixedPrecision has ``cast_forward_inputs=True`` (PyTorch casts their
+    forward inputs)."""
+    out = {}
+    for unit in self.units:
+      mp = self.mixed_precision(unit)
+      if (not unit.is_root and mp is not None and mp.cast_forward_inputs
+          and mp.param_dtype is not None):
+        out[unit.name] = mp.param_dtype
+    return out
+
+  @property
+  def recomputes_cheap_ops(self) -> bool:
+    """Whether the step's remat recomputes elementwise operations
+    (:func:`fsdp_jax._src.collectives.remat_policy`) rather than saving every
+    residual but the re-gathered parameters.
+
+    Only when some unit is gathered again in backward. A scan over a stacked
+    unit is one equation to the step's remat, which saves its residuals (the
+    loops recompute inside themselves, see :class:`LoopPrefetch`). hpZ's
+    stacked units keep every residual but the gathers: recomputing the cheap
+    operations of a scanned layer made the compiled program gather each
+    layer a third time, in a loop of its own.
+    """
+    return (any(self.regather(u) for u in self.units)
+            and not any(u.stacked and self.secondary_size(u) for u in self.units))
+
+  def compute_dtype(self, leaf: LeafSpec):
+    """The dtype the loss sees a leaf in: the unit's ``param_dtype`` for
+    floating leaves, else the stored dtype (ignored leaves: no mixed
+    precision)."""
+    if leaf.ignored:
+      return jnp.dtype(leaf.dtype)
+    mp = self.mixed_precision(self.units[leaf.unit])
+    if mp is not None and mp.param_dtype is not None and is_float_dtype(leaf.dtype):
+      return jnp.dtype(mp.param_dtype)
+    return jnp.dtype(leaf.dtype)
+
+  @property
+  def axis_env(self) -> tuple:
+    """``((model axis name, data-parallel world size), ...)``: the axis
+    names the loss is traced with (``FSDPConfig.data_axis_name``)."""
+    return tuple((name, self.axes.world_size) for name in data_axis_names(self.config))
+
+  def dtype_groups(self, unit: UnitSpec) -> list[tuple[int, ...]]:
+    """Leaves gathered together (one collective each): all of a flat unit, or
+    the leaves of one dtype in the original-parameter layout."""
+    if not self.use_orig_params:
+      return [unit.leaf_ids]
+    groups: dict = {}
+    for i in unit.leaf_ids:
+      key = (np.dtype(self.leaves[i].dtype).name, self.leaves[i].frozen)
+      groups.setdefault(key, []).append(i)
+    return [tuple(v) for v in groups.values()]
+
+  def gather_specs(self, unit: UnitSpec) -> list:
+    """``[(leaf ids, GatherSpec)]``: one gather per dtype group of ``unit``."""
+    mp = self.mixed_precision(unit)
+    axes = self.axes
+    hook = self.comm_hook
+    pre, post = self.divide_factors()
+    cfg = self.config
+    out = []
+    for group in self.dtype_groups(unit):
+      stored = jnp.dtype(self.leaves[group[0]].dtype)
+      compute = reduce = stored
+      if mp is not None and is_float_dtype(stored):
+        if mp.param_dtype is not None:
+          compute = jnp.dtype(mp.param_dtype)
+        if mp.effective_reduce_dtype is not None:
+          reduce = jnp.dtype(mp.effective_reduce_dtype)
+      leaves = tuple(LeafLayout(self.leaves[i].layer_shape, self.leaves[i].dim0,
+                                self.chunk0(self.leaves[i]), self.leaves[i].row_numel)
+                     for i in group)
+      if self.use_orig_params:
+        chunk = sum(self.chunk0(self.leaves[i]) * self.leaves[i].row_numel for i in group)
+      else:
+        chunk = self.flat_chunk(unit)
+      quantizable = is_float_dtype(stored) and bool(axes.shard_axes)
+      spec = GatherSpec(
+          flat=not self.use_orig_params, leaves=leaves, n=self.n, chunk=chunk,
+          stored_dtype=stored, compute_dtype=compute, reduce_dtype=reduce,
+          shard_axes=axes.shard_axes, reduce_axes=axes.replicate_axes,
+          pre_divide=pre, post_divide=post, reshard=self.regather(unit),
+          keep_low_precision_grads=bool(mp and mp.keep_low_precision_grads),
+          label=unit.display_name,
+          hook=None if hook is None or self.stateful_hook else hook,
+          secondary=self.secondary_size(unit),
+          gather_quant=cfg.all_gather_quantization if quantizable else None,
+          reduce_quant=cfg.reduce_scatter_quantization if quantizable else None,
+          axis_sizes=tuple((a, int(self.mesh.shape[a]))
+                           for a in axes.shard_axes + axes.replicate_axes))
+      out.append((group, spec))
+    return out
+
+  def group_collectives(self, unit: UnitSpec) -> list:
+    """``(group, spec, gathers, reduce-scatters)`` per dtype group of
+    ``unit``: how many collectives its all-gather and its gradient reduction
+    take, one for the unit's buffer or one per leaf
+    (:func:`fsdp_jax._src.collectives.gathers_per_leaf`; a stateful hook
+    reduces the packed buffer)."""
+    out = []
+    for group, spec in self.gather_specs(unit):
+      gathers = len(group) if collectives.gathers_per_leaf(spec) else 1
+      reduces = (len(group) if collectives.reduces_per_leaf(spec) and not self.stateful_hook
+                 else 1)
+      out.append((group, spec, gathers, reduces))
+    return out
+
+  # ---- printing and counting (fsdp_jax._src.report) ---------------------
   def divide_factors(self) -> tuple[float, float]:
     return gradient_divide_factors(self.axes.world_size)
 
   def collectives_per_step(self) -> dict[str, int]:
-    """Collectives the strategy implies per step (upper bound for FULL_SHARD:
-    a unit whose parameters the backward does not need is not re-gathered).
-
-    A unit (per dtype) is gathered and reduced with one collective each;
-    with ``use_orig_params=True`` with one per leaf (see
-    :func:`fsdp_jax._src.collectives.gathers_per_leaf`), and all-reduced
-    once per unit over the replicate axes. A stacked unit's scan gathers
-    its first layer before each of its loops and the others inside it: two
-    gather instructions per pass (hpZ's stacked units: one; a scan unrolled
-    ``u`` times repeats the loop's instruction ``u`` times)."""
-    # pylint: disable=import-outside-toplevel  (layout imports this module)
-    from fsdp_jax._src import layout
-    strategy = self.config.sharding_strategy
-    out = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
-    for u in self.units:
-      for _, spec, gathers, reduces in layout.group_collectives(self, u):
-        if strategy is ShardingStrategy.NO_SHARD:
-          out["all-reduce"] += 1
-          continue
-        per_pass = 2 if u.stacked and not spec.secondary else 1
-        out["all-gather"] += per_pass * (
-            gathers + (1 if spec.secondary else gathers) * self.reshard(u))
-        out["reduce-scatter"] += reduces
-        if self.config.is_hybrid:
-          out["all-reduce"] += 1
-    return out
+    """Collectives the strategy implies per step; see
+    :func:`fsdp_jax._src.report.collectives_per_step`."""
+    return report.collectives_per_step(self)
 
   def bytes_kept_for_backward(self) -> int:
     """Bytes of gathered parameters each device holds from the forward pass
-    to the backward pass (outside a scan over stacked layers, which keeps
-    one layer's worth per iteration).
-
-    Units that are not resharded (the root, every unit under
-    ``SHARD_GRAD_OP``) count whole, in the bytes their all-gather moves
-    (quantized when ``all_gather_quantization`` is set); with
-    ``reshard_after_forward=k`` a resharded unit counts ``1/k`` of that (its
-    secondary shard); with ``reshard_after_forward=True`` it counts 0.
-    ``NO_SHARD`` gathers nothing: 0.
+    to the backward pass; see :func:`fsdp_jax._src.report.bytes_kept_for_backward`.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, fsdp_jax
@@ -351,115 +544,10 @@ class Plan:
       >>> kept(reshard_after_forward=True), kept(reshard_after_forward=2), kept(reshard_after_forward=False)
       (0, 16384, 32768)
     """
-    from fsdp_jax._src import collectives, layout  # pylint: disable=import-outside-toplevel
-    if not self.axes.shard_axes:
-      return 0
-    total = 0
-    for unit in self.units:
-      layers = unit.num_layers if unit.stacked else 1
-      for _, spec in layout.gather_specs(self, unit):
-        dtype, length = collectives.payload_row(spec)
-        full = spec.n * length * np.dtype(dtype).itemsize * layers
-        if not spec.reshard:
-          total += full
-        elif spec.secondary:
-          total += full // spec.secondary
-    return total
-
-  def _zeropp_lines(self) -> list[str]:
-    cfg = self.config
-    lines = []
-    k = cfg.reshard_after_forward
-    if not isinstance(k, bool):
-      lines.append(
-          f"  reshard after forward onto groups of {k}: each device keeps 1/{k} of every "
-          f"resharded unit for the backward all-gather, which runs within its group of {k}; "
-          f"gathered bytes kept forward->backward: {self.bytes_kept_for_backward():,}/device")
-    if cfg.all_gather_quantization is not None:
-      lines.append(f"  all-gather quantization: {cfg.all_gather_quantization.describe()} "
-                   "(floating-point units; master shards exact)")
-    if cfg.reduce_scatter_quantization is not None:
-      hier = " (within 'shard', then across 'replicate')" if (
-          len(self.axes.shard_axes) > 1 or self.axes.replicate_axes) else ""
-      q = cfg.reduce_scatter_quantization
-      implied = ", stochastic rounding" if q.rounding is None and q.stochastic(gradient=True) else ""
-      lines.append(f"  gradient reduction: quantized all-to-all, "
-                   f"{q.describe()}{implied}, summed in float32{hier}")
-    for name in ("forward_prefetch_units", "backward_prefetch_units"):
-      for unit, targets in getattr(cfg, name):
-        lines.append(f"  {name}: {unit} -> {', '.join(targets)}")
-    return lines
-
-  def dtype_groups(self, unit: UnitSpec) -> list[tuple[int, ...]]:
-    """Leaves gathered together (one collective each): all of a flat unit, or
-    the leaves of one dtype in the original-parameter layout."""
-    if not self.use_orig_params:
-      return [unit.leaf_ids]
-    groups: dict = {}
-    for i in unit.leaf_ids:
-      key = (np.dtype(self.leaves[i].dtype).name, self.leaves[i].frozen)
-      groups.setdefault(key, []).append(i)
-    return [tuple(v) for v in groups.values()]
+    return report.bytes_kept_for_backward(self)
 
   def __str__(self) -> str:
-    cfg = self.config
-    mp = cfg.mixed_precision
-    lines = [
-        f"FSDP plan: {cfg.sharding_strategy.name}, "
-        f"{'original parameters' if self.use_orig_params else 'flat parameters'}, "
-        f"mesh {dict(self.mesh.shape)}, shard over {self.axes.shard_axes or '()'} "
-        f"(N={self.n}), data-parallel world {self.axes.world_size}",
-    ]
-    if mp is not None:
-      lines.append(f"  mixed precision: param {mp.param_dtype}, reduce "
-                   f"{mp.effective_reduce_dtype}, buffers {mp.buffer_dtype}")
-    ignored = [l.name for l in self.ignored_leaves]
-    if ignored:
-      lines.append(f"  ignored (a full copy per device, never gathered, gradients not "
-                   f"reduced): {', '.join(ignored)}")
-    frozen = sum(l.frozen for l in self.leaves)
-    if frozen:
-      lines.append(f"  frozen parameters: {frozen} of {len(self.leaves)} (no gradient, no optimizer state)")
-    header = f"  {'unit':<32} {'leaves':>6} {'numel':>12} {'padding':>8} {'bytes/device':>13}"
-    lines.append(header)
-    total_numel = total_bytes = 0
-    for u in self.units:
-      numel = self.unit_numel(u)
-      padded = self.padded_numel(u)
-      itemsize = max(np.dtype(self.leaves[i].dtype).itemsize for i in u.leaf_ids)
-      per_dev = padded // self.n * itemsize
-      total_numel += numel
-      total_bytes += per_dev
-      tag = " [stacked x%d]" % u.num_layers if u.stacked else ""
-      if "mixed_precision" in u.override_dict:
-        mpu = u.override_dict["mixed_precision"]
-        tag += " [fp32]" if mpu is None else f" [{mpu.param_dtype}]"
-      lines.append(f"  {u.display_name + tag:<32} {len(u.leaf_ids):>6} {numel:>12,} "
-                   f"{padded - numel:>8,} {per_dev:>13,}")
-      for i in u.leaf_ids:
-        leaf = self.leaves[i]
-        lines.append(f"      {leaf.name:<40} {str(leaf.shape):<18} {np.dtype(leaf.dtype).name}"
-                     + (" frozen" if leaf.frozen else ""))
-    lines.append(f"  {'total':<32} {len(self.leaves):>6} {total_numel:>12,} "
-                 f"{'':>8} {total_bytes:>13,}")
-    for name, layers in self.stacked_hints:
-      lines.append(f"  looks stacked, gathered whole: {name} (every leaf has a leading axis "
-                   f"of {layers}); if a scan runs over it: "
-                   f"FSDPConfig(stacked_layers=({name!r},))")
-    coll = self.collectives_per_step()
-    lines.append("  collectives per step: " + ", ".join(f"{v} {k}" for k, v in coll.items() if v))
-    lines.extend(self._zeropp_lines())
-    if self.opt_layout is not None:
-      from fsdp_jax._src import optim  # pylint: disable=import-outside-toplevel
-      sharded, replicated = optim.state_bytes(self, self.opt_layout)
-      slots = ", ".join(self.opt_layout.slot_names) or "none"
-      lines.append(f"  optimizer state: {sharded + replicated:,} bytes/device "
-                   f"({sharded:,} sharded in slots {slots}; {replicated:,} replicated)")
-      if self.opt_update is not None:
-        lines.append(f"  optimizer update: {self.opt_update.describe()}")
-    pre, post = self.divide_factors()
-    lines.append(f"  gradient divide factors: pre {pre:g}, post {post:g}")
-    return "\n".join(lines)
+    return report.describe(self)
 
 
 def _check_resharding(plan: "Plan") -> None:
@@ -507,3 +595,98 @@ def _check_prefetch_units(plan: "Plan") -> None:
               f"{field}: {name!r} has no backward all-gather to issue or prefetch: "
               f"{why}. Fix: list only resharded units "
               f"{sorted(n for n, x in names.items() if plan.reshard(x) and not x.stacked)}.")
+
+
+# --------------------------------------------------------------------------
+# What a custom step needs from the plan: shard_map specs, the trainable split
+
+
+def param_specs(plan: Plan):
+  """``PartitionSpec`` of every stored parameter array (``state.params``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> from jax.sharding import PartitionSpec as P
+    >>> fsdp_jax.custom.param_specs(state.plan) == {"_flat_param": P("shard")}  # one flat param
+    True
+  """
+  return jax.tree.map(lambda s: s.spec, plan.storage_shardings(),
+                      is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def batch_spec(plan: Plan) -> P:
+  """Batch leaves are split along dim 0 over all data-parallel mesh axes.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> from jax.sharding import PartitionSpec as P
+    >>> fsdp_jax.custom.batch_spec(state.plan) == P("shard")  # dim 0 over the data axes
+    True
+  """
+  axes = plan.axes.data_axes
+  return P(axes[0] if len(axes) == 1 else axes)
+
+
+def hook_state_spec(plan: Plan) -> P:
+  """Per-device hook state: a leading device axis split over the data axes."""
+  return batch_spec(plan)
+
+
+def hook_key(unit: UnitSpec, group_index: int) -> str:
+  """The key of a unit's dtype group in a stateful hook's state."""
+  return f"{unit.flat_key}#{group_index}"
+
+
+def split_trainable(plan: Plan, params):
+  """Stored params -> ``(trainable, frozen)``.
+
+  Flat layout: two dicts of flat parameters (a unit is all frozen or all
+  trainable). Original layout: two trees shaped like the params, with
+  ``None`` in place of the other kind's leaves.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> trainable, frozen = fsdp_jax.custom.split_trainable(state.plan, state.params)
+    >>> sorted(trainable), frozen
+    (['_flat_param'], {})
+  """
+  if not plan.use_orig_params:
+    frozen_keys = {u.flat_key for u in plan.units if u not in plan.trainable_units}
+    frozen_keys |= {plan.ignored_key(l) for l in plan.ignored_leaves if l.frozen}
+    return ({k: v for k, v in params.items() if k not in frozen_keys},
+            {k: v for k, v in params.items() if k in frozen_keys})
+  leaves = jax.tree_util.tree_leaves(params)
+  train = [None if l.frozen else x for l, x in zip(plan.leaves, leaves)]
+  frozen = [x if l.frozen else None for l, x in zip(plan.leaves, leaves)]
+  return (jax.tree_util.tree_unflatten(plan.treedef, train),
+          jax.tree_util.tree_unflatten(plan.treedef, frozen))
+
+
+def merge_trainable(plan: Plan, trainable, frozen):
+  """Inverse of :func:`split_trainable`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> parts = fsdp_jax.custom.split_trainable(state.plan, state.params)
+    >>> fsdp_jax.custom.merge_trainable(state.plan, *parts) == state.params
+    True
+  """
+  if not plan.use_orig_params:
+    out = {**frozen, **trainable}
+    return {k: out[k] for k in sorted(out)}
+  t = iter(jax.tree_util.tree_leaves(trainable))
+  f = iter(jax.tree_util.tree_leaves(frozen))
+  leaves = [next(f) if l.frozen else next(t) for l in plan.leaves]
+  return jax.tree_util.tree_unflatten(plan.treedef, leaves)

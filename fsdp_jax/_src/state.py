@@ -14,10 +14,11 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fsdp_jax._src import frameworks, layout, offload, optim, unit_init, wrap
+from fsdp_jax._src import frameworks, layout, naming, offload, optim, unit_init, wrap
 from fsdp_jax._src.config import FSDPConfig, is_float_dtype, is_key_dtype
 from fsdp_jax._src.mesh import mesh_axes
-from fsdp_jax._src.plan import LeafSpec, Plan, UnitSpec
+from fsdp_jax._src.plan import (LeafSpec, Plan, UnitSpec, hook_key, hook_state_spec,
+                                split_trainable)
 
 
 @jax.tree_util.register_dataclass
@@ -72,128 +73,6 @@ class ShardedTrainState:
 
 # --------------------------------------------------------------------------
 # Names and module classes
-
-
-def key_name(key) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-def leaf_paths(tree) -> list[tuple[str, ...]]:
-  """Dotted-name parts of every leaf (NNX's trailing ``.value`` dropped)."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  out = []
-  for path, _ in flat:
-    parts = tuple(key_name(k) for k in path)
-    if len(parts) > 1 and parts[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
-      parts = parts[:-1]
-    out.append(parts)
-  return out
-
-
-def _sequence_prefixes(tree) -> set:
-  """Paths of list/tuple containers (PyTorch's ModuleList)."""
-  out = set()
-
-  def walk(x, prefix):
-    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-      out.add(prefix)
-      for i, c in enumerate(x):
-        walk(c, prefix + (str(i),))
-    elif frameworks.is_equinox_module(x):  # its fields are its children
-      for f in dataclasses.fields(x):
-        walk(getattr(x, f.name, None), prefix + (f.name,))
-    elif isinstance(x, dict) or hasattr(x, "items"):
-      try:
-        items = list(x.items())
-      except Exception:  # not a mapping after all
-        return
-      for k, c in items:
-        walk(c, prefix + (str(k),))
-
-  walk(tree, ())
-  return out
-
-
-def module_classes(model_or_fn, *args, **kwargs) -> dict:
-  """Maps subtree paths to the module classes that own them.
-
-  * a ``flax.nnx.Module``: read from the object graph;
-  * an ``equinox.Module``: read from the module tree (walked, not called),
-    paths as in ``eqx.partition(model, eqx.is_inexact_array)`` (``("layers",
-    "0")`` for ``model.layers[0]``);
-  * a function (e.g. ``model.init`` of a Flax linen model) and its
-    arguments: the function runs abstractly (``jax.eval_shape``) while Flax
-    module calls are intercepted; paths are prefixed with ``"params"``.
-
-  The result is what :class:`~fsdp_jax.ModuleWrapPolicy` matches classes
-  against; :func:`init_train_state` collects it itself from ``init_fn``.
-
-  Example:
-    >>> import flax.linen as nn, jax, jax.numpy as jnp, fsdp_jax
-    >>> model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
-    >>> classes = fsdp_jax.module_classes(model.init, jax.random.key(0),
-    ...                                   jnp.ones((1, 3)))
-    >>> classes[("params", "layers_0")].__name__
-    'Dense'
-    >>> import equinox as eqx
-    >>> mlp = eqx.nn.MLP(3, 2, width_size=8, depth=2, key=jax.random.key(0))
-    >>> fsdp_jax.module_classes(mlp)[("layers", "1")].__name__
-    'Linear'
-  """
-  try:
-    from flax import nnx
-  except ImportError:  # pragma: no cover
-    nnx = None
-  if nnx is not None and isinstance(model_or_fn, nnx.Module):
-    out = {}
-    for path, value in nnx.iter_graph(model_or_fn):
-      if isinstance(value, nnx.Module):
-        out[tuple(str(p) for p in path)] = type(value)
-    return out
-  if frameworks.is_equinox_module(model_or_fn):
-    if args or kwargs:
-      raise TypeError("module_classes(eqx_model) reads the module tree; it takes no "
-                      "further arguments.")
-    return frameworks.equinox_classes(model_or_fn)
-  out: dict = {}
-  _, captured = _eval_shape_capturing(model_or_fn, *args, **kwargs)
-  out.update(captured)
-  return out
-
-
-def _eval_shape_capturing(fn, *args, **kwargs):
-  """``jax.eval_shape(fn)`` that records the linen modules called inside."""
-  shapes, captured, _ = _trace_capturing(fn, *args, **kwargs)
-  return shapes, captured
-
-
-def _trace_capturing(fn, *args, **kwargs):
-  """``(shapes, linen modules called inside, closed jaxpr)`` of ``fn``: one
-  trace, whose jaxpr ``init_program`` reuses."""
-  captured: dict = {}
-  # A fresh function object each time: JAX caches traces per function, and a
-  # cached trace would skip the interceptor.
-  trace = lambda: jax.make_jaxpr(lambda *a, **k: fn(*a, **k), return_shape=True)(
-      *args, **kwargs)
-  try:
-    import flax.linen as nn
-  except ImportError:  # pragma: no cover
-    closed, shapes = trace()
-    return shapes, captured, closed
-
-  def interceptor(next_fun, a, kw, context):
-    mod = context.module
-    path = tuple(str(p) for p in mod.path)
-    for collection in ("params",):
-      captured.setdefault((collection,) + path, type(mod))
-    return next_fun(*a, **kw)
-
-  with nn.intercept_methods(interceptor):
-    closed, shapes = trace()
-  return shapes, captured, closed
 
 
 def _leaf_positions(whole, part) -> Optional[list]:
@@ -294,7 +173,7 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
   flat, treedef = jax.tree_util.tree_flatten(abstract_params)
   if not flat:
     raise ValueError("The parameter tree has no leaves: there is nothing to shard.")
-  paths = leaf_paths(abstract_params)
+  paths = naming.leaf_paths(abstract_params)
   for p, x in zip(paths, flat):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
       raise TypeError(f"Parameter {'.'.join(p)!r} is a {type(x).__name__}, not an "
@@ -312,7 +191,7 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
         if _matches_class(cls, mp._module_classes_to_ignore)))
   choices = wrap.choose_units(
       paths, numels, policy=config.auto_wrap_policy, module_types=module_types,
-      sequence_prefixes=_sequence_prefixes(abstract_params),
+      sequence_prefixes=naming.sequence_prefixes(abstract_params),
       stacked_patterns=config.stacked_layers,
       full_precision_nodes=full_precision_nodes,
       ignored=sorted(ignored))
@@ -513,7 +392,7 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
   replicated = NamedSharding(mesh, P())
   traced = None  # init_fn's jaxpr, and where each parameter leaf is among its outputs
   if init_fn is not None:
-    abstract, captured, closed = _trace_capturing(init_fn, *init_args)
+    abstract, captured, closed = frameworks.trace_capturing(init_fn, *init_args)
     whole = abstract
     abstract, ms_abstract, what = frameworks.split_model_state(abstract)
     positions = (list(range(len(jax.tree_util.tree_leaves(whole)))) if ms_abstract is None
@@ -581,7 +460,7 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
           else jnp.asarray(x), model_state)
     model_state = owned(model_state)
   skipped = (jax.device_put(jnp.zeros((), jnp.int32), replicated)
-             if config.nonfinite == "skip" else None)
+             if plan.nonfinite == "skip" else None)
   return ShardedTrainState(step=step, params=storage, opt_state=opt_state,
                            model_state=model_state,
                            comm_hook_state=_init_hook_state(plan), nonfinite_steps=skipped,
@@ -647,22 +526,21 @@ def with_optimizer(plan: Plan, optimizer, *, init_shapes=None) -> Plan:
 
 def _init_hook_state(plan: Plan):
   """A stateful hook's initial state, one copy per device."""
-  from fsdp_jax._src import grads, hooks  # pylint: disable=import-outside-toplevel
-  hook = plan.config.comm_hook
-  if not hooks.is_stateful(hook):
+  if not plan.stateful_hook:
     return None
+  hook = plan.comm_hook
   world = plan.axes.world_size
-  sharding = NamedSharding(plan.mesh, grads.hook_state_spec(plan))
+  sharding = NamedSharding(plan.mesh, hook_state_spec(plan))
   out = {}
   for unit in plan.trainable_units:
-    for gi, (_, spec) in enumerate(layout.gather_specs(plan, unit)):
+    for gi, (_, spec) in enumerate(plan.gather_specs(unit)):
       shape = plan.prefix(unit) + (spec.n, spec.chunk)
 
       def one(shape=shape, dtype=spec.reduce_dtype):
         st = hook.init(shape, dtype)
         return jax.tree.map(lambda x: jnp.broadcast_to(x[None], (world,) + x.shape), st)
 
-      out[grads.hook_key(unit, gi)] = jax.jit(one, out_shardings=sharding)()
+      out[hook_key(unit, gi)] = jax.jit(one, out_shardings=sharding)()
   return out
 
 
@@ -708,7 +586,6 @@ def ignored_storage(plan: Plan, storage) -> dict:
 def _init_opt_state(plan: Plan, optimizer, storage, closed=None):
   """``optimizer.init`` on the user's tree, evaluated on each device's shards
   (see :mod:`fsdp_jax._src.optim`) and stored as a ``ShardedOptState``."""
-  from fsdp_jax._src.grads import split_trainable  # pylint: disable=import-outside-toplevel
   lay = plan.opt_layout
   specs = optim.stored_specs(plan, lay)
   trainable = split_trainable(plan, storage)[0]

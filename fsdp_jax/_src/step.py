@@ -16,6 +16,8 @@ from fsdp_jax._src import loss as loss_lib
 from fsdp_jax._src import clipping, offload, optim
 from fsdp_jax._src.config import FSDPConfig, is_float_dtype
 from fsdp_jax._src import mesh as mesh_lib
+from fsdp_jax._src import plan as plan_lib
+from fsdp_jax._src.local_loss import LocalLoss
 from fsdp_jax._src.plan import Plan
 from fsdp_jax._src.state import ShardedTrainState
 
@@ -218,12 +220,11 @@ def shard_train_step(loss_fn: Callable[..., Any],
   if mesh is not None and config is not None:
     check_setup(mesh, config)
 
-  forward_inputs = grads_lib.check_forward_inputs(forward_inputs)
+  forward_inputs = loss_lib.check_forward_inputs(forward_inputs)
 
   def step(state: ShardedTrainState, batch):
     opt_specs = _check_state(state, config, mesh, optimizer)
     plan = state.plan
-    config_ = plan.config if config is None else config
     mesh_ = plan.mesh if mesh is None else mesh
     check_batch(plan, batch)
     if gradient_accumulation_steps > 1:
@@ -231,25 +232,25 @@ def shard_train_step(loss_fn: Callable[..., Any],
           jax.tree.map(lambda x: jax.ShapeDtypeStruct(
               (x.shape[0] // plan.axes.world_size,) + x.shape[1:], x.dtype), batch),
           gradient_accumulation_steps)
-    p_specs = grads_lib.param_specs(plan)
-    b_specs = jax.tree.map(lambda _: grads_lib.batch_spec(plan), batch)
+    p_specs = plan_lib.param_specs(plan)
+    b_specs = jax.tree.map(lambda _: plan_lib.batch_spec(plan), batch)
     ms_specs = jax.tree.map(lambda _: P(), state.model_state)
     rng_specs = jax.tree.map(lambda _: P(), state.rng)
-    h_specs = jax.tree.map(lambda _: grads_lib.hook_state_spec(plan), state.comm_hook_state)
+    h_specs = jax.tree.map(lambda _: plan_lib.hook_state_spec(plan), state.comm_hook_state)
     vg = grads_lib.value_and_grad(loss_fn, plan=plan,
                                   gradient_accumulation_steps=gradient_accumulation_steps,
                                   accumulation=accumulation,
                                   forward_inputs=forward_inputs)
     data_axes = plan.axes.data_axes
-    offloaded = offload.offloads(config_)
+    offloaded = plan.offloaded
 
     mode = plan.opt_update.mode if plan.opt_update is not None else "sharded"
-    policy = config_.nonfinite
+    policy = plan.nonfinite
     own_grads = any(l.ignored and not l.frozen for l in plan.leaves)
 
     def body(params, opt_state, model_state, hook_state, batch_local, rng, step_count):
       # With CPU offload the stored shards are in host memory: each unit's
-      # gather reads a device copy of its own shards (grads.make_local_loss).
+      # gather reads a device copy of its own shards (local_loss.LocalLoss).
       key = None if rng is None else jax.tree.map(
           lambda r: loss_lib.device_key(r, step_count, data_axes), rng)
       out, grads, new_hook_state = vg(params, batch_local, model_state, hook_state, key)
@@ -272,7 +273,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
       metrics["nonfinite"] = bad
       if policy == "raise":
         metrics["nonfinite_leaves"] = clipping.nonfinite_leaves(grads, plan=plan)
-      trainable, frozen = grads_lib.split_trainable(plan, params)
+      trainable, frozen = plan_lib.split_trainable(plan, params)
       if mode == "global":
         # The optimizer runs after shard_map, on the global view.
         new_trainable, new_opt_state = grads, opt_state
@@ -308,7 +309,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
         if policy != "propagate":
           new_trainable, new_opt_state = _keep_if(bad, (trainable, opt_state),
                                                   (new_trainable, new_opt_state))
-      new_params = grads_lib.merge_trainable(plan, new_trainable, frozen)
+      new_params = plan_lib.merge_trainable(plan, new_trainable, frozen)
       if out.aux is not None:
         metrics["aux"] = jax.tree.map(
             lambda a: jax.lax.pmean(jnp.asarray(a, jnp.float32), data_axes), out.aux)
@@ -318,7 +319,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
         # statistics of each device's batch) are averaged over the world.
         new_ms = jax.tree.map(
             lambda new, old: (jax.lax.pmean(new, data_axes).astype(old.dtype)
-                              if is_float_dtype(old.dtype) else grads_lib.as_stored_dtype(new, old)),
+                              if is_float_dtype(old.dtype) else loss_lib.as_stored_dtype(new, old)),
             out.model_state, model_state)
       if policy != "propagate":
         new_ms, new_hook_state = _keep_if(bad, (model_state, hook_state),
@@ -334,14 +335,14 @@ def shard_train_step(loss_fn: Callable[..., Any],
         state.rng, state.step)
     bad = metrics["nonfinite"]
     if mode == "global":
-      grads = grads_lib.split_trainable(plan, new_params)[0]
-      trainable, frozen = grads_lib.split_trainable(plan, state.params)
+      grads = plan_lib.split_trainable(plan, new_params)[0]
+      trainable, frozen = plan_lib.split_trainable(plan, state.params)
       new_trainable, new_opt_state = optim.update_global(
           plan, optimizer, grads, state.opt_state, trainable, value=metrics["loss"])
       if policy != "propagate":
         new_trainable, new_opt_state = _keep_if(bad, (trainable, state.opt_state),
                                                 (new_trainable, new_opt_state))
-      new_params = grads_lib.merge_trainable(plan, new_trainable, frozen)
+      new_params = plan_lib.merge_trainable(plan, new_trainable, frozen)
     changes = dict(step=state.step + 1, params=new_params, opt_state=new_opt_state,
                    model_state=new_ms, comm_hook_state=new_hook)
     if policy != "propagate":
@@ -355,7 +356,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
     local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         (x.shape[0] // plan.axes.world_size // gradient_accumulation_steps,) + x.shape[1:],
         x.dtype), batch)
-    raw = grads_lib.make_local_loss(loss_fn, plan, forward_inputs=forward_inputs)
+    raw = LocalLoss(loss_fn, plan, forward_inputs=forward_inputs)
     return raw.checkpoints(local, state.model_state, state.rng)
 
   return TrainStep(step, donate=donate, mesh=mesh, config=config, checkpoints=checkpoints)
@@ -420,7 +421,7 @@ def check_local_batch(plan: Plan, batch) -> None:
   """Multi-process: this process's part of the batch splits evenly over its
   data-parallel devices, and every process passes a part of the same size."""
   world = plan.axes.world_size
-  sharding = NamedSharding(plan.mesh, grads_lib.batch_spec(plan))
+  sharding = NamedSharding(plan.mesh, plan_lib.batch_spec(plan))
   idx = sharding.addressable_devices_indices_map((world,))
   mine = len({s[0].indices(world) for s in idx.values()})
   rows = []
@@ -454,7 +455,7 @@ def place_batch(plan: Plan, batch):
   passes its own part of the global batch, in process order, and the global
   array is assembled from the parts (``jax.make_array_from_process_local_data``).
   """
-  sharding = NamedSharding(plan.mesh, grads_lib.batch_spec(plan))
+  sharding = NamedSharding(plan.mesh, plan_lib.batch_spec(plan))
   multi = jax.process_count() > 1
 
   def place(x):

@@ -37,10 +37,10 @@ from fsdp_jax._src.plan import Plan, UnitSpec
 # The primitives whose integer operands are folded into a random key: the
 # only operands that become arguments (hoisting a float literal could change
 # what the compiler folds, and so the bits).
-_KEY_DATA_PRIMITIVES = frozenset({"random_fold_in"})
+_KEY_DATA_PRIMITIVES = _compat.KEY_DATA_PRIMITIVES
 # Integer scalar arithmetic evaluated here when its operands are known: NNX
 # counts its key's uses (``fold_in(key, count)``, ``count = count + 1``).
-_FOLDABLE = frozenset({"add", "sub", "mul", "convert_element_type"})
+_FOLDABLE = _compat.FOLDABLE_PRIMITIVES
 
 
 def _int_scalar(aval) -> bool:

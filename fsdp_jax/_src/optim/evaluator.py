@@ -236,21 +236,9 @@ class Partial:
   dtype: Any
 
 
-ELEMENTWISE = frozenset({
-    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh",
-    "cbrt", "ceil", "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh",
-    "digamma", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor",
-    "ge", "gt", "igamma", "igammac", "imag", "integer_pow", "is_finite", "le", "lgamma",
-    "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter",
-    "not", "or", "pow", "real", "reduce_precision", "rem", "round", "rsqrt", "select_n",
-    "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh",
-    "sqrt", "square", "sub", "tan", "tanh", "xor", "population_count", "conj", "complex",
-    "stop_gradient", "one_minus_square", "log2", "polynomial",
-})
-# Primitives that only annotate their operands (sharding, scheduling).
-_PASSTHROUGH = ("optimization_barrier", "reshard", "sharding_constraint", "mesh_cast")
-_REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min",
-               "reduce_and": "and", "reduce_or": "or"}
+ELEMENTWISE = _compat.ELEMENTWISE_PRIMITIVES
+_PASSTHROUGH = _compat.PASSTHROUGH_PRIMITIVES
+_REDUCTIONS = _compat.REDUCTION_PRIMITIVES
 def _identity(op: str, dtype):
   dtype = jnp.dtype(dtype)
   if op == "sum":
@@ -276,7 +264,6 @@ class UpdateReport:
 
   psums: int = 0
   gathers: list = dataclasses.field(default_factory=list)  # (leaf name, primitive, where)
-  reductions: int = 0
 
   @property
   def elementwise(self) -> bool:
@@ -550,7 +537,6 @@ class ShardedEvaluator:
 
   def _reduce_shard(self, op, x: Shard, eqn):
     leaf = self.plan.leaves[x.leaf]
-    self.report.reductions += 1
     dtype = jnp.dtype(eqn.outvars[0].aval.dtype)
     if leaf.ignored:
       fn = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "and": jnp.all, "or": jnp.any}[op]

@@ -13,6 +13,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
+from fsdp_jax._src import naming
 from fsdp_jax._src.plan import Plan
 
 
@@ -21,17 +22,6 @@ MODES = ("auto", "global", "local")
 
 # ---------------------------------------------------------------------------
 # Names
-
-
-def _key_name(key) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-def _path_name(path) -> str:
-  return ".".join(_key_name(k) for k in path) or "_"
 
 
 def _dtype(dtype):
@@ -107,6 +97,13 @@ class OptLayout:
 
   def slot_params(self, slot: str) -> tuple:
     return tuple(e.param for e in self.entries if e.kind == "slot" and e.slot == slot)
+
+  def describe(self, plan: Plan) -> str:
+    """What ``print(state.plan)`` says of the stored optimizer state."""
+    sharded, replicated = state_bytes(plan, self)
+    slots = ", ".join(self.slot_names) or "none"
+    return (f"{sharded + replicated:,} bytes/device "
+            f"({sharded:,} sharded in slots {slots}; {replicated:,} replicated)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +213,7 @@ def build_layout(plan: Plan, abstract_state) -> OptLayout:
   names = set()
   for path, x in flat:
     path = tuple(path)
-    name = _path_name(path)
+    name = naming.path_name(path)
     if name in names:
       raise ValueError(f"Optimizer state path {name!r} is ambiguous as a dotted name; "
                        "rename the optimizer state's keys.")
@@ -233,7 +230,7 @@ def build_layout(plan: Plan, abstract_state) -> OptLayout:
       entries.append(OptEntry("group", name, None, -1, shape, dtype))
       continue
     prefix, i = match
-    slot = _path_name(prefix)
+    slot = naming.path_name(prefix)
     kind = "slot" if shape == plan.leaves[i].shape else "param"
     entries.append(OptEntry(kind, name, slot, i, shape, dtype))
   lay = OptLayout(treedef, tuple(entries))

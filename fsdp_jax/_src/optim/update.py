@@ -11,10 +11,9 @@ import inspect
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
-from fsdp_jax._src import offload
-from fsdp_jax._src.plan import Plan
+from fsdp_jax._src import layout
+from fsdp_jax._src.plan import Plan, param_specs, split_trainable
 from fsdp_jax._src.optim.stored import (OptLayout, ShardedOptState, build_layout, cast,
     logical_grads, logical_params, slot_items, slot_tree, stored_shapes, stored_specs,
     user_tree)
@@ -209,7 +208,6 @@ def _trainable_tree(plan: Plan, stored: dict):
 
 def analyse(plan: Plan, optimizer, lay: OptLayout) -> UpdateReport:
   """Traces one sharded update abstractly and reports what it needs."""
-  from fsdp_jax._src.grads import param_specs, split_trainable  # pylint: disable=import-outside-toplevel
   report = UpdateReport()
   p_specs = split_trainable(plan, param_specs(plan))[0]
   o_specs = stored_specs(plan, lay)
@@ -235,7 +233,6 @@ def _unpack_units(plan: Plan, tree, ids=None) -> dict:
   """A global tree laid out like the stored params (or a slot of it) ->
   ``{leaf id: logical array}`` for the leaves in ``ids`` (default: all
   trainable ones present)."""
-  from fsdp_jax._src import layout  # pylint: disable=import-outside-toplevel
   out = {}
   present = slot_items(plan, tree)
   for unit in plan.units:
@@ -262,7 +259,6 @@ def _unpack_units(plan: Plan, tree, ids=None) -> dict:
 def _pack_units(plan: Plan, values: dict, dtypes: dict) -> dict:
   """``{leaf id: logical array}`` -> ``{storage key: stored global array}``
   (absent leaves of a flat unit are zeros)."""
-  from fsdp_jax._src import layout  # pylint: disable=import-outside-toplevel
   out = {}
   for unit in plan.units:
     ids = [i for i in unit.leaf_ids if i in values]
@@ -287,7 +283,7 @@ def _check_global(plan: Plan) -> None:
         f"FSDPConfig(optimizer_update='global') runs the optimizer on the global view "
         f"of the parameters, but {own[:4]} are ignored_states parameters whose copies "
         "differ per device. Fix: use optimizer_update='auto' (or 'sharded').")
-  if offload.offloads(plan.config):
+  if plan.offloaded:
     raise ValueError(
         "FSDPConfig(optimizer_update='global') cannot run with CPUOffload(offload_params=True) "
         "(the offloaded update runs on each device's host shards). Fix: use "
@@ -334,7 +330,6 @@ def update_global(plan: Plan, optimizer, grads, opt_state: ShardedOptState, para
   # state's (the next step is compiled for them).
   new_state = jax.lax.with_sharding_constraint(
       new_state, jax.tree.map(lambda s: s.sharding, stored_shapes(plan, lay)))
-  from fsdp_jax._src.grads import split_trainable  # pylint: disable=import-outside-toplevel
   p_sh = split_trainable(plan, plan.storage_shardings())[0]
   new_params = jax.lax.with_sharding_constraint(_trainable_tree(plan, stored), p_sh)
   return new_params, new_state
@@ -360,10 +355,10 @@ class UpdateMode:
 def choose_mode(plan: Plan, optimizer) -> UpdateMode:
   """Reads what ``optimizer.update`` computes (one abstract trace on the
   shards) and picks how to run it (``FSDPConfig.optimizer_update``)."""
-  requested = getattr(plan.config, "optimizer_update", "auto")
+  requested = plan.config.optimizer_update
   lay = plan.opt_layout if plan.opt_layout is not None else layout_for(plan, optimizer)
   report = analyse(plan, optimizer, lay)
-  if offload.offloads(plan.config) and not report.elementwise:
+  if plan.offloaded and not report.elementwise:
     raise ValueError(
         f"The optimizer's update ({_name(optimizer)}) needs collectives on the shards "
         f"({report.summary()}), but with CPUOffload(offload_params=True) it runs on the "
@@ -377,7 +372,7 @@ def choose_mode(plan: Plan, optimizer) -> UpdateMode:
     # partitions it, because every device would otherwise redo the whole
     # computation. The global form cannot hold per-device (ignored) values
     # or run on the host (offload).
-    global_ok = not offload.offloads(plan.config) and not any(
+    global_ok = not plan.offloaded and not any(
         l.ignored and not l.frozen for l in plan.leaves)
     requested = "global" if report.gathers and global_ok else "sharded"
   if requested == "global":

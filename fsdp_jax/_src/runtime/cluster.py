@@ -14,8 +14,6 @@ import socket
 import subprocess
 from typing import Optional
 
-import jax
-
 from fsdp_jax._src import _compat
 
 
@@ -124,8 +122,8 @@ def gpu_count() -> int:
   Never touches JAX, so it is safe to call before :func:`initialize`.
 
   Example:
-    >>> from fsdp_jax import distributed
-    >>> distributed.gpu_count() >= 0
+    >>> from fsdp_jax._src.runtime import cluster
+    >>> cluster.gpu_count() >= 0
     True
   """
   exe = shutil.which("nvidia-smi")
@@ -241,7 +239,7 @@ def default_coordinator_bind_address(coordinator_address: str) -> str:
   address is not one of the machine's own).
 
   Example:
-    >>> from fsdp_jax.distributed import default_coordinator_bind_address
+    >>> from fsdp_jax._src.runtime.cluster import default_coordinator_bind_address
     >>> default_coordinator_bind_address("127.0.0.1:29500")
     '127.0.0.1:29500'
     >>> default_coordinator_bind_address("localhost:29500")
@@ -264,7 +262,7 @@ def port_problem(bind_address: str) -> Optional[str]:
 
   Example:
     >>> import socket
-    >>> from fsdp_jax.distributed import port_problem
+    >>> from fsdp_jax._src.runtime.cluster import port_problem
     >>> with socket.socket() as s:
     ...   s.bind(("127.0.0.1", 0)); s.listen()
     ...   busy = f"127.0.0.1:{s.getsockname()[1]}"

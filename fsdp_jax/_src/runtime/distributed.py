@@ -10,7 +10,6 @@ the rest of it.
 from __future__ import annotations
 
 import atexit
-import datetime
 import os
 import sys
 import threading
@@ -21,7 +20,7 @@ import jax
 
 from fsdp_jax._src import _compat, mesh
 from fsdp_jax._src.runtime.cluster import (BARRIER, DEFAULT_BARRIER_TIMEOUT, DEFAULT_INIT_TIMEOUT,
-    DEFAULT_PEER_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT, DistributedInfo, EXIT_PEER_LOST, HB,
+    DEFAULT_PEER_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT, DistributedInfo, HB,
     backends_started, check_bind_address, cluster_env, cluster_local_rank,
     default_coordinator_bind_address, describe_process, detect_platform, env_float,
     env_int, first_line, jax_client, port_problem, publish_info, seconds, split_host_port)

@@ -6,7 +6,6 @@ with a message naming it.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
@@ -14,7 +13,7 @@ import traceback
 from typing import Optional
 
 from fsdp_jax._src.runtime.cluster import (ABORT, DEFAULT_SHUTDOWN_TIMEOUT, DONE, DistributedInfo,
-    EXIT_PEER_LOST, HB, HEARTBEAT_INTERVAL, describe_process, env_int, jax_client, seconds)
+    EXIT_PEER_LOST, HB, HEARTBEAT_INTERVAL, describe_process, env_int, jax_client)
 
 
 # --------------------------------------------------------------------------

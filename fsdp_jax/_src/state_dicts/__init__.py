@@ -32,6 +32,7 @@ sharded kinds never hold a full parameter on one device when a dimension of
 it divides the shard count.
 """
 
+from fsdp_jax._src.naming import ROOT as ROOT, path_name as path_name
 from fsdp_jax._src.state_dicts.convert import (
     BUFFER_FIELDS as BUFFER_FIELDS,
     LOCAL_METADATA_KEY as LOCAL_METADATA_KEY,
@@ -40,7 +41,6 @@ from fsdp_jax._src.state_dicts.convert import (
     OptLayout as OptLayout,
     OptimStateKeyType as OptimStateKeyType,
     PARAMS as PARAMS,
-    ROOT as ROOT,
     canonical_sharding as canonical_sharding,
     clear_caches as clear_caches,
     data_fields as data_fields,
@@ -53,7 +53,6 @@ from fsdp_jax._src.state_dicts.convert import (
     on_devices as on_devices,
     opt_layout as opt_layout,
     param_names as param_names,
-    path_name as path_name,
     place as place,
     present as present,
     problems as problems,

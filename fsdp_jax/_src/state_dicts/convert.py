@@ -16,10 +16,10 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from fsdp_jax._src import layout, offload
+from fsdp_jax._src import layout, offload, optim
 from fsdp_jax._src.config import StateDictType
 from fsdp_jax._src.plan import LeafSpec, Plan, UnitSpec
-from fsdp_jax._src.state import ShardedTrainState, key_name
+from fsdp_jax._src.state import ShardedTrainState
 
 
 
@@ -29,7 +29,6 @@ OPT_STATE = "opt_state"
 # buffers in the module state dict): their leaves join the model state dict.
 BUFFER_FIELDS = ("model_state",)
 LOCAL_METADATA_KEY = "_metadata"
-ROOT = "_"  # name of a slot/leaf whose path is empty
 MAX_LINES = 25
 
 
@@ -90,11 +89,6 @@ def param_names(plan: Plan) -> list[str]:
         "collides with a nested path). State dicts are keyed by dotted names; "
         "rename the keys so every parameter path is unique.")
   return names
-
-
-def path_name(path) -> str:
-  """A key path as a dotted name (``_`` for the empty path)."""
-  return ".".join(key_name(k) for k in path) or ROOT
 
 
 def shape_of(x) -> tuple:
@@ -392,7 +386,6 @@ class OptLayout:
 
   def unflatten(self, values):
     """Entries' values (same order) -> a ``ShardedOptState``."""
-    from fsdp_jax._src import optim  # pylint: disable=import-outside-toplevel
     lay = self.state.layout
     slots, leaves = {}, {}
     pleaf_paths = {(e.param, e.slot): e.path for e in lay.entries if e.kind == "param"}
@@ -420,7 +413,6 @@ class OptLayout:
 
 def opt_layout(plan: Plan, opt_state) -> OptLayout:
   """Names the entries of a state's optimizer state (concrete or abstract)."""
-  from fsdp_jax._src import optim  # pylint: disable=import-outside-toplevel
   if not isinstance(opt_state, optim.ShardedOptState):
     raise TypeError(
         f"The state's opt_state is a {type(opt_state).__name__}, not the "

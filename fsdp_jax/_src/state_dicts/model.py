@@ -6,18 +6,16 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import PartitionSpec as P
 
-from fsdp_jax._src import layout, offload
+from fsdp_jax._src import offload
 from fsdp_jax._src.config import StateDictType
+from fsdp_jax._src.naming import path_name
 from fsdp_jax._src.plan import Plan
 from fsdp_jax._src.state import ShardedTrainState
 from fsdp_jax._src.state_dicts.convert import (BUFFER_FIELDS, LOCAL_METADATA_KEY,
     MAX_LINES, PARAMS, canonical_sharding, data_fields, dtype_name, is_key_dtype,
-    layer_axis, leaves_to_storage, on_devices, param_names, path_name, place, problems,
+    layer_axis, leaves_to_storage, on_devices, param_names, place, problems,
     replicated_sharding, require_state, require_type, shape_of, shard_desc,
     storage_from_items, storage_items, storage_shape_by_key, storage_sharding_by_key,
     storage_to_leaves, to_host, to_pinned)
@@ -261,7 +259,8 @@ def _load_named_params(plan, state, sd, buffers, strict, kind):
     if n in sd:
       leaf = plan.leaves[i]
       leaves[i] = place(sd[n], canonical_sharding(plan, leaf), shape=leaf.shape, dtype=leaf.dtype)
-  return offload.place_state_tree(plan.config, leaves_to_storage(plan, leaves, state.params))
+  return offload.place_state_tree(plan.memory_kind,
+                                  leaves_to_storage(plan, leaves, state.params))
 
 
 def check_local_metadata(plan: Plan, meta, what: str):
@@ -324,6 +323,6 @@ def _load_local_params(plan, state, sd, buffers, strict):
       items[k] = place(sd[k], shardings[k], shape=shape, dtype=current[k].dtype)
     else:
       items[k] = current[k]
-  return offload.place_state_tree(plan.config, storage_from_items(plan, items))
+  return offload.place_state_tree(plan.memory_kind, storage_from_items(plan, items))
 
 

@@ -10,10 +10,9 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
-from fsdp_jax._src import layout, offload
+from fsdp_jax._src import offload
 from fsdp_jax._src.config import StateDictType
 from fsdp_jax._src.plan import Plan
 from fsdp_jax._src.state import ShardedTrainState
@@ -266,7 +265,7 @@ def load_named_opt(state, osd, *, what: str, fetch: Optional[Callable] = None,
       entries.append(_place_scalar(plan, pvalues[name], tmpl))
     else:
       entries.append(_place_scalar(plan, scalars[name], tmpl))
-  return offload.place_state_tree(plan.config, lay.unflatten(entries))
+  return offload.place_state_tree(plan.memory_kind, lay.unflatten(entries))
 
 
 def _place_scalar(plan: Plan, v, tmpl):
@@ -311,7 +310,7 @@ def _load_local_opt(state, osd):
     else:
       key = paths[name] if kind == "pleaf" else name
       entries.append(_place_scalar(plan, osd["param_groups"][0][key], tmpl))
-  return offload.place_state_tree(plan.config, lay.unflatten(entries))
+  return offload.place_state_tree(plan.memory_kind, lay.unflatten(entries))
 
 
 def optim_state_dict_to_load(state: ShardedTrainState, optim_state_dict: dict, *,

@@ -1,0 +1,75 @@
+"""Names of pytree leaves: the dotted parameter names state dicts, wrap
+policies and messages use (``"layers.0.wq"``), and which containers of a
+tree are sequences (PyTorch's ``ModuleList``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+
+ROOT = "_"  # the dotted name of the empty path (a tree that is one leaf)
+
+
+def key_name(key) -> str:
+  """One key of a key path as it appears in a dotted name."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def path_name(path) -> str:
+  """A key path as a dotted name (``_`` for the empty path)."""
+  return ".".join(key_name(k) for k in path) or ROOT
+
+
+def leaf_paths(tree) -> list[tuple[str, ...]]:
+  """Dotted-name parts of every leaf (NNX's trailing ``.value`` dropped)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  out = []
+  for path, _ in flat:
+    parts = tuple(key_name(k) for k in path)
+    if len(parts) > 1 and parts[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
+      parts = parts[:-1]
+    out.append(parts)
+  return out
+
+
+def equinox():
+  """The equinox module if the process imported it, else None (an equinox
+  object exists only then; importing it for other models would cost time)."""
+  if "equinox" not in sys.modules:
+    return None
+  import equinox as eqx  # pylint: disable=import-outside-toplevel  (optional dependency)
+  return eqx
+
+
+def is_equinox_module(x) -> bool:
+  eqx = equinox()
+  return eqx is not None and isinstance(x, eqx.Module)
+
+
+def sequence_prefixes(tree) -> set:
+  """Paths of list/tuple containers (PyTorch's ModuleList)."""
+  out = set()
+
+  def walk(x, prefix):
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+      out.add(prefix)
+      for i, c in enumerate(x):
+        walk(c, prefix + (str(i),))
+    elif is_equinox_module(x):  # its fields are its children
+      for f in dataclasses.fields(x):
+        walk(getattr(x, f.name, None), prefix + (f.name,))
+    elif isinstance(x, dict) or hasattr(x, "items"):
+      try:
+        items = list(x.items())
+      except Exception:  # not a mapping after all
+        return
+      for k, c in items:
+        walk(c, prefix + (str(k),))
+
+  walk(tree, ())
+  return out

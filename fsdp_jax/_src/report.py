@@ -1,0 +1,151 @@
+"""What ``print(state.plan)`` shows, and the counts behind it: collectives
+per step, gathered bytes kept from forward to backward.
+
+Functions of a :class:`~fsdp_jax.Plan` (``Plan.__str__``,
+``Plan.collectives_per_step`` and ``Plan.bytes_kept_for_backward`` call
+them); the plan is read through its own methods, so this module imports
+nothing of the plan's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fsdp_jax._src import collectives
+from fsdp_jax._src.config import ShardingStrategy, gradient_divide_factors
+
+
+def collectives_per_step(plan) -> dict[str, int]:
+  """Collectives the strategy implies per step (upper bound for FULL_SHARD:
+  a unit whose parameters the backward does not need is not re-gathered).
+
+  A unit (per dtype) is gathered and reduced with one collective each;
+  with ``use_orig_params=True`` with one per leaf (see
+  :func:`fsdp_jax._src.collectives.gathers_per_leaf`), and all-reduced
+  once per unit over the replicate axes. A stacked unit's scan gathers
+  its first layer before each of its loops and the others inside it: two
+  gather instructions per pass (hpZ's stacked units: one; a scan unrolled
+  ``u`` times repeats the loop's instruction ``u`` times)."""
+  strategy = plan.config.sharding_strategy
+  out = {"all-gather": 0, "reduce-scatter": 0, "all-reduce": 0}
+  for u in plan.units:
+    for _, spec, gathers, reduces in plan.group_collectives(u):
+      if strategy is ShardingStrategy.NO_SHARD:
+        out["all-reduce"] += 1
+        continue
+      per_pass = 2 if u.stacked and not spec.secondary else 1
+      out["all-gather"] += per_pass * (
+          gathers + (1 if spec.secondary else gathers) * plan.reshard(u))
+      out["reduce-scatter"] += reduces
+      if plan.config.is_hybrid:
+        out["all-reduce"] += 1
+  return out
+
+
+def bytes_kept_for_backward(plan) -> int:
+  """Bytes of gathered parameters each device holds from the forward pass
+  to the backward pass (outside a scan over stacked layers, which keeps
+  one layer's worth per iteration).
+
+  Units that are not resharded (the root, every unit under
+  ``SHARD_GRAD_OP``) count whole, in the bytes their all-gather moves
+  (quantized when ``all_gather_quantization`` is set); with
+  ``reshard_after_forward=k`` a resharded unit counts ``1/k`` of that (its
+  secondary shard); with ``reshard_after_forward=True`` it counts 0.
+  ``NO_SHARD`` gathers nothing: 0.
+  """
+  if not plan.axes.shard_axes:
+    return 0
+  total = 0
+  for unit in plan.units:
+    layers = unit.num_layers if unit.stacked else 1
+    for _, spec in plan.gather_specs(unit):
+      dtype, length = collectives.payload_row(spec)
+      full = spec.n * length * np.dtype(dtype).itemsize * layers
+      if not spec.reshard:
+        total += full
+      elif spec.secondary:
+        total += full // spec.secondary
+  return total
+
+
+def _zeropp_lines(plan) -> list[str]:
+  cfg = plan.config
+  lines = []
+  k = cfg.reshard_after_forward
+  if not isinstance(k, bool):
+    lines.append(
+        f"  reshard after forward onto groups of {k}: each device keeps 1/{k} of every "
+        f"resharded unit for the backward all-gather, which runs within its group of {k}; "
+        f"gathered bytes kept forward->backward: {bytes_kept_for_backward(plan):,}/device")
+  if cfg.all_gather_quantization is not None:
+    lines.append(f"  all-gather quantization: {cfg.all_gather_quantization.describe()} "
+                 "(floating-point units; master shards exact)")
+  if cfg.reduce_scatter_quantization is not None:
+    hier = " (within 'shard', then across 'replicate')" if (
+        len(plan.axes.shard_axes) > 1 or plan.axes.replicate_axes) else ""
+    q = cfg.reduce_scatter_quantization
+    implied = ", stochastic rounding" if q.rounding is None and q.stochastic(gradient=True) else ""
+    lines.append(f"  gradient reduction: quantized all-to-all, "
+                 f"{q.describe()}{implied}, summed in float32{hier}")
+  for name in ("forward_prefetch_units", "backward_prefetch_units"):
+    for unit, targets in getattr(cfg, name):
+      lines.append(f"  {name}: {unit} -> {', '.join(targets)}")
+  return lines
+
+
+def describe(plan) -> str:
+  cfg = plan.config
+  mp = cfg.mixed_precision
+  lines = [
+      f"FSDP plan: {cfg.sharding_strategy.name}, "
+      f"{'original parameters' if plan.use_orig_params else 'flat parameters'}, "
+      f"mesh {dict(plan.mesh.shape)}, shard over {plan.axes.shard_axes or '()'} "
+      f"(N={plan.n}), data-parallel world {plan.axes.world_size}",
+  ]
+  if mp is not None:
+    lines.append(f"  mixed precision: param {mp.param_dtype}, reduce "
+                 f"{mp.effective_reduce_dtype}, buffers {mp.buffer_dtype}")
+  ignored = [l.name for l in plan.ignored_leaves]
+  if ignored:
+    lines.append(f"  ignored (a full copy per device, never gathered, gradients not "
+                 f"reduced): {', '.join(ignored)}")
+  frozen = sum(l.frozen for l in plan.leaves)
+  if frozen:
+    lines.append(f"  frozen parameters: {frozen} of {len(plan.leaves)} (no gradient, no optimizer state)")
+  header = f"  {'unit':<32} {'leaves':>6} {'numel':>12} {'padding':>8} {'bytes/device':>13}"
+  lines.append(header)
+  total_numel = total_bytes = 0
+  for u in plan.units:
+    numel = plan.unit_numel(u)
+    padded = plan.padded_numel(u)
+    itemsize = max(np.dtype(plan.leaves[i].dtype).itemsize for i in u.leaf_ids)
+    per_dev = padded // plan.n * itemsize
+    total_numel += numel
+    total_bytes += per_dev
+    tag = " [stacked x%d]" % u.num_layers if u.stacked else ""
+    if "mixed_precision" in u.override_dict:
+      mpu = u.override_dict["mixed_precision"]
+      tag += " [fp32]" if mpu is None else f" [{mpu.param_dtype}]"
+    lines.append(f"  {u.display_name + tag:<32} {len(u.leaf_ids):>6} {numel:>12,} "
+                 f"{padded - numel:>8,} {per_dev:>13,}")
+    for i in u.leaf_ids:
+      leaf = plan.leaves[i]
+      lines.append(f"      {leaf.name:<40} {str(leaf.shape):<18} {np.dtype(leaf.dtype).name}"
+                   + (" frozen" if leaf.frozen else ""))
+  lines.append(f"  {'total':<32} {len(plan.leaves):>6} {total_numel:>12,} "
+               f"{'':>8} {total_bytes:>13,}")
+  for name, layers in plan.stacked_hints:
+    lines.append(f"  looks stacked, gathered whole: {name} (every leaf has a leading axis "
+                 f"of {layers}); if a scan runs over it: "
+                 f"FSDPConfig(stacked_layers=({name!r},))")
+  coll = collectives_per_step(plan)
+  lines.append("  collectives per step: " + ", ".join(f"{v} {k}" for k, v in coll.items() if v))
+  lines.extend(_zeropp_lines(plan))
+  if plan.opt_layout is not None:
+    lines.append(f"  optimizer state: {plan.opt_layout.describe(plan)}")
+    if plan.opt_update is not None:
+      lines.append(f"  optimizer update: {plan.opt_update.describe()}")
+  pre, post = gradient_divide_factors(plan.axes.world_size)
+  lines.append(f"  gradient divide factors: pre {pre:g}, post {post:g}")
+  return "\n".join(lines)
