@@ -416,6 +416,7 @@ def test_directory_made_by_another_process_meanwhile_is_not_a_file(tmp_path, mon
   assert target.is_dir() and len(calls) >= 2
 
 
+@pytest.mark.slow  # the module's training run
 def test_loading_never_unpickles(run, tmp_path, monkeypatch):
   def refuse(*a, **k):
     raise AssertionError("checkpoint loading tried to unpickle")
@@ -464,6 +465,7 @@ def test_model_state_and_rng_round_trip(tmp_path):
   assert_trees_close(fsdp_jax.summon_full_params(restored), fsdp_jax.summon_full_params(base), rtol=0, atol=0)
 
 
+@pytest.mark.slow  # the module's training run
 def test_export_and_import_plain_tree(run, tmp_path):
   final = fsdp_jax.summon_full_params(run["final"])
   path = export_params(run["final"], tmp_path / "export")

@@ -77,6 +77,7 @@ def _probe(xla_flags: str) -> dict:
   return json.loads(lines[0][len("RESULT "):])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("xla_flags", [
     "",  # XLA's defaults: no simulate_cpu_devices()
     "--xla_disable_hlo_passes=dot_merger",  # the user's own list of disabled passes

@@ -113,6 +113,7 @@ def _ref(batches):
   return reference_run(mlp_loss, mlp_params(), batches, optax.adam(1e-2))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [4, 3])
 @pytest.mark.parametrize("name", ["module_wrap", "size_based_partial", "custom"])
 def test_init_and_step_with_separately_built_configs(n, name):

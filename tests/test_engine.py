@@ -160,6 +160,7 @@ def test_full_params_round_trip_exact():
                    full, params)
 
 
+@pytest.mark.slow
 def test_init_fn_matches_materialised_params():
   mesh = mesh_for(S.FULL_SHARD, 8)
   config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP_BLOCKS, use_orig_params=True)
@@ -323,9 +324,10 @@ def _no_shard_temp(n, *, use_orig_params, param_dtype):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("use_orig_params,param_dtype", [
-    (False, None), (False, jnp.bfloat16), (True, jnp.bfloat16)], ids=["flat", "flat-bf16", "orig-bf16"])
+    (False, None), pytest.param(False, jnp.bfloat16, marks=pytest.mark.slow),
+    (True, jnp.bfloat16)], ids=["flat", "flat-bf16", "orig-bf16"])
 def test_no_shard_does_not_keep_unpacked_parameters_until_backward(n, use_orig_params,
                                                                    param_dtype):
   """NO_SHARD's unpacking of a unit copies (slices of the flat parameter,

@@ -47,9 +47,12 @@ def _counted_init(model):
 
 
 @pytest.mark.parametrize("strategy,n,use_orig", [
-    (S.FULL_SHARD, 4, False), (S.FULL_SHARD, 3, True), (S.HYBRID_SHARD, 4, False),
-    (S.NO_SHARD, 2, False)], ids=["full-4", "full-3-orig", "hybrid-2x2", "no_shard-2"])
-@pytest.mark.parametrize("norm", [False, True], ids=["params", "with_batch_stats"])
+    (S.FULL_SHARD, 4, False), pytest.param(S.FULL_SHARD, 3, True, marks=pytest.mark.slow),
+    pytest.param(S.HYBRID_SHARD, 4, False, marks=pytest.mark.slow),
+    pytest.param(S.NO_SHARD, 2, False, marks=pytest.mark.slow)],
+    ids=["full-4", "full-3-orig", "hybrid-2x2", "no_shard-2"])
+@pytest.mark.parametrize("norm", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["params", "with_batch_stats"])
 def test_values_match_the_unsharded_init_and_init_fn_is_traced_once(strategy, n, use_orig,
                                                                      norm):
   model = Model(norm=norm)
@@ -135,6 +138,7 @@ class Varied(nn.Module):
     return x
 
 
+@pytest.mark.slow
 def test_blocks_that_differ_in_a_float_constant_or_a_shape_get_their_own_program():
   model = Varied()
   rng = jax.random.key(5)
@@ -175,6 +179,7 @@ def test_a_hand_written_init_with_fold_in_and_a_raw_key():
   assert not jnp.array_equal(full["block_0"]["w"], full["block_1"]["w"])
 
 
+@pytest.mark.slow
 def test_nnx_blocks_counted_keys_share_one_program():
   """NNX draws each parameter's key as ``fold_in(key, count)`` with a count
   it increments: the counts are worked out once, and the blocks share a

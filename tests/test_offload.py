@@ -281,6 +281,7 @@ def runs():
   return {True: _Run(True), False: _Run(False)}
 
 
+@pytest.mark.slow
 def test_state_dicts_round_trip(runs):
   T = fsdp_jax.StateDictType
   params, batches = mlp_params(), _batches(2)
@@ -330,6 +331,7 @@ def _abstract(mesh, config):
       params=mlp_params(), optimizer=OPT, mesh=mesh, config=config))
 
 
+@pytest.mark.slow
 def test_checkpoint_bitwise_resume(tmp_path, runs):
   run = runs[True]
   batches = _batches(4)
@@ -463,6 +465,7 @@ def test_each_gather_reads_its_own_device_copy_and_gradients_stay_on_device(stra
   assert reduced and not any(_on_host(o.aval) for e in reduced for o in e.outvars)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulation", ["sharded", "no_sync"])
 def test_accumulation_and_a_stacked_scan_match_the_step_without_offload(accumulation):
   """Gradient accumulation (both kinds) and a ``lax.scan`` over a stacked

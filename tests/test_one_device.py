@@ -51,8 +51,11 @@ def _bitwise(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
-@pytest.mark.parametrize("strategy", [S.FULL_SHARD, S.SHARD_GRAD_OP, S.NO_SHARD],
+@pytest.mark.parametrize("use_orig_params", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["flat", "orig"])
+@pytest.mark.parametrize("strategy", [S.FULL_SHARD,
+                                      pytest.param(S.SHARD_GRAD_OP, marks=pytest.mark.slow),
+                                      pytest.param(S.NO_SHARD, marks=pytest.mark.slow)],
                          ids=lambda s: s.name)
 def test_strategies_match_unsharded_training(strategy, use_orig_params):
   opt = optax.adam(1e-2)
@@ -117,7 +120,8 @@ def test_bf16_mixed_precision_matches_the_cast_reference():
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_final, rtol=2e-2, atol=2e-3)
 
 
-@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+@pytest.mark.parametrize("use_orig_params", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["flat", "orig"])
 def test_cpu_offload_keeps_state_on_host_and_trains_like_on_device(use_orig_params):
   opt = optax.adam(1e-2)
   runs = {}

@@ -316,7 +316,8 @@ class _Recorder:
     return optax.GradientTransformation(init, update)
 
 
-@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+@pytest.mark.parametrize("use_orig_params", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["flat", "orig"])
 def test_optimizer_sees_the_users_tree(use_orig_params):
   params = _params()
   params["mid"]["w"] = params["mid"]["w"].astype(jnp.bfloat16)
@@ -488,7 +489,8 @@ def test_factored_state_reshards_through_state_dicts(use_orig_params):
                loaded, target.opt_state)
 
 
-@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+@pytest.mark.parametrize("use_orig_params", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["flat", "orig"])
 def test_factored_state_checkpoint_restores_on_other_mesh(use_orig_params, tmp_path):
   opt, state = _adafactor_state(use_orig_params)
   with fsdp_jax.CheckpointManager(tmp_path) as manager:

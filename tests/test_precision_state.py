@@ -179,6 +179,7 @@ def test_batch_norm_state_replicated_and_matches_per_device_reference():
     assert leaf.addressable_shards[0].data.shape == leaf.shape
 
 
+@pytest.mark.slow
 def test_batch_norm_units_stay_in_full_precision_when_auto_wrapping():
   model = BNNet()
   x = jnp.ones((2, 5))
@@ -506,6 +507,7 @@ def test_cast_forward_inputs_for_an_inner_linen_unit():
   assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_orig", [False, True], ids=["flat", "orig_params"])
 def test_16bit_gradients_are_packed_as_bits(use_orig):
   """A flat unit's 16-bit gradient is written into its reduce buffer as
@@ -569,10 +571,10 @@ def _hook_runs(monkeypatch, *, in_backward, strategy, n, r, orig, offload=False,
 
 @pytest.mark.parametrize("strategy,n,r,orig,offload,ignored", [
     (S.FULL_SHARD, 4, None, False, False, False),
-    (S.FULL_SHARD, 3, None, True, False, True),
-    (S.SHARD_GRAD_OP, 3, None, False, False, True),
-    (S.HYBRID_SHARD, 2, 2, True, False, False),
-    (S.FULL_SHARD, 3, None, False, True, False)],
+    pytest.param(S.FULL_SHARD, 3, None, True, False, True, marks=pytest.mark.slow),
+    pytest.param(S.SHARD_GRAD_OP, 3, None, False, False, True, marks=pytest.mark.slow),
+    pytest.param(S.HYBRID_SHARD, 2, 2, True, False, False, marks=pytest.mark.slow),
+    pytest.param(S.FULL_SHARD, 3, None, False, True, False, marks=pytest.mark.slow)],
     ids=["full-4-flat", "full-3-orig-ignored", "grad_op-3-ignored", "hybrid-2x2-orig",
          "full-3-offload"])
 def test_stateful_hook_in_the_backward_pass_matches_the_hook_after_it(monkeypatch, strategy, n,

@@ -131,6 +131,7 @@ def test_limit_all_gathers_keeps_at_most_two_units_gathered(bp, fp):
   assert set().union(*live) == set(FORWARD)
 
 
+@pytest.mark.slow
 def test_without_the_rate_limiter_gathers_run_ahead():
   """No rate limiter and forward prefetch: each gather waits only for the one
   before it, and the compiled program gathers every unit before the first

@@ -89,7 +89,12 @@ def config_for(case, **kw):
                              backward_prefetch=bp, **kw)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# One case in the fast subset (-m "not slow"); the others run in the full suite.
+_FAST = ("SHARD_GRAD_OP-2dev-flat-reverse",)
+
+
+@pytest.mark.parametrize("case", [c if c in _FAST else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in CASES])
 def test_scan_matches_single_device(case):
   strategy, shard, replicate, _, _, _, reverse, unroll = CASES[case]
   loss = make_loss(reverse, unroll)
@@ -101,6 +106,7 @@ def test_scan_matches_single_device(case):
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulation", ["no_sync", "sharded"])
 def test_scan_under_gradient_accumulation(accumulation):
   """no_sync differentiates the full parameters (the loops' probes); the
@@ -254,7 +260,7 @@ def _compiled_text(forward_prefetch, backward_prefetch):
   return step.lower(state, batches(1)[0]).compile().as_text()
 
 
-@pytest.mark.parametrize("forward_prefetch", [True, False])
+@pytest.mark.parametrize("forward_prefetch", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_forward_prefetch_places_the_next_gather(forward_prefetch):
   graphs = _loop_graphs(_compiled_text(forward_prefetch, BP.BACKWARD_PRE))
   forward = [g for g in graphs if not any(k == "scatter" for k, _ in g.values())]
@@ -285,6 +291,7 @@ def test_backward_prefetch_places_the_next_gather(backward_prefetch):
     assert "scatter" in _before(graph, gather)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("unroll, layers", [(1, L), (2, 4)])
 def test_benchmark_counts_each_gather_once(unroll, layers):
   """The loops' next-layer gather is a conditional that skips the last

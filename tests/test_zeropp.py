@@ -83,6 +83,7 @@ def test_reshard_after_forward_k_equals_full_shard_bitwise(case, orig):
                params, ref_params)
 
 
+@pytest.mark.slow
 def test_reshard_after_forward_k_with_bf16_accumulation_and_clipping():
   """bf16 gathers (uint16 secondary slices), no_sync accumulation (the
   probed backward) and clipping: still bitwise FULL_SHARD."""
@@ -551,6 +552,7 @@ def _backward(text):
   return order[start:]
 
 
+@pytest.mark.slow
 def test_backward_prefetch_units_gather_before_the_units_reduce_scatter():
   explicit = (("blocks.3", ("blocks.2", "blocks.1")),)
   for bp in (fsdp_jax.BackwardPrefetch.BACKWARD_PRE, None):
