@@ -61,7 +61,8 @@ TITLES = {
 }
 # The custom-step building blocks, then the public sub-modules, in this order.
 CUSTOM_MODULE = "fsdp_jax.custom"
-SUBMODULES = ["fsdp_jax.hooks", "fsdp_jax.hlo", "fsdp_jax.distributed", "fsdp_jax.launch"]
+SUBMODULES = ["fsdp_jax.hooks", "fsdp_jax.hlo", "fsdp_jax.pretrained", "fsdp_jax.distributed",
+              "fsdp_jax.launch"]
 
 _SECTION = re.compile(
     r"^(Args|Arguments|Attributes|Returns|Yields|Raises|Example|Examples|Note|Notes)"

@@ -27,7 +27,7 @@ from fsdp_jax._src import deprecations
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLIC_MODULES = ("fsdp_jax", "fsdp_jax.custom", "fsdp_jax.hooks", "fsdp_jax.hlo",
-                  "fsdp_jax.distributed", "fsdp_jax.launch")
+                  "fsdp_jax.pretrained", "fsdp_jax.distributed", "fsdp_jax.launch")
 
 # Public callables whose docstring has no runnable example: this list may only
 # shrink. Add an example (tiny meshes, tiny params) rather than a name here.

@@ -60,24 +60,30 @@ def unit_storage(plan: Plan, unit: UnitSpec, storage) -> list:
 
 def unpack_storage_full(plan: Plan, unit: UnitSpec, arrays: list) -> dict:
   """Stored (global) arrays of a unit -> its full leaves, without collectives
-  (used outside the step, where arrays are global)."""
+  (used outside the step, where arrays are global). On numpy arrays (a
+  host copy) the leaves are views."""
   prefix = plan.prefix(unit)
   p = len(prefix)
   out = {}
   if plan.use_orig_params:
     for i, x in zip(unit.leaf_ids, arrays):
       leaf = plan.leaves[i]
-      x = lax.slice_in_dim(x, 0, leaf.dim0, axis=p)
-      out[i] = x.reshape(leaf.shape)
+      out[i] = _slice_in_dim(x, 0, leaf.dim0, p).reshape(leaf.shape)
     return out
   (flat,) = arrays
   off = 0
   for i in unit.leaf_ids:
     leaf = plan.leaves[i]
     size = leaf.layer_numel
-    out[i] = lax.slice_in_dim(flat, off, off + size, axis=p).reshape(leaf.shape)
+    out[i] = _slice_in_dim(flat, off, off + size, p).reshape(leaf.shape)
     off += size
   return out
+
+
+def _slice_in_dim(x, start: int, stop: int, axis: int):
+  if isinstance(x, np.ndarray):
+    return x[(slice(None),) * axis + (slice(start, stop),)]
+  return lax.slice_in_dim(x, start, stop, axis=axis)
 
 
 def group_locals(plan: Plan, group, local_arrays: dict) -> list:

@@ -294,7 +294,8 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
                      rng: Any = None,
                      module_classes: Optional[dict] = None,
                      model_state: Any = None,
-                     requires_grad: Any = None) -> ShardedTrainState:
+                     requires_grad: Any = None,
+                     pretrained: Any = None) -> ShardedTrainState:
   """Builds the sharded train state (PyTorch: wrapping a module in FSDP).
 
   Pass either materialised ``params`` (a pytree of arrays) or ``init_fn``
@@ -337,6 +338,14 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
       it); ``False`` marks frozen leaves (PyTorch ``requires_grad=False``):
       no gradient reduction, no optimizer state, never updated. With
       ``use_orig_params=False`` a unit must be all frozen or all trainable.
+    pretrained: a checkpoint to start from
+      (:func:`fsdp_jax.pretrained.load`): with ``init_fn``, which gives the
+      tree, shapes and dtypes (traced abstractly: a loaded leaf is never
+      computed), the values come from the checkpoint, each device's shard
+      read from the file as a slice and converted to the leaf's dtype.
+      Leaves the checkpoint does not cover (``load(..., strict=False)``)
+      keep ``init_fn``'s values. The optimizer state is initialised from
+      the loaded parameters.
 
   With ``config.cpu_offload=CPUOffload(offload_params=True)`` the stored
   params and the optimizer state are written straight into ``pinned_host``
@@ -370,6 +379,12 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
   """
   if (params is None) == (init_fn is None):
     raise ValueError("init_train_state: pass exactly one of params= or init_fn=.")
+  if pretrained is not None and init_fn is None:
+    raise ValueError(
+        "init_train_state(pretrained=...) takes the parameters' tree, shapes and dtypes from "
+        "init_fn= and their values from the checkpoint. Fix: pass init_fn=lambda rng: "
+        "model.init(rng, example_input) instead of params= (it is traced, not run, for the "
+        "leaves the checkpoint loads).")
   optimizer = optim.as_transformation(optimizer)
   if offload.offloads(config):
     offload.check_backend(mesh)
@@ -423,7 +438,10 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
     params = _off_other_devices(params, mesh)
   storage_leaves: dict = {}
   shardings = plan.storage_shardings()
-  if init_fn is not None:
+  if pretrained is not None:
+    storage_leaves, loaded_ignored = _load_pretrained(plan, pretrained, init_fn, init_args,
+                                                      traced)
+  elif init_fn is not None:
     storage_leaves = unit_init.init_program(plan, init_fn, init_args, traced=traced)(
         *jax.tree_util.tree_leaves(init_args))
   else:
@@ -443,6 +461,8 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
       flat = jax.tree_util.tree_leaves(params)
       ignored = jax.jit(lambda xs: pack_ignored(plan, xs), out_shardings=ign_sh)(
           {l.index: flat[l.index] for l in plan.ignored_leaves})
+  if pretrained is not None:
+    ignored.update(loaded_ignored)
   storage = assemble_storage(plan, storage_leaves, ignored)
   init_closed, init_shapes = optim.trace_init(plan, optimizer)  # one trace, used twice
   plan = with_optimizer(plan, optimizer, init_shapes=init_shapes)
@@ -465,6 +485,32 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
                            model_state=model_state,
                            comm_hook_state=_init_hook_state(plan), nonfinite_steps=skipped,
                            rng=None if rng is None else owned(rng), plan=plan)
+
+
+def _load_pretrained(plan: Plan, source, init_fn, init_args, traced):
+  """``({unit index: stored arrays}, {ignored leaf id: arrays})`` read from
+  the checkpoint ``source``; the units it does not cover whole get
+  ``init_fn``'s values where it does not."""
+  sources = source.resolve(plan)
+  partial = {u.index for u in plan.units if any(i not in sources for i in u.leaf_ids)}
+  init = {}
+  if partial:
+    init = unit_init.init_program(plan, init_fn, init_args, traced=traced)(
+        *jax.tree_util.tree_leaves(init_args), units=partial)
+  out = {}
+  # The units with the largest leaves first: a leaf's rows are held on the
+  # host while its unit is read, best while little else is loaded.
+  order = sorted(plan.units, key=lambda u: -max(
+      [plan.leaves[i].numel * np.dtype(plan.leaves[i].dtype).itemsize for i in u.leaf_ids],
+      default=0))
+  for unit in order:
+    if not any(i in sources for i in unit.leaf_ids):
+      out[unit.index] = init[unit.index]
+      continue
+    loaded = source.unit_arrays(plan, unit, sources)
+    out[unit.index] = (source.with_init(plan, unit, sources, loaded, init[unit.index])
+                       if unit.index in partial else loaded)
+  return out, source.ignored_arrays(plan, sources)
 
 
 def _dtype(x):

@@ -241,10 +241,13 @@ class InitProgram:
     for unit, key, hoisted in self._calls:
       yield unit, self._programs[key], token, hoisted
 
-  def __call__(self, *args) -> dict:
+  def __call__(self, *args, units=None) -> dict:
+    """``units``: the indices of the units to make (default: all)."""
     out = {}
     token = None
     for unit, program, first, hoisted in self._runs():
+      if units is not None and unit.index not in units:
+        continue
       packed, token = program(first if token is None else token, hoisted, list(args))
       out[unit.index] = (dict(zip(unit.leaf_ids, packed)) if self.plan.use_orig_params
                          else {"flat": packed[0]})

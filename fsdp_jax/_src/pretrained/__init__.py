@@ -1,0 +1,17 @@
+"""Pretrained weights in and out: Hugging Face safetensors and PyTorch state
+dicts loaded straight into shards (:func:`load`, then
+``init_train_state(pretrained=...)``), and parameters saved back in Hugging
+Face's layout (:func:`save`), through a :class:`WeightMap` of names and
+invertible transforms. Modules: ``weight_map`` (rules and transforms),
+``files`` (reading and writing the formats), ``loading``, ``saving``."""
+
+from fsdp_jax._src.pretrained.loading import PretrainedSource as PretrainedSource
+from fsdp_jax._src.pretrained.loading import load as load
+from fsdp_jax._src.pretrained.saving import save as save
+from fsdp_jax._src.pretrained.weight_map import (
+    Transform as Transform,
+    WeightMap as WeightMap,
+    reshape as reshape,
+    rope_interleave as rope_interleave,
+    transpose as transpose,
+)

@@ -1,0 +1,514 @@
+"""Loading a checkpoint straight into shards: :func:`load` returns a
+:class:`PretrainedSource`, which ``init_train_state(pretrained=...)``
+resolves against the plan (every checkpoint tensor to a parameter, shapes
+and dtypes checked) and reads shard by shard: each device's stored array is
+filled from the rows of each leaf it holds, read from the file as slices,
+and moved to the device before the next is read. A process reads only what
+its own devices hold."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fsdp_jax._src.plan import Plan, UnitSpec
+from fsdp_jax._src.pretrained import files
+from fsdp_jax._src.pretrained.weight_map import Chain, WeightMap
+
+MAX_LISTED = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSource:
+  """Where one parameter's values come from: checkpoint ``tensors`` (one per
+  layer when the rule stacks them, else one) through ``chain``."""
+
+  leaf: int
+  tensors: tuple
+  stacked: bool  # one tensor per index of the leaf's axis 0
+  chain: Chain
+  checkpoint_shape: tuple  # of each tensor
+
+
+class PretrainedSource:
+  """A checkpoint and the :class:`~fsdp_jax.pretrained.WeightMap` that maps
+  it onto a model: what :func:`fsdp_jax.pretrained.load` returns and
+  ``init_train_state(pretrained=...)`` reads. Only headers have been read.
+
+  Attributes:
+    path: the checkpoint.
+    weight_map: the map.
+    strict: whether every checkpoint tensor and every parameter must be
+      covered by a rule.
+    tensors: ``{name: (dtype, shape)}`` of the checkpoint's tensors.
+
+  >>> import os, tempfile
+  >>> import numpy as np
+  >>> from safetensors.numpy import save_file
+  >>> from fsdp_jax import pretrained
+  >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+  >>> save_file({"fc.weight": np.zeros((4, 3), np.float32)}, path)
+  >>> source = pretrained.load(
+  ...     path, pretrained.WeightMap([("fc.weight", "kernel", pretrained.transpose())]))
+  >>> source.tensors
+  {'fc.weight': (dtype('float32'), (4, 3))}
+  >>> source.bytes_read  # headers only, so far
+  0
+  """
+
+  def __init__(self, path: str, weight_map: WeightMap, *, strict: bool = True):
+    if not isinstance(weight_map, WeightMap):
+      raise TypeError(f"weight_map must be a fsdp_jax.pretrained.WeightMap, got "
+                      f"{type(weight_map).__name__}.")
+    self.path = path
+    self.weight_map = weight_map
+    self.strict = bool(strict)
+    self.reader = files.open_checkpoint(path)
+    self.tensors = {n: (i.dtype, i.shape) for n, i in self.reader.tensors.items()}
+    self._cache: collections.OrderedDict = collections.OrderedDict()
+
+  def __repr__(self):
+    return (f"PretrainedSource({self.path!r}, {len(self.tensors)} tensors, "
+            f"{self.weight_map!r}, strict={self.strict})")
+
+  @property
+  def bytes_read(self) -> int:
+    """Tensor bytes this process has read from the checkpoint so far."""
+    return self.reader.bytes_read
+
+  @property
+  def page_bytes_read(self) -> int:
+    """Bytes of the file pages those tensor bytes lie in (what storage
+    moves): larger where a process reads columns of rows shorter than a
+    few pages. Counted for safetensors files (0 for a PyTorch state
+    dict)."""
+    return self.reader.page_bytes_read
+
+  # ---- resolution ----------------------------------------------------------
+  def resolve(self, plan: Plan) -> dict:
+    """``{leaf id: LeafSource}``, checked: raises one ``ValueError`` naming
+    every problem (an uncovered tensor or parameter under ``strict``, a
+    parameter the model lacks, a shape or dtype that does not fit)."""
+    names = {l.name: l.index for l in plan.leaves}
+    if names and all(n.startswith("params.") for n in names):
+      # Flax linen's collection prefix may be left out of a pattern.
+      names.update({n[len("params."):]: i for n, i in list(names.items())})
+    problems: list[str] = []
+    uncovered: list[str] = []
+    groups: dict = {}  # leaf id -> {layer or None: (tensor, rule)}
+    for tensor in sorted(self.reader.tensors):
+      found = self.weight_map.checkpoint_rule(tensor)
+      if found is None:
+        uncovered.append(tensor)
+        continue
+      rule, values = found
+      if rule.param is None:
+        continue  # dropped on purpose
+      param = rule.param_name(values)
+      if param not in names:
+        problems.append(
+            f"rule {rule.describe()} maps tensor {tensor!r} to parameter {param!r}, which "
+            "the model does not have")
+        continue
+      stack = rule.stack_axis_name
+      layer = values[stack] if stack is not None else None
+      slot = groups.setdefault(names[param], {})
+      if layer in slot:
+        problems.append(f"tensors {slot[layer][0]!r} and {tensor!r} both map to parameter "
+                        f"{param!r}" + (f" layer {layer}" if layer is not None else ""))
+        continue
+      slot[layer] = (tensor, rule)
+    out = {}
+    for i, slot in sorted(groups.items()):
+      leaf = plan.leaves[i]
+      rules = {id(r) for _, r in slot.values()}
+      if len(rules) > 1:
+        problems.append(f"parameter {leaf.name!r} is mapped by several rules")
+        continue
+      tensor, rule = next(iter(slot.values()))
+      stacked = None not in slot
+      if stacked:
+        layers = sorted(slot)
+        if layers != list(range(leaf.shape[0] if leaf.shape else 0)):
+          problems.append(
+              f"parameter {leaf.name!r} {leaf.shape} stacks {len(layers)} tensors of rule "
+              f"{rule.describe()} (indices {layers[:6]}{' ...' if len(layers) > 6 else ''}), "
+              f"but its axis 0 has {leaf.shape[0] if leaf.shape else 0} entries")
+          continue
+        tensors = tuple(slot[k][0] for k in layers)
+        want = tuple(leaf.shape[1:])
+      else:
+        tensors = (tensor,)
+        want = tuple(leaf.shape)
+      infos = [self.reader.tensors[t] for t in tensors]
+      shapes = {info.shape for info in infos}
+      if len(shapes) > 1:
+        problems.append(f"parameter {leaf.name!r}: its tensors have different shapes "
+                        f"{sorted(shapes)}")
+        continue
+      ckpt_shape = infos[0].shape
+      try:
+        got = rule.chain.model_shape(ckpt_shape)
+      except (ValueError, TypeError) as e:
+        problems.append(f"tensor {tensors[0]!r} {list(ckpt_shape)} -> parameter "
+                        f"{leaf.name!r}: {rule.chain} fails: {e}")
+        continue
+      if tuple(got) != want:
+        problems.append(
+            f"shape mismatch: tensor {tensors[0]!r}{' (and its layers)' if stacked else ''} "
+            f"has shape {list(ckpt_shape)}, which after {rule.chain} is {list(got)}, but "
+            f"parameter {leaf.name!r} has shape {list(leaf.shape)}"
+            + (f" ({leaf.shape[0]} stacked layers of {list(want)})" if stacked else ""))
+        continue
+      src_dtype = infos[0].dtype
+      if not np.can_cast(src_dtype, np.dtype(leaf.dtype), casting="same_kind"):
+        problems.append(f"tensor {tensors[0]!r} is {src_dtype}, which does not convert to "
+                        f"parameter {leaf.name!r}'s {np.dtype(leaf.dtype)}")
+        continue
+      out[i] = LeafSource(i, tensors, stacked, rule.chain, ckpt_shape)
+    if self.strict:
+      if uncovered:
+        problems.append(
+            f"{len(uncovered)} checkpoint tensor(s) no rule covers: "
+            f"{_listing(uncovered)} (add rules, a (pattern, None) rule to drop them, or "
+            "load(..., strict=False))")
+      missing = [l.name for l in plan.leaves if l.index not in out]
+      if missing:
+        problems.append(
+            f"{len(missing)} parameter(s) no checkpoint tensor loads: {_listing(missing)} "
+            "(add rules, or load(..., strict=False) to keep init_fn's values for them)")
+    if problems:
+      raise ValueError(
+          f"Loading {self.path} with {self.weight_map!r}:\n  - " + "\n  - ".join(problems)
+          + "\nFix the WeightMap rules (print(state.plan) lists the parameter names).")
+    return out
+
+  # ---- what init_train_state calls -------------------------------------------
+  def unit_arrays(self, plan: Plan, unit: UnitSpec, sources: dict) -> dict:
+    """See :func:`unit_arrays`."""
+    return unit_arrays(plan, unit, self, sources)
+
+  def with_init(self, plan: Plan, unit: UnitSpec, sources: dict, loaded: dict,
+                init: dict) -> dict:
+    """The unit's stored arrays: the checkpoint's values where it covers the
+    unit's leaves, ``init`` (``init_fn``'s, laid out the same) elsewhere."""
+    return merge(loaded, init, covered_mask(plan, unit, sources))
+
+  def ignored_arrays(self, plan: Plan, sources: dict) -> dict:
+    """See :func:`ignored_arrays`."""
+    return ignored_arrays(plan, self, sources)
+
+  # ---- reading ---------------------------------------------------------------
+  def _whole(self, name: str, chain: Chain, shape: tuple) -> np.ndarray:
+    """A tensor in the model's layout, read whole (one cached)."""
+    key = (name, id(chain))
+    if key not in self._cache:
+      self._cache.clear()
+      self._cache[key] = chain.to_model(self.reader.read(name))
+    return self._cache[key]
+
+  def _tensor_part(self, name: str, chain: Chain, ckpt_shape: tuple, index: tuple):
+    """``chain(tensor)[index]``, reading only the slice along the checkpoint
+    axis the model's axis 0 comes from where the chain allows it."""
+    index = tuple(index)
+    axis = chain.rows_axis(ckpt_shape)
+    if axis is None or not index:
+      return self._whole(name, chain, ckpt_shape)[index]
+    rows = index[0]
+    pick = [slice(None)] * len(ckpt_shape)
+    pick[axis] = rows
+    part = chain.to_model(self.reader.read(name, tuple(pick)))
+    return part[(slice(None),) + index[1:]]
+
+  def read_leaf(self, src: LeafSource, index: tuple, dtype=None) -> np.ndarray:
+    """``leaf[index]`` (a tuple of unit-step slices over the leaf's shape),
+    in ``dtype`` (by default the checkpoint's, and possibly a read-only view
+    of the file or a transposed view: copy it before keeping it)."""
+    index = tuple(index)
+    if src.stacked:
+      a, b, _ = (index[0] if index else slice(None)).indices(len(src.tensors))
+      parts = [self._tensor_part(src.tensors[k], src.chain, src.checkpoint_shape, index[1:])
+               for k in range(a, b)]
+      shape = (b - a,) + (parts[0].shape if parts else ())
+      out = np.stack(parts) if parts else np.zeros(shape, dtype)
+    else:
+      out = self._tensor_part(src.tensors[0], src.chain, src.checkpoint_shape, index)
+    out = np.asarray(out)
+    return out if dtype is None else out.astype(dtype, copy=False)
+
+
+def _listing(names) -> str:
+  shown = ", ".join(repr(n) for n in names[:MAX_LISTED])
+  return shown + (f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else "")
+
+
+# --------------------------------------------------------------------------
+# Stored arrays, device by device
+
+
+def _rows(plan: Plan, unit: UnitSpec, leaf_id: int, rows) -> tuple:
+  """A leaf index: every layer of a stacked unit, ``rows`` along the leaf's
+  first per-layer axis, the rest whole."""
+  leaf = plan.leaves[leaf_id]
+  layers = (slice(None),) if unit.stacked else ()
+  if not leaf.layer_shape:  # a scalar: one row
+    return layers
+  return layers + (rows,) + (slice(None),) * len(leaf.rest)
+
+
+def _local(sharding, shape) -> list:
+  """``[(device, [(start, stop) of each axis], local shape)]`` of this
+  process's devices."""
+  out = []
+  for device, index in sharding.addressable_devices_indices_map(tuple(shape)).items():
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    ranges = [s.indices(n)[:2] for s, n in zip(index, shape)]
+    out.append((device, ranges, tuple(b - a for a, b in ranges)))
+  return out
+
+
+def _groups(sharding, shape) -> list:
+  """``[(ranges, [local device positions])]``: this process's distinct
+  shards in order (replicas of a HYBRID mesh share one)."""
+  groups: dict = {}
+  for k, (_, ranges, _) in enumerate(_local(sharding, shape)):
+    groups.setdefault(tuple(map(tuple, ranges)), []).append(k)
+  return sorted(groups.items())
+
+
+def _build(shape, sharding, fill) -> jax.Array:
+  """A global array whose shards on this process's devices are
+  ``fill(ranges, local shape)`` (a numpy array), built one distinct shard at
+  a time: each is filled, put on every device that holds it, and dropped,
+  so the host holds one shard beyond what is already on the devices."""
+  local = _local(sharding, shape)
+  arrays = [None] * len(local)
+  moving = []  # the last shard's transfers, which run while the next is filled
+  for ranges, ks in _groups(sharding, shape):
+    part = fill(ranges, local[ks[0]][2])
+    jax.block_until_ready(moving)
+    moving = [jax.device_put(part, jax.sharding.SingleDeviceSharding(
+        local[k][0], memory_kind=sharding.memory_kind)) for k in ks]
+    for k, x in zip(ks, moving):
+      arrays[k] = x
+    del part
+  jax.block_until_ready(moving)
+  return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+
+
+class _LeafRows:
+  """Rows of one leaf at a time: the rows any of this process's shards
+  needs (``hulls[leaf id]``) are read once, and each shard slices its own."""
+
+  def __init__(self, plan: Plan, unit: UnitSpec, source: PretrainedSource, sources: dict,
+               hulls: dict):
+    self.plan, self.unit, self.source, self.sources = plan, unit, source, sources
+    self.hulls = hulls
+    self.leaf, self.block = None, None
+
+  def __call__(self, i: int, r0: int, r1: int) -> np.ndarray:
+    """Rows ``r0:r1`` of leaf ``i`` (of every layer of a stacked unit; a
+    scalar has one row), in the checkpoint's dtype, possibly a view."""
+    leaf = self.plan.leaves[i]
+    h0, h1 = self.hulls[i]
+    q = 1 if self.unit.stacked else 0
+    if self.leaf != i:
+      self.leaf, self.block = None, None  # drop the last leaf before reading
+      block = self.source.read_leaf(self.sources[i],
+                                    _rows(self.plan, self.unit, i, slice(h0, h1)))
+      if not leaf.layer_shape:
+        block = block.reshape(block.shape[:q] + (1,))
+      self.leaf, self.block = i, block
+    return self.block[(slice(None),) * q + (slice(r0 - h0, r1 - h0),)]
+
+
+def _put(part: np.ndarray, a: int, s: int, lo: int, hi: int, row: int, rows, r0: int,
+         r1: int) -> None:
+  """``part[..., lo - a:hi - a]`` = elements ``lo - s:hi - s`` (of each
+  layer) of a leaf whose rows ``r0:r1`` are ``rows`` (leading layer axis
+  when ``part`` has one): whole rows in one copy, the partial rows at
+  either end one by one."""
+  prefix = part.shape[:-1]
+  q = len(prefix)
+  f0, f1 = -(-(lo - s) // row), (hi - s) // row  # the whole rows
+  if f1 > f0:
+    dst = part[..., s + f0 * row - a:s + f1 * row - a]
+    files.copy_into(dst.reshape(prefix + (f1 - f0,) + rows.shape[q + 1:]),
+          rows[(slice(None),) * q + (slice(f0 - r0, f1 - r0),)])
+  for r in sorted({r0, r1 - 1} - set(range(f0, f1))):
+    e0, e1 = max(lo - s, r * row), min(hi - s, (r + 1) * row)
+    if e1 > e0:
+      one = np.reshape(rows[(slice(None),) * q + (r - r0,)], prefix + (-1,))
+      files.copy_into(part[..., s + e0 - a:s + e1 - a], one[..., e0 - r * row:e1 - r * row])
+
+
+def _hull(hulls: dict, i: int, r0: int, r1: int) -> None:
+  h = hulls.get(i)
+  hulls[i] = (r0, r1) if h is None else (min(h[0], r0), max(h[1], r1))
+
+
+def unit_arrays(plan: Plan, unit: UnitSpec, source: PretrainedSource, sources: dict) -> dict:
+  """The unit's stored arrays (``{leaf id or "flat": jax.Array}``, as
+  ``layout.pack_unit`` lays them out), this process's shards read from the
+  checkpoint; leaves without a source are zeros there (the caller merges
+  ``init_fn``'s values in).
+
+  Shard by shard: each of this process's shards takes the rows of each
+  leaf it holds, is moved to its devices and dropped. A leaf's rows that any
+  of the process's shards needs are read once (a slice of the file) and
+  kept until the next leaf, so the host holds one shard and one leaf's rows
+  beyond what is on the devices, and the process reads its own devices'
+  rows."""
+  sharding = plan.sharding(plan.spec_for(unit))
+  p = len(plan.prefix(unit))  # the sharded axis: after a stacked unit's layer axis
+  if plan.use_orig_params:
+    out = {}
+    for i in unit.leaf_ids:
+      leaf, src = plan.leaves[i], sources.get(i)
+      shape = plan.storage_shape_of_leaf(leaf)
+      spans = {}
+      for ranges, _ in _groups(sharding, shape):
+        a, b = ranges[p][0], min(ranges[p][1], leaf.dim0)
+        if src is not None and b > a:
+          _hull(spans, i, a, b)
+      rows = _LeafRows(plan, unit, source, sources, spans)
+
+      def fill(ranges, lshape, leaf=leaf, i=i, rows=rows):
+        part = np.zeros(lshape, np.dtype(leaf.dtype))
+        a, b = ranges[p][0], min(ranges[p][1], leaf.dim0)
+        if i in rows.hulls and b > a:
+          files.copy_into(part[(slice(None),) * p + (slice(0, b - a),)],
+                rows(i, a, b).reshape(lshape[:p] + (b - a,) + lshape[p + 1:]))
+        return part
+
+      out[i] = _build(shape, sharding, fill)
+    return out
+
+  shape = plan.storage_shape_of_unit(unit)
+  dtype = np.dtype(plan.unit_dtype(unit))
+  spans = []  # (leaf id, first flat element, elements per layer, elements per row)
+  start = 0
+  for i in unit.leaf_ids:
+    leaf = plan.leaves[i]
+    spans.append((i, start, leaf.layer_numel, max(1, leaf.row_numel)))
+    start += leaf.layer_numel
+
+  def pieces(ranges):
+    """``(leaf id, lo, hi, r0, r1)``: the shard's elements ``lo:hi`` of the
+    unit's flat axis are rows ``r0:r1`` of the leaf (trimmed)."""
+    a, b = ranges[p]
+    for i, s, n, row in spans:
+      lo, hi = max(a, s), min(b, s + n)
+      if i in sources and hi > lo:
+        yield i, s, lo, hi, (lo - s) // row, -(-(hi - s) // row), row
+
+  hulls: dict = {}
+  for ranges, _ in _groups(sharding, shape):
+    for i, _, _, _, r0, r1, _ in pieces(ranges):
+      _hull(hulls, i, r0, r1)
+  rows = _LeafRows(plan, unit, source, sources, hulls)
+
+  def fill(ranges, lshape):
+    part = np.empty(lshape, dtype)
+    a, b = ranges[p]
+    done = a  # elements before it are written; the gaps (no source, padding) are zeros
+    for i, s, lo, hi, r0, r1, row in pieces(ranges):
+      part[..., done - a:lo - a] = 0
+      _put(part, a, s, lo, hi, row, rows(i, r0, r1), r0, r1)
+      done = hi
+    part[..., done - a:] = 0
+    return part
+
+  return {"flat": _build(shape, sharding, fill)}
+
+
+def covered_mask(plan: Plan, unit: UnitSpec, sources: dict) -> dict:
+  """Like :func:`unit_arrays`, booleans: where the checkpoint covers."""
+  sharding = plan.sharding(plan.spec_for(unit))
+  if plan.use_orig_params:
+    out = {}
+    for i in unit.leaf_ids:
+      shape = plan.storage_shape_of_leaf(plan.leaves[i])
+      out[i] = _build(shape, sharding, lambda _, lshape, i=i: np.full(lshape, i in sources))
+    return out
+  shape = plan.storage_shape_of_unit(unit)
+  p = len(plan.prefix(unit))
+  flags = np.zeros(shape[p], bool)
+  s = 0
+  for i in unit.leaf_ids:
+    n = plan.leaves[i].layer_numel
+    flags[s:s + n] = i in sources
+    s += n
+  return {"flat": _build(shape, sharding, lambda ranges, lshape: np.broadcast_to(
+      flags[ranges[p][0]:ranges[p][1]], lshape).copy())}
+
+
+def ignored_arrays(plan: Plan, source: PretrainedSource, sources: dict) -> dict:
+  """Ignored leaves with a source: ``{leaf id: (world, *shape) array}``,
+  every device holding the whole leaf."""
+  sharding = plan.sharding(plan.ignored_spec())
+  out = {}
+  for l in plan.ignored_leaves:
+    src = sources.get(l.index)
+    if src is None:
+      continue
+    shape = (plan.axes.world_size,) + tuple(l.shape)
+    full = source.read_leaf(src, (), l.dtype)
+    out[l.index] = _build(shape, sharding,
+                          lambda _, lshape, full=full: np.broadcast_to(full, lshape).copy())
+  return out
+
+
+def merge(loaded: dict, init: dict, mask: dict) -> dict:
+  """``where(mask, loaded, init)`` array by array, shard by shard."""
+  return {k: jax.jit(jnp.where)(mask[k], loaded[k], init[k]) for k in loaded}
+
+
+def load(path, weight_map: WeightMap, *, strict: bool = True) -> PretrainedSource:
+  """A pretrained checkpoint to start from: pass it as
+  ``fsdp_jax.init_train_state(init_fn=..., pretrained=...)``.
+
+  Reads headers only. The tree, shapes and dtypes of the parameters come
+  from ``init_fn`` (traced abstractly: a loaded leaf is never computed); the
+  values come from the checkpoint, converted to each leaf's dtype (a bf16
+  checkpoint into fp32 masters). Each device's shard is read from the file
+  as a slice, so no host holds the whole model; in a multi-process run each
+  process reads only what its devices hold. The optimizer state is
+  initialised from the loaded parameters.
+
+  Args:
+    path: a ``.safetensors`` file; a directory of them, with or without
+      ``model.safetensors.index.json`` (Hugging Face's ``save_pretrained``
+      layout); or a PyTorch state dict (``.bin`` / ``.pt``, read with
+      ``torch.load(weights_only=True, mmap=True)``; needs torch).
+    weight_map: the :class:`WeightMap` from checkpoint names to parameters.
+    strict: every checkpoint tensor must be covered by a rule (or dropped
+      by one) and every parameter loaded. ``strict=False`` keeps
+      ``init_fn``'s values for the parameters no rule loads (a new head)
+      and ignores tensors no rule covers.
+
+  Returns:
+    A :class:`PretrainedSource`. Problems (a tensor no rule covers, a shape
+    or dtype that does not fit, a parameter the model lacks) are raised by
+    ``init_train_state``, all of them in one error.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, fsdp_jax, tempfile, os
+    >>> from fsdp_jax import pretrained
+    >>> from safetensors.numpy import save_file
+    >>> path = os.path.join(tempfile.mkdtemp(), "model.safetensors")
+    >>> save_file({"fc.weight": np.arange(6, dtype=np.float32).reshape(2, 3)}, path)
+    >>> source = pretrained.load(path, pretrained.WeightMap(
+    ...     [("fc.weight", "dense.kernel", pretrained.transpose())]))
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(
+    ...     init_fn=lambda: {"dense": {"kernel": jnp.zeros((3, 2))}}, optimizer=optax.sgd(0.1),
+    ...     mesh=mesh, config=fsdp_jax.FSDPConfig(), pretrained=source)
+    >>> fsdp_jax.summon_full_params(state)["dense"]["kernel"].tolist()
+    [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+  """
+  return PretrainedSource(path, weight_map, strict=strict)
