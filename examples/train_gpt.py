@@ -430,6 +430,15 @@ def generate(model: GPT, params, data: CharData, prompt: str, num_chars: int) ->
 # Main
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows defaults, except None (an option that is off unless given)."""
+
+  def _get_help_string(self, action):
+    if action.default is None:
+      return action.help
+    return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0],
@@ -438,7 +447,7 @@ def parse_args(argv=None) -> argparse.Namespace:
              "fsdp_jax.distributed.initialize() (the launcher's devices replace "
              "--platform/--cpu-devices), each process feeds --batch-size / N rows of "
              "every global batch, and only process 0 prints.",
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+      formatter_class=_HelpFormatter)
   g = p.add_argument_group("FSDP")
   g.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD",
                  help="sharding strategy (torch.distributed.fsdp.ShardingStrategy)")

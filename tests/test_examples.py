@@ -15,6 +15,9 @@ settings and hard timeouts.
 * ``train_nnx.py`` (Flax NNX through nnx.split / nnx.merge, nnx.update at the
   end) and ``custom_step.py`` (value_and_grad, clip_grad_norm, EMA inside
   ``shard_map``, checked against ``shard_train_step``);
+* ``finetune_llama.py`` without ``--checkpoint``: it writes a small random
+  Llama, loads it shard by shard, fine-tunes it (the loss goes down) and
+  saves it in Hugging Face's layout, which loads again;
 * ``--help`` and argument errors of every example, in this process.
 
 The subprocesses start together (module fixture) so that they overlap; every
@@ -34,6 +37,7 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_jax import pretrained
 from helpers import Background, subprocess_env
 
 pytestmark = [pytest.mark.slow,
@@ -92,6 +96,9 @@ class Jobs:
                            "--steps", "40", "--log-every", "10"], tmp)
     self.custom = Job("custom", [py, str(EXAMPLES / "custom_step.py"), "--platform", "cpu",
                                  "--steps", "40", "--log-every", "10", "--verify"], tmp)
+    self.finetune = Job("finetune", [
+        py, str(EXAMPLES / "finetune_llama.py"), "--platform", "cpu", "--steps", "6",
+        "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3", "--out", str(tmp / "tuned")], tmp)
     self._resume = None
 
   def resume(self) -> Background:
@@ -108,7 +115,7 @@ class Jobs:
 
   def kill_all(self) -> None:
     for job in (self.gpt, self.gpt_mp, self.gpt_offload, self.nnx, self.custom,
-                self._resume):
+                self.finetune, self._resume):
       if job is not None:
         job.kill()
 
@@ -259,6 +266,29 @@ def test_custom_step(jobs):
 
 
 # --------------------------------------------------------------------------
+# finetune_llama.py
+
+
+def test_finetune_llama_loads_tunes_and_saves(jobs):
+  out = jobs.finetune.ok()
+  assert "no --checkpoint: wrote a small random Llama" in out, out
+  assert re.search(r"loaded \S+ in [\d.]+ s onto 8 device\(s\), FULL_SHARD", out), out
+  m = re.search(r"^loss (\S+) -> (\S+) after 6 steps$", out, re.M)
+  assert m, out
+  first, last = map(float, m.groups())
+  assert last < first - 0.1, out
+  m = re.search(r"^saved (\d+) file\(s\) to (\S+) ", out, re.M)
+  assert m and Path(m.group(2)) == jobs.tmp / "tuned", out
+  tuned = jobs.tmp / "tuned"
+  assert (tuned / "config.json").exists()
+  assert len(list(tuned.glob("*.safetensors"))) == int(m.group(1))
+  llama = _load("llama")
+  config = llama.LlamaConfig.from_pretrained(str(tuned))
+  source = pretrained.load(str(tuned), llama.weight_map(config))  # strict: every tensor mapped
+  assert source.bytes_read == 0  # headers only
+
+
+# --------------------------------------------------------------------------
 # --help and argument errors, in this process (no backend is started)
 
 
@@ -276,6 +306,8 @@ def _load(name: str):
                    "--offload"]),
     ("train_nnx", ["--strategy", "--use-orig-params", "--steps"]),
     ("custom_step", ["--max-norm", "--ema-decay", "--l2", "--verify"]),
+    ("finetune_llama", ["--checkpoint", "--text", "--out", "--strategy", "--scan",
+                        "--precision"]),
 ])
 def test_help(name, flags, capsys):
   with pytest.raises(SystemExit) as e:
@@ -285,6 +317,7 @@ def test_help(name, flags, capsys):
   assert text.startswith("usage:")
   for flag in flags:
     assert flag in text, (flag, text)
+  assert "(default: None)" not in text, text
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -1,0 +1,208 @@
+#!/usr/bin/env python
+"""Fine-tune a Hugging Face Llama checkpoint with fsdp_jax and save it back.
+
+    python examples/finetune_llama.py --checkpoint path/to/llama --text data.txt --out tuned
+    python examples/finetune_llama.py            # a small random checkpoint, made here
+
+The checkpoint directory is what ``save_pretrained`` writes (``config.json``
+and safetensors files, sharded with an index or not). Each device's shard of
+every parameter is read straight from the files
+(``fsdp_jax.pretrained.load`` + ``init_train_state(pretrained=...)``): the
+whole model is never on one host. The text is tokenized with the
+checkpoint's tokenizer when transformers is installed and the directory has
+one, else byte by byte (modulo the vocabulary). The tuned model is written
+to ``--out`` in Hugging Face's layout, with the checkpoint's ``config.json``
+beside it, so ``transformers.LlamaForCausalLM.from_pretrained(out)`` and
+vLLM read it.
+
+Without ``--checkpoint`` the script writes a small random Llama (2 layers,
+grouped-query attention) with fsdp_jax itself first, so it runs anywhere,
+torch or not. Without a GPU it simulates 8 CPU devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import fsdp_jax
+from fsdp_jax import pretrained
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llama  # noqa: E402  pylint: disable=wrong-import-position
+
+try:
+  from tqdm.auto import tqdm
+except ImportError:  # pragma: no cover
+  tqdm = None
+
+SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+             rope_theta=10000.0, tie_word_embeddings=False)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows defaults, except where the help already says what one is."""
+
+  def _get_help_string(self, action):
+    if action.default is None or "(default:" in (action.help or ""):
+      return action.help
+    return super()._get_help_string(action)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=_HelpFormatter)
+  p.add_argument("--checkpoint", default=None,
+                 help="Hugging Face Llama directory (default: a small random one, made here)")
+  p.add_argument("--text", default=None, help="training text file (default: Python's "
+                 "textwrap module source)")
+  p.add_argument("--out", default=None, help="where to save the tuned model (default: a "
+                 "temporary directory)")
+  p.add_argument("--strategy", choices=[s.name for s in fsdp_jax.ShardingStrategy
+                                        if s.name != "_HYBRID_SHARD_ZERO2"],
+                 default="FULL_SHARD")
+  p.add_argument("--replicate", type=int, default=None, help="replicate groups (HYBRID_SHARD)")
+  p.add_argument("--scan", action="store_true", help="run the layers with nn.scan (stacked)")
+  p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+  p.add_argument("--steps", type=int, default=20)
+  p.add_argument("--batch-size", type=int, default=8)
+  p.add_argument("--seq-len", type=int, default=64)
+  p.add_argument("--lr", type=float, default=1e-4)
+  p.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
+  p.add_argument("--cpu-devices", type=int, default=8)
+  p.add_argument("--seed", type=int, default=0)
+  args = p.parse_args(argv)
+  if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
+    p.error("--steps, --batch-size and --seq-len must be positive (seq-len at least 2)")
+  return args
+
+
+def configure_devices(platform: str, cpu_devices: int) -> None:
+  """Simulated CPU devices unless a GPU is asked for or found; before JAX
+  starts its backends."""
+  if platform == "auto":
+    platform = fsdp_jax.distributed.detect_platform()
+  if platform == "cpu":
+    fsdp_jax.simulate_cpu_devices(cpu_devices)
+
+
+def make_random_checkpoint(directory: str, seed: int) -> None:
+  """A small random Llama in Hugging Face's layout, written by fsdp_jax."""
+  config = llama.LlamaConfig(**SMALL)
+  model = llama.Llama(config)
+  mesh = fsdp_jax.make_mesh(shard=1, devices=jax.devices()[:1])
+  state = fsdp_jax.init_train_state(
+      init_fn=lambda rng: model.init(rng, jnp.zeros((1, 8), jnp.int32)),
+      rng=jax.random.key(seed), optimizer=optax.sgd(0.0), mesh=mesh,
+      config=fsdp_jax.FSDPConfig())
+  pretrained.save(state, directory, llama.weight_map(config), overwrite=True)
+  hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SMALL,
+        "max_position_embeddings": 2048, "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "torch_dtype": "float32"}
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(hf, f, indent=2)
+
+
+def tokenize(text: str, checkpoint: str, vocab_size: int) -> np.ndarray:
+  """The checkpoint's tokenizer if transformers and its files are there,
+  else bytes modulo the vocabulary."""
+  try:
+    import transformers  # pylint: disable=import-outside-toplevel  (optional)
+    tok = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    ids = np.asarray(tok(text)["input_ids"], np.int32)
+    print(f"tokenizer: {type(tok).__name__}, {len(ids):,} tokens")
+    return ids
+  except Exception:  # pylint: disable=broad-except  (no transformers, or no tokenizer files)
+    ids = np.frombuffer(text.encode(), np.uint8).astype(np.int32) % vocab_size
+    print(f"tokenizer: bytes modulo {vocab_size}, {len(ids):,} tokens")
+    return ids
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  configure_devices(args.platform, args.cpu_devices)
+  checkpoint = args.checkpoint
+  if checkpoint is None:
+    checkpoint = os.path.join(tempfile.mkdtemp(prefix="llama_random_"), "checkpoint")
+    make_random_checkpoint(checkpoint, args.seed)
+    print(f"no --checkpoint: wrote a small random Llama to {checkpoint}")
+  if args.out and os.path.realpath(args.out) == os.path.realpath(checkpoint):
+    raise SystemExit(f"--out {args.out} is the checkpoint being read; pick another directory")
+  config = llama.LlamaConfig.from_pretrained(checkpoint)
+  model = llama.Llama(config, scan=args.scan)
+  weight_map = llama.weight_map(config, scan=args.scan)
+
+  n = jax.device_count()
+  rep = args.replicate if args.strategy == "HYBRID_SHARD" else None
+  mesh = fsdp_jax.make_mesh(shard=n // (rep or 1), replicate=rep)
+  fsdp_config = fsdp_jax.FSDPConfig(
+      sharding_strategy=fsdp_jax.ShardingStrategy[args.strategy],
+      auto_wrap_policy=None if args.scan else fsdp_jax.ModuleWrapPolicy({llama.Block}),
+      stacked_layers=("params.layers",) if args.scan else (),
+      mixed_precision=(fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16)
+                       if args.precision == "bf16" else None))
+  optimizer = optax.adamw(args.lr, weight_decay=0.0)
+  t0 = time.perf_counter()
+  source = pretrained.load(checkpoint, weight_map)
+  state = fsdp_jax.init_train_state(
+      init_fn=lambda rng: model.init(rng, jnp.zeros((1, 8), jnp.int32)),
+      rng=jax.random.key(args.seed), optimizer=optimizer, mesh=mesh, config=fsdp_config,
+      pretrained=source)
+  print(f"loaded {checkpoint} in {time.perf_counter() - t0:.1f} s onto {n} device(s), "
+        f"{args.strategy}; this process read {source.bytes_read / 2**20:.1f} MiB")
+
+  if args.text:
+    with open(args.text, encoding="utf-8", errors="replace") as f:
+      text = f.read()
+  else:
+    import textwrap  # pylint: disable=import-outside-toplevel
+    with open(textwrap.__file__, encoding="utf-8") as f:
+      text = f.read()
+  ids = tokenize(text, checkpoint, config.vocab_size)
+  if len(ids) < args.seq_len + 2:
+    raise SystemExit(f"the text has {len(ids)} tokens, fewer than --seq-len {args.seq_len} + 2")
+
+  def loss_fn(params, batch):
+    logits = model.apply(params, batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+  step = fsdp_jax.shard_train_step(loss_fn, optimizer)
+  rng = np.random.default_rng(args.seed)
+  batch_size = -(-args.batch_size // n) * n  # a multiple of the data-parallel size
+  bar = tqdm(range(args.steps), desc="fine-tune") if tqdm is not None else range(args.steps)
+  losses = []
+  for _ in bar:
+    starts = rng.integers(0, len(ids) - args.seq_len - 1, batch_size)
+    window = np.stack([ids[s:s + args.seq_len + 1] for s in starts])
+    state, metrics = step(state, {"inputs": window[:, :-1], "targets": window[:, 1:]})
+    losses.append(float(metrics["loss"]))
+    if tqdm is not None:
+      bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    else:
+      print(f"step {len(losses)}: loss {losses[-1]:.4f}")
+  print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {args.steps} steps")
+
+  out = args.out or os.path.join(tempfile.mkdtemp(prefix="llama_tuned_"), "tuned")
+  files = pretrained.save(state, out, weight_map, overwrite=args.out is not None)
+  if jax.process_index() == 0:
+    for name in ("config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
+      if os.path.exists(os.path.join(checkpoint, name)):
+        shutil.copy(os.path.join(checkpoint, name), os.path.join(out, name))
+  print(f"saved {len(files)} file(s) to {out} (Hugging Face's layout, with config.json)")
+  return {"losses": losses, "out": out, "checkpoint": checkpoint}
+
+
+if __name__ == "__main__":
+  main()
