@@ -15,6 +15,8 @@
     python -m benchmarks handwritten    # against a hand-written shard_map FSDP, per-op breakdown
     python -m benchmarks scan           # scanned stacked layers: memory against depth (SCAN.md)
     python -m benchmarks gpu            # a 1B GPT on the GPUs vs plain jit (GPU.md)
+    python -m benchmarks pretrained     # loading and saving pretrained weights (PRETRAINED.md)
+    python -m benchmarks pretrained_copy  # the loader's host copies on this CPU
 
 ``python -m benchmarks <name> --help`` lists a measurement's options.
 """
@@ -45,6 +47,8 @@ MEASUREMENTS = {
     "handwritten": ("benchmarks.handwritten", "main"),
     "scan": ("benchmarks.scan_layers", "main"),
     "gpu": ("benchmarks.gpu", "main"),
+    "pretrained": ("benchmarks.pretrained", "main"),
+    "pretrained_copy": ("benchmarks.pretrained_copy", "main"),
 }
 
 
