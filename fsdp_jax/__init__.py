@@ -45,6 +45,7 @@ from fsdp_jax._src.mesh import (
 
 # State and the train step.
 from fsdp_jax._src.loss import WeightedLoss as WeightedLoss
+from fsdp_jax._src.loss import constant_key as constant_key
 from fsdp_jax._src.plan import Plan as Plan
 from fsdp_jax._src.frameworks import module_classes as module_classes
 from fsdp_jax._src.state import (
@@ -106,7 +107,7 @@ __all__ = [
     "MixedPrecision", "ModuleWrapPolicy", "MonitoredBarrierError", "Node",
     "NonFiniteError", "OptimStateKeyType", "Plan", "Quantization",
     "ShardedTrainState", "ShardingStrategy", "StateDictType", "TrainStep",
-    "WeightedLoss", "apply", "custom", "distributed", "export_params",
+    "WeightedLoss", "apply", "constant_key", "custom", "distributed", "export_params",
     "full_optim_state_dict", "gradient_divide_factors", "hlo", "hooks",
     "import_params", "init_train_state", "lambda_auto_wrap_policy",
     "load_state_dict", "make_mesh", "module_classes", "monitored_barrier",

@@ -32,6 +32,7 @@ import jax
 from jax.extend import core as _ext_core
 from jax.extend.core import primitives as _ext_primitives
 from jax.extend import source_info_util  # public: jax.extend.source_info_util (0.10+)
+from jax._src import source_info_util as _source_info_internal  # user_frames (0.10 to 0.12)
 
 # -- primitive names, by what fsdp_jax does with them -------------------------
 # Primitive names are not a stable API: each table lists the names jax 0.10
@@ -158,6 +159,20 @@ def source_summary(eqn) -> str:
     return source_info_util.summarize(eqn.source_info)
   except Exception:  # pylint: disable=broad-except  # a change of form: no location
     return "?"
+
+
+def user_site(eqn, skip=("/flax/", "/optax/", "/equinox/", "/fsdp_jax/")) -> str:
+  """``file:line (function)`` of the innermost frame an equation came from
+  that is the user's own code: outside jax (``user_frames`` of the internal
+  ``jax._src.source_info_util``, 0.10 to 0.12) and outside the libraries in
+  ``skip``; else :func:`source_summary`."""
+  try:
+    for frame in _source_info_internal.user_frames(eqn.source_info.traceback):
+      if not any(part in frame.file_name for part in skip):
+        return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+  except Exception:  # pylint: disable=broad-except  # a change of form: the summary
+    pass
+  return source_summary(eqn)
 
 
 # Call-like equations whose body an interpreter can inline: nested jit, and

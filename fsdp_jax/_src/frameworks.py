@@ -121,6 +121,13 @@ def watch_batch_norm(found: list):
     yield
 
 
+def is_missing_rng_error(e: BaseException) -> bool:
+  """Whether ``e`` is Flax's error for a module that needs a PRNG key it was
+  not given (``flax.errors.InvalidRngError``: dropout without ``rngs=``)."""
+  errors = sys.modules.get("flax.errors")
+  return errors is not None and isinstance(e, getattr(errors, "InvalidRngError", ()))
+
+
 def per_device_batch_norm_message(paths, plan) -> str:
   axes = plan.axes.data_axes
   return (

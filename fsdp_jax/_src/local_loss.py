@@ -111,6 +111,13 @@ class LocalLoss:
       except NameError as e:
         _explain_axis_error(e, plan)
         raise
+      except Exception as e:  # pylint: disable=broad-except  (re-raised, with a hint)
+        if frameworks.is_missing_rng_error(e):
+          e.add_note(loss_lib.MISSING_RNG_HINT)
+        raise
+      draws = loss_lib.constant_key_draws(closed)
+      if draws:
+        raise ValueError(loss_lib.constant_key_message(draws, self._takes_rng))
       if per_device_bn and plan.axes.world_size > 1:
         warnings.warn(frameworks.per_device_batch_norm_message(per_device_bn, plan),
                       stacklevel=2)

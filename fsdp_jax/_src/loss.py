@@ -33,7 +33,7 @@ from fsdp_jax._src import _compat
 from fsdp_jax._src._compat import Literal
 from fsdp_jax._src.config import data_axis_names, is_float_dtype, is_key_dtype
 
-__all__ = ["WeightedLoss"]
+__all__ = ["WeightedLoss", "constant_key"]
 
 
 @jax.tree_util.register_dataclass
@@ -110,6 +110,145 @@ def device_key(key, step, data_axes):
   """The key ``loss_fn(..., rng=...)`` gets: ``fold_in(fold_in(key, step),
   device_index)`` (inside ``jax.shard_map``)."""
   return jax.random.fold_in(jax.random.fold_in(key, step), device_index(data_axes))
+
+
+# --------------------------------------------------------------------------
+# Keys that are constants of the trace
+
+# Primitives that turn a key into random bits, and how many leading operands
+# are the key (``threefry2x32`` takes two key words, then the counts).
+_DRAWS = {"random_bits": 1, "threefry2x32": 2, "rng_bit_generator": 1}
+_MARK = "fsdp_jax_constant_key"
+
+
+def _marked(key):
+  return lax.optimization_barrier(key)
+
+
+_marked.__name__ = _MARK
+_mark = jax.jit(_marked)
+
+
+def constant_key(key):
+  """Marks ``key`` as meant to be the same on every device and every step.
+
+  ``shard_train_step`` refuses a ``loss_fn`` that draws random bits from a
+  key that is a constant of its trace (a key closed over from outside
+  ``loss_fn`` or made inside it from a Python number): every device and
+  every step would get the same random numbers, e.g. the same dropout mask.
+  When that is what you want (a fixed random projection, noise kept equal
+  on purpose), pass the key through ``constant_key`` inside ``loss_fn``.
+  Keys that come from ``loss_fn(..., rng=...)`` need no mark.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> PROJECTION_KEY = jax.random.key(0)
+    >>> def loss_fn(params, batch):
+    ...   proj = jax.random.normal(fsdp_jax.constant_key(PROJECTION_KEY), (2, 3))
+    ...   return jnp.mean((batch["x"] @ params["w"] @ proj) ** 2)
+    >>> state, metrics = fsdp_jax.shard_train_step(loss_fn)(state, {"x": jnp.ones((2, 4))})
+    >>> int(state.step)
+    1
+  """
+  return _mark(key)
+
+
+def _body_deps(eqn, ins: list) -> list:
+  """``[(open jaxpr, which of its inputs depend on loss_fn's inputs)]`` for
+  the jaxprs nested in ``eqn``, given which of ``eqn``'s operands do, and
+  the number of loop-carried values (for a fixed point) per body."""
+  name = eqn.primitive.name
+  if _compat.is_scan(eqn):
+    p = _compat.scan_params(eqn)
+    return [(p.body, ins, (p.num_consts, p.num_carry))]
+  if name == "while":
+    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    carry = ins[nc + nb:]
+    cond = _compat.split_closed(eqn.params["cond_jaxpr"])[0]
+    body = _compat.split_closed(eqn.params["body_jaxpr"])[0]
+    return [(cond, ins[:nc] + carry, None), (body, ins[nc:nc + nb] + carry, (nb, len(carry)))]
+  if name == "cond":
+    return [(_compat.split_closed(b)[0], ins[1:], None) for b in _compat.cond_branches(eqn)]
+  out = []
+  for sub in _compat.nested_jaxprs(eqn):
+    same = len(sub.invars) == len(ins)
+    out.append((sub, ins if same else [any(ins)] * len(sub.invars), None))
+  return out
+
+
+def _constant_draws(jaxpr, dep_in: list, found: list, site=None) -> list:
+  """Appends to ``found`` the draws of ``jaxpr`` whose key depends on none
+  of the inputs marked in ``dep_in``, as the equation of the traced loss
+  they are in (``site``: the user's line); returns which outputs depend on
+  those inputs."""
+  dep = {v for v, d in zip(jaxpr.invars, dep_in) if d}
+  is_dep = lambda v: not isinstance(v, Literal) and v in dep
+  for eqn in jaxpr.eqns:
+    ins = [is_dep(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    if _compat.is_call(eqn) and eqn.params.get("name") == _MARK:
+      dep.update(eqn.outvars)  # constant_key: meant to be constant
+      continue
+    if name in _DRAWS and not any(ins[:_DRAWS[name]]):
+      found.append(site or eqn)
+    outs = [any(ins)] * len(eqn.outvars)
+    for body, body_in, loop in _body_deps(eqn, ins):
+      mark = len(found)
+      body_out = _constant_draws(body, body_in, found, site or eqn)
+      if loop is not None:  # carried values: iterate to a fixed point
+        k, n = loop
+        while True:
+          carry = [a or b for a, b in zip(body_in[k:k + n], body_out[:n])]
+          if carry == list(body_in[k:k + n]):
+            break
+          body_in = body_in[:k] + carry + body_in[k + n:]
+          del found[mark:]
+          body_out = _constant_draws(body, body_in, found, site or eqn)
+      if len(body_out) == len(outs) and name not in ("cond", "while"):
+        outs = [a or b for a, b in zip(outs, body_out)] if name == "scan" else body_out
+      elif name == "cond" and len(body_out) == len(outs):
+        outs = [a or b or ins[0] for a, b in zip(outs, body_out)]
+    dep.update(v for v, d in zip(eqn.outvars, outs) if d)
+  return [is_dep(v) for v in jaxpr.outvars]
+
+
+def constant_key_draws(closed) -> list:
+  """The equations of the traced ``loss_fn`` (a ``ClosedJaxpr`` whose inputs
+  are everything ``loss_fn`` gets) that draw random bits from a key no input
+  feeds: a key closed over or made from a Python number inside the loss."""
+  jaxpr = _compat.split_closed(closed)[0]
+  found: list = []
+  _constant_draws(jaxpr, [True] * len(jaxpr.invars), found)
+  return found
+
+
+def constant_key_message(draws: list, takes_rng: bool) -> str:
+  where = sorted({_compat.user_site(e) for e in draws})
+  shown = "; ".join(where[:4]) + ("; ..." if len(where) > 4 else "")
+  fix = ("use the rng it already gets (e.g. model.apply(params, x, rngs={'dropout': rng}))"
+         if takes_rng else "take it as a keyword argument, def loss_fn(params, batch, *, rng), "
+         "use it (e.g. model.apply(params, x, rngs={'dropout': rng})) and pass "
+         "rng=jax.random.key(seed) to fsdp_jax.init_train_state")
+  return (
+      f"loss_fn draws random numbers from a key that is a constant of its trace (at {shown}): "
+      "a key closed over from outside loss_fn or made inside it from a Python number. Every "
+      "device and every step would get the same random numbers (e.g. the same dropout "
+      f"mask). Fix: {fix}; each step then gets fold_in(fold_in(rng, step), device_index), "
+      "different on every device and step and the same when the run is repeated or "
+      "restored. If one key everywhere is intended, wrap it inside loss_fn as "
+      "fsdp_jax.constant_key(key).")
+
+
+MISSING_RNG_HINT = (
+    "fsdp_jax: the model needs a PRNG key (e.g. for dropout) and loss_fn passed none. Fix: "
+    "take it as a keyword argument, def loss_fn(params, batch, *, rng), pass it on "
+    "(model.apply(params, x, rngs={'dropout': rng})), and pass rng=jax.random.key(seed) to "
+    "fsdp_jax.init_train_state; each step then gets fold_in(fold_in(rng, step), "
+    "device_index), different on every device and step. For evaluation without dropout, "
+    "call the model with deterministic=True (or train=False) instead.")
 
 
 # --------------------------------------------------------------------------
