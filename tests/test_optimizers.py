@@ -560,8 +560,31 @@ def test_step_refuses_a_different_optimizer():
   state = fsdp_jax.init_train_state(params=_params(), optimizer=optax.adam(LR), mesh=mesh,
                                     config=config)
   step = fsdp_jax.shard_train_step(_mlp_loss, optax.sgd(LR, 0.9), mesh=mesh, config=config)
-  with pytest.raises(ValueError, match="same optimizer"):
+  with pytest.raises(ValueError, match="the optimizer you pass"):
     step(state, _batches(1)[0])
+
+
+@pytest.mark.parametrize("n", [3, 8])
+def test_the_optimizer_is_given_once(n):
+  """shard_train_step(loss_fn) takes init_train_state's optimizer: the same
+  numbers as passing it, and one step serves states built with different
+  optimizers, each with its own (never a trace made for another)."""
+  mesh = mesh_for(S.FULL_SHARD, n)
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP)
+  chain = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(LR, weight_decay=0.1))
+  batches = _batches(2)
+  step = fsdp_jax.shard_train_step(_mlp_loss)
+  for opt in (chain, optax.sgd(LR, 0.9), optax.adafactor(LR)):
+    given, taken = (fsdp_jax.init_train_state(params=_params(), optimizer=opt, mesh=mesh,
+                                              config=config) for _ in range(2))
+    explicit = fsdp_jax.shard_train_step(_mlp_loss, opt)
+    for b in batches:
+      given, m_given = explicit(given, b)
+      taken, m_taken = step(taken, b)
+      assert float(m_given["loss"]) == float(m_taken["loss"])
+    jax.tree.map(np.testing.assert_array_equal, fsdp_jax.summon_full_params(given),
+                 fsdp_jax.summon_full_params(taken))
+    assert taken.plan.optimizer is given.plan.optimizer
 
 
 def test_docs_list_exactly_the_verified_optimizers():

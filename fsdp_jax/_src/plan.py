@@ -169,6 +169,10 @@ class Plan:
   # its update runs; set by init_train_state.
   opt_layout: Any = None
   opt_update: Any = None
+  # The optax optimizer init_train_state was given: shard_train_step's
+  # default (compared by object, like any function: a step traced for one
+  # optimizer is never reused for another).
+  optimizer: Any = None
   # Subtrees that look like stacked layers but are not declared stacked:
   # ((dotted name, number of layers), ...); see frameworks.stacked_hints.
   stacked_hints: tuple = ()
@@ -180,7 +184,7 @@ class Plan:
   # Plans compare by the content that matters for tracing.
   def _key(self):
     return (self.treedef, self.leaves, self.units, self.config, self.mesh, self.axes,
-            self.model_state_dtypes, self.opt_layout, self.opt_update)
+            self.model_state_dtypes, self.opt_layout, self.opt_update, self.optimizer)
 
   def __hash__(self):
     return hash(self._key())

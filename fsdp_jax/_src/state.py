@@ -566,7 +566,7 @@ def with_optimizer(plan: Plan, optimizer, *, init_shapes=None) -> Plan:
   """``plan`` with the optimizer's state layout and what its update needs
   (shown by ``print(state.plan)``)."""
   lay = optim.layout_for(plan, optimizer, init_shapes)
-  plan = dataclasses.replace(plan, opt_layout=lay)
+  plan = dataclasses.replace(plan, opt_layout=lay, optimizer=optimizer)
   return dataclasses.replace(plan, opt_update=optim.choose_mode(plan, optimizer))
 
 

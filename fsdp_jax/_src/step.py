@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional
 
 import jax
@@ -14,7 +15,7 @@ from fsdp_jax._src import _compat
 from fsdp_jax._src import grads as grads_lib
 from fsdp_jax._src import loss as loss_lib
 from fsdp_jax._src import clipping, offload, optim
-from fsdp_jax._src.config import FSDPConfig, is_float_dtype
+from fsdp_jax._src.config import FSDPConfig, is_float_dtype, value_key
 from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import plan as plan_lib
 from fsdp_jax._src.local_loss import LocalLoss
@@ -67,6 +68,46 @@ def check_setup(mesh: Mesh, config: FSDPConfig) -> None:
     offload.check_backend(mesh)
 
 
+def _config_diff(state_cfg: FSDPConfig, step_cfg: FSDPConfig) -> str:
+  """The fields in which two configs differ, one line each."""
+  lines = [f"  {f.name}: state {getattr(state_cfg, f.name)!r}, step {getattr(step_cfg, f.name)!r}"
+           for f in dataclasses.fields(FSDPConfig)
+           if value_key(getattr(state_cfg, f.name)) != value_key(getattr(step_cfg, f.name))]
+  return "\n".join(lines)
+
+
+def _layout_diff(want, got) -> str:
+  """How the optimizer state ``want`` (what the step's optimizer makes) and
+  ``got`` (what the state holds) differ, one line each: the slots (subtrees
+  mirroring the parameters, like Adam's ``0.mu``) only one has, and the
+  other leaves only one has or that differ in shape (at most 8 of each)."""
+  if want is None or got is None:
+    return f"  the state holds {'no sharded optimizer state' if got is None else 'another kind'}"
+  lines = []
+  mine, theirs = want.slot_names, got.slot_names
+  for label, slots in (("slots only in optimizer.init(params)", [x for x in mine
+                                                                  if x not in theirs]),
+                       ("slots only in the state", [x for x in theirs if x not in mine])):
+    if slots:
+      lines.append(f"  {label}: {', '.join(slots)} (one leaf per parameter)")
+  mine = {e.path: e.shape for e in want.entries if e.kind != "slot"}
+  theirs = {e.path: e.shape for e in got.entries if e.kind != "slot"}
+  for label, paths in (
+      ("shape differs", [p for p in mine if p in theirs and mine[p] != theirs[p]]),
+      ("only in optimizer.init(params)", [p for p in mine if p not in theirs]),
+      ("only in the state", [p for p in theirs if p not in mine])):
+    for p in paths[:8]:
+      shapes = (f"{mine.get(p)} in optimizer.init(params), {theirs.get(p)} in the state"
+                if label == "shape differs" else str(mine.get(p, theirs.get(p))))
+      lines.append(f"  {label}: {p or '(root)'} {shapes}")
+    if len(paths) > 8:
+      lines.append(f"  ... and {len(paths) - 8} more {label}")
+  if not lines:  # the same leaves in another arrangement
+    lines.append(f"  tree structure: {want.treedef} in optimizer.init(params), {got.treedef} "
+                 "in the state")
+  return "\n".join(lines)
+
+
 def _check_state(state, plan_cfg: Optional[FSDPConfig], mesh: Optional[Mesh], optimizer):
   if not isinstance(state, ShardedTrainState):
     raise TypeError("step(state, batch) needs the ShardedTrainState built by "
@@ -76,33 +117,36 @@ def _check_state(state, plan_cfg: Optional[FSDPConfig], mesh: Optional[Mesh], op
   mesh = plan.mesh if mesh is None else mesh
   if plan.config != plan_cfg:
     raise ValueError(
-        "The state was built with a different FSDPConfig than this step:\n"
-        f"  state: {plan.config}\n  step:  {plan_cfg}\n"
-        "Pass the same config to init_train_state and shard_train_step.")
+        "The state was built with a different FSDPConfig than this step; the fields that "
+        f"differ:\n{_config_diff(plan.config, plan_cfg)}\nFix: pass the same config to "
+        "init_train_state and shard_train_step, or leave config out of shard_train_step "
+        "(it then takes the state's).")
   if plan.mesh != mesh:
     raise ValueError(
         f"The state lives on mesh {dict(plan.mesh.shape)} (devices "
         f"{[d.id for d in plan.mesh.devices.flat]}) but the step was built for "
         f"mesh {dict(mesh.shape)} (devices {[d.id for d in mesh.devices.flat]}). "
         "Pass the same mesh to init_train_state and shard_train_step.")
+  if optimizer is None:
+    if plan.optimizer is None:
+      raise ValueError(
+          "shard_train_step(loss_fn) takes the optimizer from the state, but this state "
+          "records none. Fix: pass it, shard_train_step(loss_fn, optimizer), or build the "
+          "state with fsdp_jax.init_train_state(optimizer=...).")
+    optimizer = plan.optimizer
   lay = optim.layout_for(plan, optimizer)
   got = getattr(state.opt_state, "layout", None)
   if got != lay:
-    def show(l):
-      if l is None:
-        return type(state.opt_state).__name__
-      return ", ".join(f"{e.path} {e.shape}" for e in l.entries[:6]) + (
-          ", ..." if len(l.entries) > 6 else "")
     raise ValueError(
-        "The optimizer state does not match this optimizer and the params: "
-        f"optimizer.init(params) has the leaves\n  {show(lay)}\nbut the state holds\n  "
-        f"{show(got)}\nBuild the state with the same optimizer you pass to "
-        "shard_train_step.")
+        "The optimizer state does not match this optimizer and the params; the leaves "
+        f"that differ:\n{_layout_diff(lay, got)}\nFix: build the state with the optimizer "
+        "you pass to shard_train_step, or leave it out of shard_train_step (it then takes "
+        "the state's).")
   return optim.stored_specs(plan, lay)
 
 
 def shard_train_step(loss_fn: Callable[..., Any],
-                     optimizer: optax.GradientTransformation, *,
+                     optimizer: Optional[optax.GradientTransformation] = None, *,
                      mesh: Optional[Mesh] = None, config: Optional[FSDPConfig] = None,
                      max_norm: Optional[float] = None,
                      norm_type: float = 2.0, gradient_accumulation_steps: int = 1,
@@ -160,11 +204,13 @@ def shard_train_step(loss_fn: Callable[..., Any],
 
   Args:
     loss_fn: ``loss_fn(params, batch[, model_state][, rng=key])`` as above.
-    optimizer: the optax optimizer the state was built with. Elementwise
-      transforms (sgd, momentum, adam, adamw with masks, lion, ...) give the
-      same result as unsharded training; whole-tensor transforms such as
-      ``optax.clip_by_global_norm`` would see only local shards: use
-      ``max_norm`` instead.
+    optimizer: the optax optimizer; default: the one the state was built
+      with (``init_train_state(optimizer=...)``), read when the step is
+      called. When given, the state's optimizer state must have its layout
+      (``optimizer.init(params)``'s leaves), else the step raises a
+      ``ValueError`` naming the leaves that differ. Any optax optimizer gives
+      the result of unsharded training (see docs/optimizers.md); for
+      clipping by the global norm, ``max_norm`` is the cheaper way.
     mesh: the mesh the state lives on; default: the state's
       (``state.plan.mesh``), read when the step is called.
     config: the :class:`FSDPConfig` the state was built with; default: the
@@ -201,7 +247,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
     >>> opt = optax.adam(1e-2)
     >>> state = fsdp_jax.init_train_state(params={"w": jnp.zeros((3, 1))},
     ...     optimizer=opt, mesh=mesh, config=cfg)
-    >>> step = fsdp_jax.shard_train_step(loss_fn, opt, mesh=mesh, config=cfg)
+    >>> step = fsdp_jax.shard_train_step(loss_fn)  # the state's optimizer, mesh and config
     >>> batch = {"x": jnp.ones((8, 3)), "y": jnp.ones((8, 1))}
     >>> state, metrics = step(state, batch)
     >>> float(metrics["loss"])
@@ -209,7 +255,8 @@ def shard_train_step(loss_fn: Callable[..., Any],
   """
   if not callable(loss_fn):
     raise TypeError("loss_fn must be callable as loss_fn(params, batch).")
-  optimizer = optim.as_transformation(optimizer)
+  if optimizer is not None:
+    optimizer = optim.as_transformation(optimizer)
   if config is not None and not isinstance(config, FSDPConfig):
     raise TypeError(f"config must be a fsdp_jax.FSDPConfig, got {type(config).__name__}.")
   if mesh is not None and not isinstance(mesh, Mesh):
@@ -225,6 +272,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
   def step(state: ShardedTrainState, batch):
     opt_specs = _check_state(state, config, mesh, optimizer)
     plan = state.plan
+    opt = plan.optimizer if optimizer is None else optimizer
     mesh_ = plan.mesh if mesh is None else mesh
     check_batch(plan, batch)
     if gradient_accumulation_steps > 1:
@@ -292,7 +340,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
 
         def host_update(g, s, t, i, v, k):
           g = grads_def.unflatten([x.reshape(shape) for x, shape in zip(g, grad_shapes)])
-          new_t, new_s = optim.update_local(plan, optimizer, g, s, t, value=v, index=i,
+          new_t, new_s = optim.update_local(plan, opt, g, s, t, value=v, index=i,
                                             host=True)
           if policy != "propagate":
             new_t, new_s = _keep_if(k, (t, s), (new_t, new_s))
@@ -304,7 +352,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
         # count made from a constant) are stored on the host too.
         new_trainable, new_opt_state = offload.to_host((new_trainable, new_opt_state))
       else:
-        new_trainable, new_opt_state = optim.update_local(plan, optimizer, grads, opt_state,
+        new_trainable, new_opt_state = optim.update_local(plan, opt, grads, opt_state,
                                                           trainable, value=loss)
         if policy != "propagate":
           new_trainable, new_opt_state = _keep_if(bad, (trainable, opt_state),
@@ -338,7 +386,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
       grads = plan_lib.split_trainable(plan, new_params)[0]
       trainable, frozen = plan_lib.split_trainable(plan, state.params)
       new_trainable, new_opt_state = optim.update_global(
-          plan, optimizer, grads, state.opt_state, trainable, value=metrics["loss"])
+          plan, opt, grads, state.opt_state, trainable, value=metrics["loss"])
       if policy != "propagate":
         new_trainable, new_opt_state = _keep_if(bad, (trainable, state.opt_state),
                                                 (new_trainable, new_opt_state))
