@@ -297,16 +297,19 @@ def test_mismatched_tree_names_paths_and_shapes(tmp_path):
     with pytest.raises(ValueError) as e:
       mngr.restore(jax.eval_shape(lambda: _small(n=3, params=other)))
     msg = str(e.value)
-    assert "params.w: checkpoint (6, 2) float32, target (6, 3) float32" in msg
-    assert "params.c: in the target (2,) float32, not in the checkpoint" in msg
-    assert "opt_state.state.w.0.mu: checkpoint (6, 2) float32, target (6, 3)" in msg
+    assert "params['w']: checkpoint (6, 2) float32, target (6, 3) float32" in msg
+    assert "params['c']: in the target (2,) float32, not in the checkpoint" in msg
+    assert "opt_state.state['w']['0.mu']: checkpoint (6, 2) float32, target (6, 3)" in msg
     assert "mesh {'shard': 2}" in msg and "mesh {'shard': 3}" in msg and "Fix:" in msg
     with pytest.raises(ValueError) as e:
       mngr.restore(_small(optimizer=optax.sgd(0.1, momentum=0.9)))
     msg = str(e.value)
-    assert "opt_state.state.w.0.mu: in the checkpoint (6, 2) float32, not in the target" in msg
-    assert "opt_state.state.w.0.trace: in the target (6, 2) float32, not in the checkpoint" in msg
-    assert "opt_state.param_groups.0.count: in the checkpoint () int32, not in the target" in msg
+    assert "opt_state.state['w']['0.mu']: in the checkpoint (6, 2) float32, not in the target" \
+        in msg
+    assert ("opt_state.state['w']['0.trace']: in the target (6, 2) float32, not in the "
+            "checkpoint") in msg
+    assert ("opt_state.param_groups[0]['0.count']: in the checkpoint () int32, not in the "
+            "target") in msg
     # A saved key the target lacks names the init_train_state argument that adds it.
     keyed = _small().replace(rng=jax.random.key(0), step=jnp.asarray(7, jnp.int32))
     mngr.save(keyed, force=True)
@@ -315,6 +318,42 @@ def test_mismatched_tree_names_paths_and_shapes(tmp_path):
       mngr.restore(_small(), step=7)
     assert ("rng: in the checkpoint (1 leaves), not in the target (build the target with "
             "init_train_state(..., rng=key) too)") in str(e.value), str(e.value)
+
+
+def test_mismatched_flax_model_names_each_entry_once(tmp_path):
+  """A Flax linen model's parameter names start with its "params" collection;
+  the messages name the state field, then that name, without repeating it."""
+  nn = pytest.importorskip("flax.linen")
+
+  class Model(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+      x = nn.BatchNorm(use_running_average=False)(nn.Dense(self.width)(x))
+      return nn.Dense(2)(x)
+
+  mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+  x = jnp.ones((2, 3))
+
+  def build(width):
+    return fsdp_jax.init_train_state(
+        init_fn=lambda k: Model(width).init(k, x), rng=jax.random.key(0),
+        optimizer=optax.adam(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+
+  with CheckpointManager(tmp_path / "flax") as mngr:
+    mngr.save(build(4))
+    mngr.wait_until_finished()
+    with pytest.raises(ValueError) as e:
+      mngr.restore(jax.eval_shape(lambda: build(5)))
+  msg = str(e.value)
+  assert "params.params" not in msg and "state.params.Dense" not in msg, msg
+  assert "each named by the train state field and the entry's keys" in msg
+  assert "  params['params.Dense_0.bias']: checkpoint (4,) float32, target (5,) float32" in msg
+  assert ("  opt_state.state['params.Dense_0.kernel']['0.mu']: checkpoint (3, 4) float32, "
+          "target (3, 5) float32") in msg
+  assert ("  model_state['batch_stats.BatchNorm_0.mean']: checkpoint (4,) float32, "
+          "target (5,) float32") in msg
 
 
 def _damage(path, how):

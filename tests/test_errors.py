@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +15,7 @@ from jax.sharding import Mesh
 import fsdp_jax
 from fsdp_jax import ShardingStrategy as S
 
-from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params
+from helpers import REPO, mesh_for, mlp_batch, mlp_loss, mlp_params, subprocess_env
 
 
 def _state_and_step(loss_fn=mlp_loss, strategy=S.FULL_SHARD, n=8, replicate=None, opt=None,
@@ -73,6 +76,55 @@ def test_mesh_without_expected_axes():
                               config=fsdp_jax.FSDPConfig())
 
 
+def _too_few_devices_regex(config):
+  """The pattern the root conftest.py skips native-mode tests by."""
+  for plugin in config.pluginmanager.get_plugins():
+    if hasattr(plugin, "_TOO_FEW_DEVICES"):
+      return plugin._TOO_FEW_DEVICES
+  raise AssertionError("conftest.py defines no _TOO_FEW_DEVICES")
+
+
+def test_make_mesh_with_too_few_cpu_devices_names_simulate_cpu_devices(pytestconfig):
+  n = jax.device_count()
+  with pytest.raises(ValueError) as e:
+    fsdp_jax.make_mesh(shard=2 * n)
+  msg = str(e.value)
+  assert msg.startswith(f"make_mesh: replicate=1 x shard={2 * n} needs {2 * n} devices but "
+                        f"only {n} are available; pass devices= or smaller sizes."), msg
+  assert _too_few_devices_regex(pytestconfig).search(msg), msg
+  if jax.devices()[0].platform == "cpu":
+    assert (f"call fsdp_jax.simulate_cpu_devices({2 * n}) at the top of the script, before "
+            "the first jax computation or jax.devices() call") in msg, msg
+    assert f"JAX_NUM_CPU_DEVICES={2 * n}" in msg, msg
+  if n >= 2:  # enough devices exist: the list passed is what is short
+    with pytest.raises(ValueError) as e:
+      fsdp_jax.make_mesh(replicate=2, shard=1, devices=jax.devices()[:1])
+    assert "simulate_cpu_devices" not in str(e.value), str(e.value)
+
+
+_ONE_CPU_DEVICE = """
+import fsdp_jax
+try:
+  fsdp_jax.make_mesh(shard=8)
+except ValueError as e:
+  print("ERROR", e)
+"""
+
+
+def test_make_mesh_on_one_cpu_device_says_how_to_simulate_more():
+  proc = subprocess.run([sys.executable, "-c", _ONE_CPU_DEVICE], capture_output=True, text=True,
+                        timeout=120, cwd=REPO,
+                        env={k: v for k, v in subprocess_env(JAX_PLATFORMS="cpu").items()
+                             if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")})
+  out = proc.stdout
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert ("ERROR make_mesh: replicate=1 x shard=8 needs 8 devices but only 1 are available; "
+          "pass devices= or smaller sizes. On CPU, simulate them: call "
+          "fsdp_jax.simulate_cpu_devices(8) at the top of the script, before the first jax "
+          "computation or jax.devices() call (or set JAX_NUM_CPU_DEVICES=8 in the "
+          "environment).") in out, out
+
+
 def test_hybrid_needs_2d_mesh():
   mesh = fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4])
   with pytest.raises(ValueError, match=r"HYBRID_SHARD needs a 2-D mesh.*make_mesh\(replicate=R, shard=S\)"):
@@ -108,9 +160,16 @@ def test_non_scalar_loss():
 
 
 def test_optimizer_state_that_does_not_match():
+  """The error names the leaves that differ, not every leaf of both."""
   state, step = _state_and_step(opt=optax.adam(1e-3), step_opt=optax.sgd(0.1, momentum=0.9))
-  with pytest.raises(ValueError, match="optimizer state does not match"):
+  with pytest.raises(ValueError, match="optimizer state does not match") as e:
     step(state, mlp_batch())
+  msg = str(e.value)
+  assert "slots only in optimizer.init(params): 0.trace (one leaf per parameter)" in msg, msg
+  assert "slots only in the state: 0.mu, 0.nu (one leaf per parameter)" in msg, msg
+  assert "only in the state: 0.count ()" in msg, msg
+  assert "blocks.0" not in msg, msg
+  assert "leave it out of shard_train_step" in msg, msg
 
 
 def test_state_from_another_config():
@@ -120,8 +179,13 @@ def test_state_from_another_config():
                                     config=fsdp_jax.FSDPConfig())
   step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh,
                                    config=fsdp_jax.FSDPConfig(use_orig_params=True))
-  with pytest.raises(ValueError, match="different FSDPConfig"):
+  with pytest.raises(ValueError, match="different FSDPConfig") as e:
     step(state, mlp_batch())
+  msg = str(e.value)
+  assert "  use_orig_params: state False, step True\n" in msg, msg
+  # Only the fields that differ: not the 20-field reprs of both configs.
+  assert "FSDPConfig(" not in msg and "sharding_strategy" not in msg, msg
+  assert "forward_prefetch" not in msg and "mixed_precision" not in msg, msg
 
 
 def test_prefetch_settings_are_accepted():

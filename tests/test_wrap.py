@@ -134,3 +134,110 @@ def test_stacked_unit_needs_a_common_layer_axis():
   tree = {"layers": {"w": z(4, 3, 3), "b": z(5, 3)}}
   with pytest.raises(ValueError, match=r"same leading layer axis.*layers.b: \(5, 3\)"):
     _units(tree, None, stacked_layers=("layers",))
+
+
+class _LinenBlock(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(6)(nn.LayerNorm()(x))
+
+
+class _LinenModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(2):
+      x = _LinenBlock()(x)
+    return nn.Dense(2)(x)
+
+
+def _plan_units(abstract, policy, classes):
+  mesh = mesh_for(fsdp_jax.ShardingStrategy.FULL_SHARD, 2)
+  plan = build_plan(abstract, mesh=mesh, config=fsdp_jax.FSDPConfig(auto_wrap_policy=policy),
+                    module_types=classes)
+  return {u.display_name: sorted(plan.leaves[i].name for i in u.leaf_ids) for u in plan.units}
+
+
+def _linen_tree():
+  init = lambda k: _LinenModel().init(k, jnp.ones((2, 5)))
+  return jax.eval_shape(init, jax.random.key(0)), fsdp_jax.module_classes(init, jax.random.key(0))
+
+
+def test_module_wrap_policy_takes_a_linen_class_name():
+  abstract, classes = _linen_tree()
+  by_name = _plan_units(abstract, fsdp_jax.ModuleWrapPolicy({"_LinenBlock"}), classes)
+  assert by_name == _plan_units(abstract, fsdp_jax.ModuleWrapPolicy({_LinenBlock}), classes)
+  assert list(by_name) == ["params._LinenBlock_0", "params._LinenBlock_1", "<root>"]
+  # A name of a Flax class works the same; names and classes mix.
+  dense = _plan_units(abstract, fsdp_jax.ModuleWrapPolicy(["Dense", _LinenBlock]), classes)
+  assert dense == _plan_units(abstract, fsdp_jax.ModuleWrapPolicy([nn.Dense, _LinenBlock]),
+                              classes)
+  assert set(dense) == {"params._LinenBlock_0.Dense_0", "params._LinenBlock_0",
+                        "params._LinenBlock_1.Dense_0", "params._LinenBlock_1",
+                        "params.Dense_0"}
+
+
+def test_module_wrap_policy_string_that_matches_a_path_stays_a_pattern():
+  abstract, classes = _linen_tree()
+  # "params.Dense_0" is a path; "Dense" alone matches no path, so it is the class.
+  units = _plan_units(abstract, fsdp_jax.ModuleWrapPolicy({"params.Dense_0"}), classes)
+  assert list(units) == ["params.Dense_0", "<root>"]
+
+
+def test_module_wrap_policy_takes_nnx_and_equinox_class_names():
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import equinox as eqx  # pylint: disable=import-outside-toplevel
+
+  class NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+  class NnxModel(nnx.Module):
+    def __init__(self, rngs):
+      self.blocks = nnx.List([NnxBlock(rngs), NnxBlock(rngs)])
+      self.out = nnx.Linear(4, 2, rngs=rngs)
+
+  model = NnxModel(nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  classes = fsdp_jax.module_classes(model)
+  units = _plan_units(params, fsdp_jax.ModuleWrapPolicy({"NnxBlock"}), classes)
+  assert units == _plan_units(params, fsdp_jax.ModuleWrapPolicy({NnxBlock}), classes)
+  assert list(units) == ["blocks.0", "blocks.1", "<root>"]
+
+  class EqxBlock(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __init__(self, key):
+      self.linear = eqx.nn.Linear(4, 4, key=key)
+
+  class EqxModel(eqx.Module):
+    blocks: list
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+      k = jax.random.split(key, 3)
+      self.blocks = [EqxBlock(k[0]), EqxBlock(k[1])]
+      self.out = eqx.nn.Linear(4, 2, key=k[2])
+
+  emodel = EqxModel(jax.random.key(0))
+  eparams = eqx.filter(emodel, eqx.is_inexact_array)
+  eclasses = fsdp_jax.module_classes(emodel)
+  units = _plan_units(eparams, fsdp_jax.ModuleWrapPolicy({"EqxBlock"}), eclasses)
+  assert units == _plan_units(eparams, fsdp_jax.ModuleWrapPolicy({EqxBlock}), eclasses)
+  assert list(units) == ["blocks.0", "blocks.1", "<root>"]
+
+
+def test_module_wrap_policy_string_that_is_neither_path_nor_class_name():
+  abstract, classes = _linen_tree()
+  with pytest.raises(ValueError) as e:
+    _plan_units(abstract, fsdp_jax.ModuleWrapPolicy({"Blok"}), classes)
+  msg = str(e.value)
+  assert "'Blok' is neither a subtree path pattern nor a module class name" in msg
+  assert "dotted path pattern" in msg and "'params.layers_*'" in msg
+  assert "'params._LinenBlock_0'" in msg
+  assert "or the name of a module class" in msg
+  assert "'Dense', 'LayerNorm', '_LinenBlock', '_LinenModel'" in msg
+  assert "ModuleWrapPolicy({Dense})" in msg and "ModuleWrapPolicy({'Dense'})" in msg
+  # A plain tree has no module classes: the message says how to give them.
+  with pytest.raises(ValueError, match=r"'Block' is neither.*no module classes are "
+                                       r"known.*module_classes=fsdp_jax.module_classes"):
+    _units(TREE, fsdp_jax.ModuleWrapPolicy({"Block"}))

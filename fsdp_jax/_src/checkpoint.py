@@ -191,18 +191,27 @@ def checkpoint_tree(state: ShardedTrainState):
 
 
 def _diff(saved: dict, target: dict) -> list[str]:
+  """The differences between two :func:`describe` s, one line each. An entry
+  is named by the train state field and its key in the checkpoint, which is
+  its state-dict name: ``params['params.Dense_0.bias']`` (a Flax parameter,
+  whose dotted name starts with its collection),
+  ``opt_state.state['w']['0.mu']``, ``opt_state.param_groups[0]['0.count']``,
+  ``model_state['batch_stats.BatchNorm_0.mean']``; a field that is one leaf
+  by its name alone (``rng``)."""
   lines = []
 
   def shape_of(d):
     return tuple(d["shape"])
 
-  def cmp(prefix, a: dict, b: dict, leaf_fn):
+  def cmp(name_of, a: dict, b: dict, leaf_fn, hint=lambda k, where: ""):
     for k in list(a) + [k for k in b if k not in a]:
-      name = f"{prefix}.{k}" if prefix else k
+      name = name_of(k)
       if k not in b:
-        lines.append(f"{name}: in the checkpoint {leaf_fn(a[k])}, not in the target")
+        lines.append(f"{name}: in the checkpoint {leaf_fn(a[k])}, not in the target"
+                     + hint(k, "the target"))
       elif k not in a:
-        lines.append(f"{name}: in the target {leaf_fn(b[k])}, not in the checkpoint")
+        lines.append(f"{name}: in the target {leaf_fn(b[k])}, not in the checkpoint"
+                     + hint(k, "the saved run"))
       else:
         yield name, a[k], b[k]
 
@@ -215,27 +224,24 @@ def _diff(saved: dict, target: dict) -> list[str]:
     if shape_of(a) != shape_of(b) or bool(a.get("prng")) != bool(b.get("prng")):
       lines.append(f"{name}: checkpoint {desc(a)}, target {desc(b)}")
 
-  for name, a, b in cmp("params", saved["params"], target["params"], desc):
+  for name, a, b in cmp(lambda k: f"{PARAMS}[{k!r}]", saved["params"], target["params"], desc):
     leaf_cmp(name, a, b)
   so, to = saved["opt_state"], target["opt_state"]
-  for name, a, b in cmp("opt_state.state", so["state"], to["state"], desc):
-    for n2, a2, b2 in cmp(name, a, b, desc):
+  for name, a, b in cmp(lambda k: f"{OPT_STATE}.state[{k!r}]", so["state"], to["state"], desc):
+    for n2, a2, b2 in cmp(lambda k, p=name: f"{p}[{k!r}]", a, b, desc):
       leaf_cmp(n2, a2, b2)
-  for name, a, b in cmp("opt_state.param_groups", so["param_groups"], to["param_groups"], desc):
+  for name, a, b in cmp(lambda k: f"{OPT_STATE}.param_groups[0][{k!r}]", so["param_groups"],
+                        to["param_groups"], desc):
     leaf_cmp(name, a, b)
   fdesc = lambda d: f"({len(d['leaves'])} leaves)"
-  start = len(lines)
-  for name, a, b in cmp("", saved["fields"], target["fields"], fdesc):
-    for n2, a2, b2 in cmp(name, a["leaves"], b["leaves"], desc):
-      leaf_cmp(n2, a2, b2)
   hints = {"rng": "init_train_state(..., rng=key)",
            "model_state": "init_train_state(..., model_state=...) or an init_fn whose model "
                           "returns non-parameter collections"}
-  for i in range(start, len(lines)):
-    field = lines[i].split(":", 1)[0]
-    if field in hints and ", not in the" in lines[i]:
-      where = "the target" if "not in the target" in lines[i] else "the saved run"
-      lines[i] += f" (build {where} with {hints[field]} too)"
+  field_hint = lambda f, where: f" (build {where} with {hints[f]} too)" if f in hints else ""
+  for field, a, b in cmp(lambda k: k, saved["fields"], target["fields"], fdesc, field_hint):
+    leaf_name = lambda k, f=field: f if k == ROOT else f"{f}[{k!r}]"
+    for n2, a2, b2 in cmp(leaf_name, a["leaves"], b["leaves"], desc):
+      leaf_cmp(n2, a2, b2)
   return lines
 
 
@@ -585,7 +591,9 @@ class CheckpointManager:
       saved = meta.get("saved_with", {})
       raise ValueError(
           f"The checkpoint at {self.directory} (step {step}) does not match the target "
-          f"train state ({len(lines)} difference(s)):\n" + problems(lines) +
+          f"train state ({len(lines)} difference(s), each named by the train state field "
+          f"and the entry's keys as in state_dict() / optim_state_dict()):\n"
+          + problems(lines) +
           f"\nIt was saved with {saved.get('sharding_strategy')}, {saved.get('layout')} "
           f"parameters, mesh {saved.get('mesh')}; the target is "
           f"{plan.config.sharding_strategy.name}, "

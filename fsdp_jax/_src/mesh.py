@@ -179,6 +179,21 @@ class TopLevelJit:
     return self._pick(args, kwargs).trace(*args, **kwargs)
 
 
+def _cpu_devices_hint(devices: Sequence[jax.Device], needed: int) -> str:
+  """How to get ``needed`` devices when they are CPU devices (simulated ones)."""
+  if not devices or devices[0].platform != "cpu" or jax.device_count() >= needed:
+    return ""
+  procs = jax.process_count()
+  if procs > 1:
+    per_process = -(-needed // procs)
+    return (f" On CPU, simulate {per_process} devices per process: "
+            f"fsdp_jax.distributed.initialize(devices_per_process={per_process}), or "
+            f"python -m fsdp_jax.launch --devices-per-proc {per_process}.")
+  return (f" On CPU, simulate them: call fsdp_jax.simulate_cpu_devices({needed}) at the top "
+          f"of the script, before the first jax computation or jax.devices() call (or set "
+          f"JAX_NUM_CPU_DEVICES={needed} in the environment).")
+
+
 def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
   """Builds an FSDP mesh.
@@ -216,7 +231,8 @@ def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
   if rep * shard > n:
     raise ValueError(
         f"make_mesh: replicate={rep} x shard={shard} needs {rep * shard} "
-        f"devices but only {n} are available; pass devices= or smaller sizes.")
+        f"devices but only {n} are available; pass devices= or smaller sizes."
+        + _cpu_devices_hint(devices, rep * shard))
   devices = devices[: rep * shard]
   if replicate is None:
     return Mesh(np.array(devices), (SHARD,), axis_types=(AxisType.Auto,))

@@ -153,15 +153,27 @@ def _matches(node: Node, specs: Iterable[Any]) -> bool:
 class ModuleWrapPolicy:
   """Wraps every node that is an instance of one of ``module_classes``.
 
-  Entries may be Flax module classes (matched when the tree comes from a
-  Flax model whose module classes are known, see
-  :func:`fsdp_jax.module_classes`) or dotted-name glob patterns for plain
-  trees (``"layers.*"``, ``"params.Block_*"``): ``*`` matches within one
-  path segment, ``**`` across segments.
+  Each entry is one of:
+
+  * a module class (Flax linen, NNX or equinox): wraps every subtree owned
+    by an instance of it or of a subclass, when the model's module classes
+    are known (:func:`init_train_state` collects them from ``init_fn`` or a
+    model; see :func:`fsdp_jax.module_classes`);
+  * a dotted-path glob pattern of subtrees (``"layers.*"``,
+    ``"params.Block_*"``): ``*`` matches within one path segment, ``**``
+    across segments; this is how plain trees are wrapped;
+  * a class name (``"Block"``): a string that matches no subtree's path but
+    is the ``__name__`` of module classes of the model stands for those
+    classes, exactly as if they were passed.
+
+  A string that is neither a path pattern of the tree nor a class name of
+  the model is an error when the policy wraps nothing, which lists the
+  subtree paths and the model's class names.
 
   Example:
     >>> import fsdp_jax
     >>> policy = fsdp_jax.ModuleWrapPolicy({"blocks.*"})
+    >>> by_name = fsdp_jax.ModuleWrapPolicy({"Block"})  # the model's Block class
   """
 
   def __init__(self, module_classes: Iterable[Union[type, str]]):
@@ -180,6 +192,29 @@ class ModuleWrapPolicy:
 
   def __repr__(self):
     return f"ModuleWrapPolicy({self._module_classes!r})"
+
+  def _for_tree(self, names: Iterable[str],
+               module_types: dict) -> tuple["ModuleWrapPolicy", tuple[str, ...]]:
+    """This policy for one tree: ``(policy, unmatched)``. A string entry that
+    matches none of the subtree ``names`` but is the ``__name__`` of classes
+    in ``module_types`` (``{path: module class}``) is replaced by those
+    classes; ``unmatched`` are the strings that are neither."""
+    names = tuple(names)
+    by_name: dict = {}
+    for cls in module_types.values():
+      by_name.setdefault(cls.__name__, {})[cls] = None
+    entries, unmatched = [], []
+    for spec in self._module_classes:
+      if not isinstance(spec, str) or any(name_matches(n, spec) for n in names):
+        entries.append(spec)
+      elif spec in by_name:
+        entries.extend(by_name[spec])
+      else:
+        entries.append(spec)
+        unmatched.append(spec)
+    if entries == list(self._module_classes):
+      return self, tuple(unmatched)
+    return ModuleWrapPolicy(entries), tuple(unmatched)
 
   # A value: equal entries (in any order) make an equal policy, so two configs
   # built separately with ModuleWrapPolicy({"l1"}) are the same config.
@@ -329,14 +364,14 @@ def choose_units(leaf_paths: Sequence[tuple[str, ...]],
           f"parameter tree. Subtrees are named by dotted paths such as "
           f"{_example_names(trie)}; fix the pattern.")
 
-  def recurse(t: _Trie, is_root: bool) -> int:
+  def recurse(t: _Trie, is_root: bool, policy: Callable[..., bool]) -> int:
     total = numel_of([i for i in _all_leaves(t) if i not in claimed])
     node = node_of(t, total)
     if not policy(node, recurse=True, nonwrapped_numel=total):
       return 0
     wrapped = 0
     for child in t.children.values():
-      wrapped += recurse(child, False)
+      wrapped += recurse(child, False, policy)
     remainder = total - wrapped
     if not is_root and remainder > 0 and policy(
         node_of(t, remainder), recurse=False, nonwrapped_numel=remainder):
@@ -346,23 +381,65 @@ def choose_units(leaf_paths: Sequence[tuple[str, ...]],
     return wrapped
 
   if policy is not None:
+    unmatched: tuple[str, ...] = ()
+    if isinstance(policy, ModuleWrapPolicy):  # class names become the classes
+      run_policy, unmatched = policy._for_tree(_all_names(trie), module_types)
+    else:
+      run_policy = policy
     before = len(units)
-    recurse(trie, True)
+    recurse(trie, True, run_policy)
     is_size_based = getattr(policy, "func", None) is size_based_auto_wrap_policy or \
         policy is size_based_auto_wrap_policy
     if len(units) == before and not is_size_based:
-      raise ValueError(
-          f"auto_wrap_policy {policy!r} claims no parameter: it did not wrap "
-          f"any subtree. Subtrees are named by dotted paths such as "
-          f"{_example_names(trie)}"
-          + (f" and have module classes {sorted({t.__name__ for t in module_types.values()})}"
-             if module_types else " (no Flax module classes are known for this tree: "
-             "pass module_classes= to init_train_state, or use name patterns)")
-          + ". Fix the policy or pass auto_wrap_policy=None.")
+      raise ValueError(_claims_nothing_message(policy, unmatched, trie, module_types))
   rest = tuple(i for i in range(len(leaf_paths)) if i not in claimed)
   if rest:
     units.append(UnitChoice("", rest, (), False))
   return units
+
+
+def _claims_nothing_message(policy, unmatched: Sequence[str], trie: _Trie,
+                            module_types: dict) -> str:
+  class_names = sorted({t.__name__ for t in module_types.values()})
+  if not unmatched:
+    return (
+        f"auto_wrap_policy {policy!r} claims no parameter: it did not wrap "
+        f"any subtree. Subtrees are named by dotted paths such as "
+        f"{_example_names(trie)}"
+        + (f" and have module classes {class_names}"
+           if module_types else " (no Flax module classes are known for this tree: "
+           "pass module_classes= to init_train_state, or use name patterns)")
+        + ". Fix the policy or pass auto_wrap_policy=None.")
+  entries = ", ".join(repr(s) for s in unmatched)
+  if class_names:
+    known = (f"the model's module classes are {', '.join(map(repr, class_names))}: pass "
+             f"the class itself (ModuleWrapPolicy({{{class_names[0]}}})) or its name "
+             f"(ModuleWrapPolicy({{{class_names[0]!r}}}))")
+  else:
+    known = ("no module classes are known for this tree: pass init_train_state "
+             "init_fn= (Flax linen) or module_classes=fsdp_jax.module_classes(model)")
+  return (
+      f"auto_wrap_policy {policy!r} claims no parameter: {entries} "
+      f"{'is' if len(unmatched) == 1 else 'are'} neither a subtree path pattern nor "
+      f"a module class name of this model. A string entry "
+      f"is either a dotted path pattern ('*' within one segment, '**' across, e.g. "
+      f"'params.layers_*'; this tree's subtrees are such as {_example_names(trie)}) "
+      f"or the name of a module class: {known}. Fix the entry or pass "
+      f"auto_wrap_policy=None.")
+
+
+def _all_names(trie: _Trie) -> list[str]:
+  """The dotted names of every subtree below the root."""
+  out = []
+
+  def walk(t):
+    if t.path:
+      out.append(".".join(t.path))
+    for c in t.children.values():
+      walk(c)
+
+  walk(trie)
+  return out
 
 
 def _example_names(trie: _Trie, limit: int = 6) -> str:
