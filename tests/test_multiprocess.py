@@ -19,6 +19,7 @@ group) on the way out; workers also die with their parent (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
+import io
 import ipaddress
 import json
 import os
@@ -38,6 +39,7 @@ from fsdp_jax import launch
 from fsdp_jax import distributed
 from fsdp_jax._src.runtime import cluster
 from fsdp_jax._src.runtime import distributed as distributed_impl
+from fsdp_jax._src.runtime.output import GLOO_CHATTER, LineFilter
 from fsdp_jax.launch import WorkerGroup, free_port, worker_env
 
 import mp_worker
@@ -570,6 +572,113 @@ def test_launcher_success_module_mode_and_log_dir(tmp_path):
   assert proc.returncode == 0, proc.stderr
   for r in (0, 1):
     assert (logs / f"rank{r}.log").read_text().strip() == f"hello from {r}"
+
+
+# Two processes whose cross-process collective connects gloo (which prints a
+# "[Gloo] Rank N is connected to M peer ranks" line per process and group);
+# process 1 fails after its collective with FAIL in argv.
+_GLOO_SCRIPT = """
+    import sys
+    import fsdp_jax
+    fsdp_jax.distributed.initialize()
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = fsdp_jax.make_mesh(shard=jax.device_count())
+    x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("shard")))
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x)
+    rank = jax.process_index()
+    for step in range(3):
+      print(f"rank {rank} step {step} sum {float(total)}")
+    print(f"rank {rank} to stderr", file=sys.stderr)
+    if "FAIL" in sys.argv and rank == 1:
+      raise ValueError("rank 1 fails on purpose")
+"""
+
+
+def _gloo_run(tmp_path, *args):
+  script = _script(tmp_path, _GLOO_SCRIPT)
+  launcher_args = [a for a in args if a != "FAIL"]
+  return subprocess.run(
+      _launcher("--nproc", "2", "--devices-per-proc", "2", "--platform", "cpu",
+                *launcher_args, script, *[a for a in args if a == "FAIL"]),
+      cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+
+
+def test_launcher_hides_gloo_chatter_unless_verbose_or_failed(tmp_path):
+  quiet = _gloo_run(tmp_path)
+  assert quiet.returncode == 0, quiet.stdout[-3000:] + quiet.stderr[-3000:]
+  assert "[Gloo]" not in quiet.stdout + quiet.stderr, quiet.stdout
+  for rank in (0, 1):  # everything else comes through, each process's lines in order
+    lines = [l for l in quiet.stdout.splitlines() if l.startswith(f"rank {rank} ")]
+    assert lines == [f"rank {rank} step {i} sum 6.0" for i in range(3)], quiet.stdout
+    assert f"rank {rank} to stderr" in quiet.stderr, quiet.stderr[-3000:]
+
+  verbose = _gloo_run(tmp_path, "--verbose")
+  assert verbose.returncode == 0, verbose.stderr[-3000:]
+  assert re.search(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks", verbose.stdout,
+                   re.MULTILINE), verbose.stdout
+  assert "rank 1 step 2 sum 6.0" in verbose.stdout
+
+  failed = _gloo_run(tmp_path, "FAIL")
+  assert failed.returncode == 1, failed.stderr[-3000:]
+  err = failed.stderr
+  assert "[Gloo]" not in failed.stdout, failed.stdout
+  # The failed worker's whole output is shown again, with its gloo lines.
+  start = re.search(r"fsdp_jax\.launch: worker RANK=1 ended with exit code 1; its whole output "
+                    r"follows, with the (\d+) line\(s\) of gloo connection messages hidden "
+                    r"above \(--verbose shows them as they come\):\n", err)
+  assert start, err[-4000:]
+  end = err.index("fsdp_jax.launch: end of worker RANK=1's output.", start.end())
+  replay = err[start.end():end]
+  gloo = [l for l in replay.splitlines() if l.startswith("[Gloo]")]
+  assert len(gloo) == int(start.group(1)) > 0, replay
+  assert all(re.match(r"\[Gloo\] Rank \d+ is connected", l) for l in gloo), replay
+  assert "rank 1 step 2 sum 6.0" in replay and "ValueError: rank 1 fails on purpose" in replay
+  assert "rank 0 step" not in replay  # only the failed worker's
+  assert err.index("end of worker RANK=1's output") < err.index("failed first")
+
+
+def test_launcher_forwards_output_as_it_comes(tmp_path):
+  """A worker's prints (no flush) and an unfinished line reach the launcher's
+  output while the worker still runs."""
+  flag = tmp_path / "go"
+  script = _script(tmp_path, f"""
+      import os, sys, time
+      print("started", os.environ["RANK"])
+      sys.stdout.write("[progress 1/2]")  # no newline yet
+      deadline = time.monotonic() + 60
+      while not os.path.exists({str(flag)!r}) and time.monotonic() < deadline:
+          time.sleep(0.05)
+      print(" done", os.environ["RANK"])
+  """)
+  run = Background(_launcher("--nproc", "2", "--platform", "cpu", script),
+                   tmp_path / "launcher.log", timeout=90)
+  try:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+      out = run.output()
+      if all(f"started {r}" in out for r in (0, 1)) and out.count("[progress 1/2]") == 2:
+        break
+      time.sleep(0.1)
+    else:
+      raise AssertionError(f"no output while the workers run:\n{run.output()[-3000:]}")
+    assert run.proc.poll() is None  # the workers are still waiting
+    flag.write_text("")
+    assert run.wait() == 0, run.output()[-3000:]
+    assert "[progress 1/2] done 0" in run.output() or "[progress 1/2] done 1" in run.output()
+  finally:
+    run.kill()
+
+
+def test_line_filter_hides_prefixed_lines_across_chunks():
+  sink = io.StringIO()
+  f = LineFilter(sink, GLOO_CHATTER)
+  for chunk in ["a\n[Gl", "oo] Rank 0 is con", "nected\nb", "c\n[", "step 1]", " ok\n",
+                "[Gloo] last"]:
+    f.feed(chunk.encode())
+  assert sink.getvalue() == "a\nbc\n[step 1] ok\n"  # "[step" is let through at once
+  f.close()
+  assert f.hidden == 2 and sink.getvalue() == "a\nbc\n[step 1] ok\n"
 
 
 def test_slurm_job_is_detected(tmp_path):

@@ -36,6 +36,14 @@ Fault tolerance:
 * SIGINT (Ctrl-C) and SIGHUP are forwarded with ``--kill-grace``; a second
   signal kills the workers at once.
 
+Output: what the workers print comes through the launcher's stdout and
+stderr as it happens (the workers run with ``PYTHONUNBUFFERED=1``), less
+gloo's connection messages (``[Gloo] Rank N is connected to M peer ranks
+...``, a line per process and collective group of a CPU run). ``--verbose``
+shows those too; when a worker fails, its whole output, those lines
+included, is shown again after it. ``--log-dir`` writes each worker's
+complete output to its own file instead.
+
 Several machines (static rendezvous, like ``torch.distributed.launch``): on
 each machine ``--nnodes K --node-rank i --master-addr HOST0 --master-port
 PORT``; ranks are ``node_rank * nproc + local_rank``. Under SLURM you may
@@ -57,7 +65,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from fsdp_jax._src.runtime import cluster
+from fsdp_jax._src.runtime import cluster, output
 
 __all__ = ["WorkerGroup", "WorkerResult", "free_port", "main", "worker_env"]
 
@@ -203,6 +211,14 @@ class WorkerGroup:
       exec is unsafe; then rely on :meth:`wait`'s timeout and :meth:`stop`.
     log_header: with ``log_dir``, append to the log files (after this line)
       instead of starting them afresh (the launcher's restarts).
+    hide_output: without ``log_dir``, ``stdout`` and ``stderr``, read the
+      workers' output through pipes and forward it to this process's
+      ``sys.stdout`` / ``sys.stderr`` as it comes, less the lines that start
+      with one of these byte strings (the launcher hides gloo's ``[Gloo]``
+      connection messages); :meth:`hidden_lines` counts them and
+      :meth:`output` gives a worker's whole output. The workers then run
+      with ``PYTHONUNBUFFERED=1`` (unless set), so that their prints still
+      come as they happen.
 
   Example:
     >>> import sys
@@ -218,7 +234,8 @@ class WorkerGroup:
   def __init__(self, cmd: Sequence[str], envs: Sequence[dict],
                ranks: Optional[Sequence[int]] = None, *, log_dir: Optional[str] = None,
                stdout=None, stderr=None, cwd: Optional[str] = None,
-               die_with_parent: bool = True, log_header: Optional[str] = None):
+               die_with_parent: bool = True, log_header: Optional[str] = None,
+               hide_output: Sequence[bytes] = ()):
     self.cmd = list(cmd)
     self.log_header = log_header
     self.envs = list(envs)
@@ -232,10 +249,19 @@ class WorkerGroup:
     self._stopped: set[int] = set()
     self.interrupt_signal = signal.SIGTERM  # what wait() sends if interrupted
     self._ended: dict[int, float] = {}
+    self.hide_output = tuple(hide_output)
+    self._forwarder: Optional[output.OutputForwarder] = None
 
   def start(self) -> "WorkerGroup":
+    if self.hide_output and self.log_dir is None and self.stdout is None \
+        and self.stderr is None:
+      self._forwarder = output.OutputForwarder(self.hide_output, sys.stdout, sys.stderr)
     for local, env in enumerate(self.envs):
       stdout, stderr = self.stdout, self.stderr
+      if self._forwarder is not None:
+        stdout = stderr = subprocess.PIPE
+        env = dict(os.environ if env is None else env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
       if self.log_dir is not None:
         os.makedirs(self.log_dir, exist_ok=True)
         f = open(os.path.join(self.log_dir, f"rank{self.ranks[local]}.log"),
@@ -249,7 +275,25 @@ class WorkerGroup:
           self.cmd, env=env, cwd=self.cwd, stdout=stdout, stderr=stderr,
           start_new_session=True,
           preexec_fn=_die_with_parent if self.die_with_parent else None))
+      if self._forwarder is not None:
+        self._forwarder.add(self.procs[-1])
+    if self._forwarder is not None:
+      self._forwarder.start()
     return self
+
+  def hidden_lines(self, local_rank: int) -> int:
+    """How many lines of worker ``local_rank``'s output ``hide_output`` held
+    back (so far)."""
+    return self._forwarder.hidden(local_rank) if self._forwarder is not None else 0
+
+  def output(self, local_rank: int) -> tuple[bytes, int]:
+    """With ``hide_output``: ``(worker local_rank's whole output, hidden lines
+    included, or its last MiB from a line start; its size in bytes)``."""
+    if self._forwarder is None:
+      raise ValueError("WorkerGroup.output() needs hide_output= (and no log_dir, stdout "
+                       "or stderr): only then does the group read the workers' output.")
+    self._forwarder.join()
+    return self._forwarder.output(local_rank)
 
   def results(self) -> list[WorkerResult]:
     out = []
@@ -307,9 +351,13 @@ class WorkerGroup:
     self.close()
 
   def close(self) -> None:
+    """Closes the log files; with ``hide_output``, waits (up to 10 s) until
+    everything the workers printed is forwarded."""
     for f in self._files:
       f.close()
     self._files = []
+    if self._forwarder is not None and not self.running():
+      self._forwarder.join()
 
   def wait(self, timeout: Optional[float] = None, *, stop_on_failure: bool = True,
            grace: float = 5.0) -> list[WorkerResult]:
@@ -449,6 +497,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "30; keep it below the scheduler's grace period)")
   p.add_argument("--log-dir", dest="log_dir", metavar="DIR",
                  help="write each worker's output to DIR/rank<R>.log (restarts append)")
+  p.add_argument("-v", "--verbose", action="store_true",
+                 help="show all the workers' output, including gloo's connection messages "
+                      "('[Gloo] Rank N is connected to M peer ranks...'), which are hidden "
+                      "by default except in the output of a worker that fails")
   p.add_argument("-m", "--module", action="store_true",
                  help="run SCRIPT as a module (python -m SCRIPT)")
   p.add_argument("script", metavar="SCRIPT", nargs="?",
@@ -560,7 +612,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr, flush=True)
       header = (f"==== fsdp_jax.launch: restart {restart} of {args.max_restarts} ===="
                 if restart else None)
-      group = WorkerGroup(cmd, envs, ranks, log_dir=args.log_dir, log_header=header)
+      group = WorkerGroup(cmd, envs, ranks, log_dir=args.log_dir, log_header=header,
+                          hide_output=() if args.verbose else output.GLOO_CHATTER)
       group.start()
       outcome = _supervise(group, args, received)
       if outcome == "signal":
@@ -568,6 +621,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       failure = group.first_failure
       if failure is None:
         return 0
+      _replay_output(group, failure)
       _report_failure(group, args, failure)
       if restart >= args.max_restarts:
         if args.max_restarts:
@@ -680,6 +734,24 @@ def _after_signal(group: WorkerGroup, sig: int) -> int:
         + (f" ({meaning[status]})." if status in meaning else "."),
         file=sys.stderr, flush=True)
   return status
+
+
+def _replay_output(group: WorkerGroup, failure: WorkerResult) -> None:
+  """Shows the failed worker's whole output again, with the lines that were
+  hidden from it (if any were)."""
+  hidden = group.hidden_lines(failure.local_rank)  # all: the group is closed
+  if not hidden:
+    return
+  data, size = group.output(failure.local_rank)
+  what = ("its whole output" if len(data) == size else
+          f"the last {len(data)} bytes of its {size} bytes of output")
+  print(f"fsdp_jax.launch: worker RANK={failure.rank} ended with "
+        f"{describe_status(failure.returncode)}; {what} follows, with the {hidden} "
+        "line(s) of gloo connection messages hidden above (--verbose shows them as they "
+        "come):", file=sys.stderr, flush=True)
+  output.write_bytes(sys.stderr, data if data.endswith(b"\n") else data + b"\n")
+  print(f"fsdp_jax.launch: end of worker RANK={failure.rank}'s output.",
+        file=sys.stderr, flush=True)
 
 
 def _report_failure(group: WorkerGroup, args, failure: WorkerResult) -> None:
