@@ -201,6 +201,21 @@ def reduction_axes(eqn) -> tuple:
   return tuple(eqn.params.get("axes", ()))
 
 
+def while_parts(eqn) -> tuple[int, int, Any, Any]:
+  """``(cond_nconsts, body_nconsts, cond jaxpr, body jaxpr)`` of a ``while``
+  equation (operands: the cond's consts, the body's consts, the carry), the
+  jaxprs open (see :func:`split_closed`)."""
+  p = eqn.params
+  return (p["cond_nconsts"], p["body_nconsts"], split_closed(p["cond_jaxpr"])[0],
+          split_closed(p["body_jaxpr"])[0])
+
+
+def call_name(eqn) -> Optional[str]:
+  """The name of the function a call equation (``jit``) calls
+  (``params["name"]``), or None."""
+  return eqn.params.get("name") if is_call(eqn) else None
+
+
 def cond_branches(eqn) -> tuple:
   """The branches of a ``cond`` equation (``params["branches"]``: closed
   jaxprs on 0.10, jaxprs carrying ``.consts`` from 0.11; see

@@ -165,10 +165,8 @@ def _body_deps(eqn, ins: list) -> list:
     p = _compat.scan_params(eqn)
     return [(p.body, ins, (p.num_consts, p.num_carry))]
   if name == "while":
-    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    nc, nb, cond, body = _compat.while_parts(eqn)
     carry = ins[nc + nb:]
-    cond = _compat.split_closed(eqn.params["cond_jaxpr"])[0]
-    body = _compat.split_closed(eqn.params["body_jaxpr"])[0]
     return [(cond, ins[:nc] + carry, None), (body, ins[nc:nc + nb] + carry, (nb, len(carry)))]
   if name == "cond":
     return [(_compat.split_closed(b)[0], ins[1:], None) for b in _compat.cond_branches(eqn)]
@@ -189,7 +187,7 @@ def _constant_draws(jaxpr, dep_in: list, found: list, site=None) -> list:
   for eqn in jaxpr.eqns:
     ins = [is_dep(v) for v in eqn.invars]
     name = eqn.primitive.name
-    if _compat.is_call(eqn) and eqn.params.get("name") == _MARK:
+    if _compat.call_name(eqn) == _MARK:
       dep.update(eqn.outvars)  # constant_key: meant to be constant
       continue
     if name in _DRAWS and not any(ins[:_DRAWS[name]]):
