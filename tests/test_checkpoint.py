@@ -14,6 +14,7 @@ import signal
 import sys
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -323,8 +324,6 @@ def test_mismatched_tree_names_paths_and_shapes(tmp_path):
 def test_mismatched_flax_model_names_each_entry_once(tmp_path):
   """A Flax linen model's parameter names start with its "params" collection;
   the messages name the state field, then that name, without repeating it."""
-  nn = pytest.importorskip("flax.linen")
-
   class Model(nn.Module):
     width: int
 

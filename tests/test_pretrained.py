@@ -41,10 +41,9 @@ try:
 except ImportError:  # pragma: no cover - torch's CPU build is installed for Python 3.11 only
   torch = transformers = None
 
-needs_hf = pytest.mark.skipif(
-    transformers is None,
-    reason="needs torch and transformers (pyproject's test extra installs torch's CPU "
-           "build for Python 3.11, the one this machine's package index has)")
+HF_REASON = ("needs torch and transformers (pyproject's test extra installs torch's CPU "
+             "build for Python 3.11, the one this machine's package index has)")
+needs_hf = pytest.mark.skipif(transformers is None, reason=HF_REASON)
 
 TOKENS = np.random.default_rng(0).integers(0, 128, (2, 12)).astype(np.int32)
 
@@ -68,7 +67,7 @@ def hf_llama(tmp_path_factory):
   saved in safetensors shards with an index, as a PyTorch state dict
   (torch.save), and in bf16."""
   if transformers is None:
-    pytest.skip("needs torch and transformers")
+    pytest.skip(HF_REASON)
   torch.manual_seed(0)
   cfg = transformers.LlamaConfig(
       vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
