@@ -29,6 +29,7 @@ from fsdp_jax._src.config import (
     gradient_divide_factors as gradient_divide_factors,
 )
 from fsdp_jax._src.quantization import Quantization as Quantization
+from fsdp_jax._src.lora import LoRA as LoRA
 from fsdp_jax._src.wrap import (
     CustomPolicy as CustomPolicy,
     ModuleWrapPolicy as ModuleWrapPolicy,
@@ -103,7 +104,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackwardPrefetch", "CPUOffload", "CheckpointError",
-    "CheckpointManager", "CustomPolicy", "DistributedInfo", "FSDPConfig",
+    "CheckpointManager", "CustomPolicy", "DistributedInfo", "FSDPConfig", "LoRA",
     "MixedPrecision", "ModuleWrapPolicy", "MonitoredBarrierError", "Node",
     "NonFiniteError", "OptimStateKeyType", "Plan", "Quantization",
     "ShardedTrainState", "ShardingStrategy", "StateDictType", "TrainStep",

@@ -606,3 +606,26 @@ def saved_residuals(fn, *args):
   the public ``jax.ad_checkpoint.print_saved_residuals`` only prints them."""
   from jax._src.ad_checkpoint import saved_residuals as impl  # pylint: disable=import-outside-toplevel
   return impl(fn, *args)
+
+
+# -- dot_general and convert_element_type equations ----------------------------
+
+def dot_dimension_numbers(eqn) -> tuple:
+  """``((lhs contracting, rhs contracting), (lhs batch, rhs batch))`` of a
+  ``dot_general`` equation (``params["dimension_numbers"]``, 0.10 to 0.12),
+  as tuples of ints."""
+  (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+  return (tuple(lc), tuple(rc)), (tuple(lb), tuple(rb))
+
+
+def dot_options(eqn) -> dict:
+  """The ``precision`` and ``preferred_element_type`` of a ``dot_general``
+  equation, as ``lax.dot_general`` keywords."""
+  return {"precision": eqn.params.get("precision"),
+          "preferred_element_type": eqn.params.get("preferred_element_type")}
+
+
+def converted_dtype(eqn):
+  """The target dtype of a ``convert_element_type`` equation
+  (``params["new_dtype"]``)."""
+  return eqn.params["new_dtype"]

@@ -125,7 +125,8 @@ def describe(state) -> dict:
   plan = state.plan
   names = param_names(plan)
   params = {}
-  for i, leaf in enumerate(plan.leaves):
+  for i in _saved_leaves(plan):
+    leaf = plan.leaves[i]
     params[names[i]] = {"shape": list(leaf.shape), "dtype": dtype_name(leaf.dtype)}
   lay = opt_layout(plan, state.opt_state)
   opt_state: dict = {}
@@ -140,8 +141,22 @@ def describe(state) -> dict:
   for f in _other_fields(state):
     kind, leaves, _ = _field_leaves(getattr(state, f))
     fields[f] = {"kind": kind, "leaves": {n: _leaf_desc(x) for n, x in leaves}}
-  return {"params": params, "opt_state": {"state": opt_state, "param_groups": groups},
-          "fields": fields}
+  out = {"params": params, "opt_state": {"state": opt_state, "param_groups": groups},
+         "fields": fields}
+  lora = plan.config.lora
+  if lora is not None:
+    out["lora"] = {"targets": list(plan.lora_targets), "rank": lora.rank, "alpha": lora.alpha,
+                   "trainable": list(lora.trainable)}
+  return out
+
+
+def _saved_leaves(plan: Plan) -> list[int]:
+  """The parameters a checkpoint holds: all of them, or with LoRA the
+  trainable ones (the adapters and ``LoRA(trainable=...)``); the frozen base
+  is the pretrained model's, and stays where the target state has it."""
+  if plan.config.lora is None:
+    return list(range(len(plan.leaves)))
+  return [l.index for l in plan.leaves if not l.frozen]
 
 
 def _plan_summary(plan: Plan) -> dict:
@@ -174,7 +189,7 @@ def checkpoint_tree(state: ShardedTrainState):
   osd = optim_named(state, replicated=False)
   group = {k: _copy(v) for k, v in osd["param_groups"][0].items() if k != "params"}
   tree: dict = {
-      PARAMS: {names[i]: leaves[i] for i in range(len(names))},
+      PARAMS: {names[i]: leaves[i] for i in _saved_leaves(plan)},
       OPT_STATE: {"state": osd["state"], "param_groups": [group]},
   }
   meta = describe(state)
@@ -224,6 +239,10 @@ def _diff(saved: dict, target: dict) -> list[str]:
     if shape_of(a) != shape_of(b) or bool(a.get("prng")) != bool(b.get("prng")):
       lines.append(f"{name}: checkpoint {desc(a)}, target {desc(b)}")
 
+  if saved.get("lora") != target.get("lora"):
+    lines.append(f"lora: checkpoint {saved.get('lora')}, target {target.get('lora')} (a LoRA "
+                 "checkpoint holds the adapters and trainable leaves only; restore it into a "
+                 "state with the same FSDPConfig(lora=...), built from the same base model)")
   for name, a, b in cmp(lambda k: f"{PARAMS}[{k!r}]", saved["params"], target["params"], desc):
     leaf_cmp(name, a, b)
   so, to = saved["opt_state"], target["opt_state"]
@@ -257,9 +276,9 @@ def _abstract_tree(target, meta: dict):
   tree, for orbax to read each device's slice into."""
   plan = target.plan
   names = param_names(plan)
-  params = {names[i]: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                                           sharding=canonical_sharding(plan, leaf))
-            for i, leaf in enumerate(plan.leaves)}
+  params = {names[i]: jax.ShapeDtypeStruct(plan.leaves[i].shape, plan.leaves[i].dtype,
+                                           sharding=canonical_sharding(plan, plan.leaves[i]))
+            for i in _saved_leaves(plan)}
   lay = opt_layout(plan, target.opt_state)
   state: dict = {}
   group: dict = {}
@@ -309,7 +328,10 @@ def from_checkpoint_tree(target: ShardedTrainState, restored: dict, meta: dict):
   """Builds the target's train state from the restored canonical tree."""
   plan = target.plan
   names = param_names(plan)
-  leaves = {i: restored[PARAMS][n] for i, n in enumerate(names)}
+  leaves = {i: restored[PARAMS][names[i]] for i in _saved_leaves(plan)}
+  if len(leaves) < len(plan.leaves):  # LoRA: the frozen base is the target's own
+    current = storage_to_leaves(plan, target.params)
+    leaves.update({i: x for i, x in current.items() if i not in leaves})
   params = offload.place_state_tree(plan.memory_kind,
                                     leaves_to_storage(plan, leaves, target.params))
   ro = restored[OPT_STATE]
@@ -572,7 +594,9 @@ class CheckpointManager:
     ``target`` is a :class:`~fsdp_jax.ShardedTrainState` built for the mesh,
     strategy, layout and optimizer to restore onto, or an abstract one
     (``jax.eval_shape(lambda: fsdp_jax.init_train_state(...))``, which
-    allocates nothing). Only its plan and tree structure are used. The
+    allocates nothing). Only its plan and tree structure are used (with
+    ``FSDPConfig(lora=...)`` its frozen base too: the checkpoint holds the
+    adapters, the trainable leaves and their optimizer state only). The
     parameter tree and optimizer must match the saved ones (dtypes may differ
     and are cast); otherwise a ``ValueError`` lists every differing path.
 
@@ -582,6 +606,13 @@ class CheckpointManager:
       ValueError: the saved tree does not match ``target``.
     """
     require_state(target, "CheckpointManager.restore")
+    if target.plan.config.lora is not None and any(
+        isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(target.params)):
+      raise ValueError(
+          "CheckpointManager.restore: a LoRA checkpoint holds the adapters and trainable "
+          "leaves, not the frozen base, so the target must be a real train state holding "
+          "the base (e.g. init_train_state(init_fn=..., pretrained=...)), not an abstract "
+          "one.")
     self.wait_until_finished()
     step = self._choose_step(step)
     meta = self._read_meta(step)

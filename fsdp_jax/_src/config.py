@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsdp_jax._src.collectives import check_hook
+from fsdp_jax._src.lora import LoRA
 from fsdp_jax._src.quantization import Quantization
 
 
@@ -364,6 +365,11 @@ class FSDPConfig(_ValueEquality):
       units' backward all-gathers are issued right after that unit's backward
       all-gather and before its reduce-scatter. Both the unit and the listed
       ones must be re-gathered in the backward pass (resharded, non-root).
+    lora: a :class:`~fsdp_jax.LoRA`: LoRA / QLoRA fine-tuning (PEFT's
+      semantics). The state stores each target kernel as its frozen base
+      (quantized with ``LoRA(base_quantization=...)``) and trainable adapter
+      factors; everything else is frozen unless ``LoRA(trainable=...)``
+      names it. The model and loss are unchanged. See ``docs/lora.md``.
 
   Example:
     >>> import fsdp_jax
@@ -401,8 +407,13 @@ class FSDPConfig(_ValueEquality):
   reduce_scatter_quantization: Optional[Quantization] = None
   forward_prefetch_units: Optional[Mapping[str, Sequence[str]]] = None
   backward_prefetch_units: Optional[Mapping[str, Sequence[str]]] = None
+  lora: Optional[LoRA] = None
 
   def __post_init__(self):
+    if self.lora is not None and not isinstance(self.lora, LoRA):
+      raise TypeError(
+          f"lora={self.lora!r} must be a fsdp_jax.LoRA or None, e.g. "
+          "lora=fsdp_jax.LoRA(targets=('*.wq', '*.wv'), rank=8).")
     if self.sharding_strategy is not None and not isinstance(
         self.sharding_strategy, ShardingStrategy):
       raise TypeError(

@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fsdp_jax._src import grads as grads_lib
 from fsdp_jax._src import layout, offload
+from fsdp_jax._src import lora as lora_lib
 from fsdp_jax._src import loss as loss_lib
 from fsdp_jax._src import plan as plan_lib
 from fsdp_jax._src.state import (ShardedTrainState, assemble_storage, ignored_storage,
@@ -57,7 +58,11 @@ def summon_full_params(state: ShardedTrainState, *, rank0_only: bool = False,
     grads: see ``with_grads``.
 
   Returns:
-    The full tree, or ``(params, grads)`` with ``with_grads``.
+    The full tree, or ``(params, grads)`` with ``with_grads``. With
+    ``FSDPConfig(lora=...)`` the tree is the model's own, each target the
+    effective kernel ``dequantized base + (alpha / rank) * A @ B`` in its
+    dtype; ``grads`` keep the stored tree (each target a ``LoRAWeight``
+    whose ``base`` gradient is ``None``).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax
@@ -75,7 +80,10 @@ def summon_full_params(state: ShardedTrainState, *, rank0_only: bool = False,
   plan = state.plan
   replicated = NamedSharding(plan.mesh, P())
   unpack = lambda s: unpack_all(plan, offload.to_device(s))
-  params = jax.jit(unpack, out_shardings=replicated)(state.params)
+  lora = plan.config.lora
+  merged_view = unpack if lora is None else (
+      lambda s: lora_lib.merged_tree(unpack(s), lora.scaling))
+  params = jax.jit(merged_view, out_shardings=replicated)(state.params)
   full_grads = None
   if with_grads:
     frozen = plan_lib.split_trainable(plan, state.params)[1]
@@ -101,6 +109,9 @@ def write_full_params(state: ShardedTrainState, fn: Callable[[Any], Any], *,
 
   ``fn`` must be a pure JAX function returning a tree of the same structure,
   shapes and dtypes. The optimizer state is left unchanged, as in PyTorch.
+  With ``FSDPConfig(lora=...)`` ``fn`` gets and returns the stored tree:
+  each target a ``LoRAWeight`` (``base``, as stored, ``lora_A``,
+  ``lora_B``), since a merged kernel cannot be split back.
 
   Raises:
     ValueError: with ``rank0_only=True`` (PyTorch refuses writeback with

@@ -10,7 +10,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from fsdp_jax._src import _compat, collectives, frameworks, layout, offload, schedule
+from fsdp_jax._src import _compat, adapters, collectives, frameworks, layout, offload, schedule
 from fsdp_jax._src import loss as loss_lib
 from fsdp_jax._src.config import is_key_dtype
 from fsdp_jax._src.loss import LossOutput
@@ -63,6 +63,12 @@ class LocalLoss:
   """
 
   def __init__(self, loss_fn: Callable, plan: Plan, *, forward_inputs=None):
+    if plan.config.lora is not None:
+      # The adapter path: loss_fn sees each target as W + s * A @ B, computed
+      # beside the frozen matmul (fsdp_jax._src.adapters).
+      loss_fn = adapters.wrap_loss(loss_fn, lora=plan.config.lora,
+                                   target_names=plan.lora_targets,
+                                   axis_env=plan.axis_env, report=plan.lora_report)
     self.loss_fn = loss_fn
     self.plan = plan
     self.forward_inputs = loss_lib.check_forward_inputs(forward_inputs)

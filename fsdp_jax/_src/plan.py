@@ -176,6 +176,10 @@ class Plan:
   # Subtrees that look like stacked layers but are not declared stacked:
   # ((dotted name, number of layers), ...); see frameworks.stacked_hints.
   stacked_hints: tuple = ()
+  # LoRA: the targets' dotted names (the user's), in the stored tree's
+  # order, and what tracing the step found (lora.Report; not compared).
+  lora_targets: tuple = ()
+  lora_report: Any = None
 
   def __post_init__(self):
     _check_resharding(self)
@@ -184,7 +188,8 @@ class Plan:
   # Plans compare by the content that matters for tracing.
   def _key(self):
     return (self.treedef, self.leaves, self.units, self.config, self.mesh, self.axes,
-            self.model_state_dtypes, self.opt_layout, self.opt_update, self.optimizer)
+            self.model_state_dtypes, self.opt_layout, self.opt_update, self.optimizer,
+            self.lora_targets)
 
   def __hash__(self):
     return hash(self._key())

@@ -94,6 +94,27 @@ def _zeropp_lines(plan) -> list[str]:
   return lines
 
 
+def _lora_lines(plan) -> list:
+  lora = plan.config.lora
+  if lora is None:
+    return []
+  trainable = sum(l.numel for l in plan.leaves if not l.frozen)
+  total = sum(l.numel for l in plan.leaves)
+  out = [f"  {lora.describe()}: {len(plan.lora_targets)} targets; trainable "
+         f"{trainable:,} of {total:,} stored elements ({100 * trainable / max(total, 1):.2f}%)"]
+  rep = plan.lora_report
+  if rep is None or not (rep.adapter_path or rep.merged):
+    out.append("    each target is computed as x @ W + scale * (x @ A) @ B where the loss "
+               "uses it in a matmul (known once the step is traced)")
+    return out
+  out.append(f"    adapter path x @ W + scale * (x @ A) @ B: {len(rep.adapter_path)} of "
+             f"{len(plan.lora_targets)} targets")
+  for name, why in sorted(rep.merged.items()):
+    out.append(f"    merged weight W + scale * A @ B (its gradient formed whole): {name}, "
+               f"used by {why}")
+  return out
+
+
 def describe(plan) -> str:
   cfg = plan.config
   mp = cfg.mixed_precision
@@ -110,6 +131,7 @@ def describe(plan) -> str:
   if ignored:
     lines.append(f"  ignored (a full copy per device, never gathered, gradients not "
                  f"reduced): {', '.join(ignored)}")
+  lines.extend(_lora_lines(plan))
   frozen = sum(l.frozen for l in plan.leaves)
   if frozen:
     lines.append(f"  frozen parameters: {frozen} of {len(plan.leaves)} (no gradient, no optimizer state)")

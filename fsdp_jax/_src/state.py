@@ -14,7 +14,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fsdp_jax._src import frameworks, layout, naming, offload, optim, unit_init, wrap
+from fsdp_jax._src import frameworks, layout, lora as lora_lib, naming, offload, optim
+from fsdp_jax._src import unit_init, wrap
 from fsdp_jax._src.config import FSDPConfig, is_float_dtype, is_key_dtype
 from fsdp_jax._src.mesh import mesh_axes
 from fsdp_jax._src.plan import (LeafSpec, Plan, UnitSpec, hook_key, hook_state_spec,
@@ -195,8 +196,13 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
       stacked_patterns=config.stacked_layers,
       full_precision_nodes=full_precision_nodes,
       ignored=sorted(ignored))
+  lora_targets = ()
+  if config.lora is not None:
+    requires_grad, lora_targets = _lora_requires_grad(abstract_params, config, requires_grad)
   frozen = _frozen_mask(abstract_params, requires_grad)
   _check_trainable_dtypes(paths, flat, frozen, requires_grad)
+  if config.lora is not None and not config.use_orig_params:
+    choices = _split_lora_units(choices, flat, frozen, [".".join(p) for p in paths])
   leaf_unit = {}
   units = []
   for idx, c in enumerate(choices):
@@ -242,7 +248,61 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
   hints = frameworks.stacked_hints(paths, [tuple(x.shape) for x in flat],
                                    stacked_ids | ignored)
   return Plan(treedef, tuple(leaves), tuple(units), config, mesh, axes, ms_dtypes,
-              stacked_hints=hints)
+              stacked_hints=hints, lora_targets=lora_targets,
+              lora_report=None if config.lora is None else lora_lib.Report())
+
+
+def _lora_requires_grad(abstract_params, config: FSDPConfig, requires_grad):
+  """LoRA's trainable mask over the stored tree (adapters and
+  ``LoRA(trainable=...)``), and the targets' names in stored order."""
+  if requires_grad is not None:
+    raise ValueError(
+        "init_train_state(requires_grad=...) with FSDPConfig(lora=...): LoRA decides what "
+        "trains (the adapters, and what LoRA(trainable=...) names). Fix: drop "
+        "requires_grad= and list the fully trained leaves in LoRA(trainable=(...)).")
+  is_node = lora_lib.is_lora_weight
+  nodes = [(naming.path_name(p), x) for p, x in
+           jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=is_node)[0]
+           if is_node(x)]
+  if not nodes:
+    raise ValueError("FSDPConfig(lora=...) but the parameter tree holds no adapters.")
+  user_view = jax.tree.map(lambda x: x.lora_A if is_node(x) else x, abstract_params,
+                           is_leaf=is_node)
+  trainable = lora_lib.trainable_leaves(user_view, config.lora)
+  mask = lora_lib.requires_grad_tree(abstract_params, trainable,
+                                     lora_lib.user_treedef(abstract_params))
+  return mask, tuple(name for name, _ in nodes)
+
+
+def _split_lora_units(choices, flat, frozen, names):
+  """Flat parameters hold one dtype and are all frozen or all trainable
+  (PyTorch's rule): with LoRA each unit's adapters become a unit of their
+  own (``<unit>.lora_adapters``, as PEFT's FSDP wrap policy wraps them), and
+  so do quantized bases (``<unit>.lora_base``)."""
+  out = []
+  for c in choices:
+    groups: dict = {}
+    for i in c.leaf_ids:
+      groups.setdefault((jnp.dtype(flat[i].dtype).name, frozen[i]), []).append(i)
+    if len(groups) == 1:
+      out.append(c)
+      continue
+    main = max(groups, key=lambda k: (k[1], sum(int(np.prod(flat[i].shape)) for i in groups[k])))
+    for key, ids in groups.items():
+      if key == main:
+        continue
+      if key[1]:
+        suffix = "lora_base"
+      elif all(lora_lib.stored_leaf_kind(names[i]) in ("lora_A", "lora_B") for i in ids):
+        suffix = "lora_adapters"
+      else:
+        suffix = "trainable"
+      if len([k for k in groups if k[1] == key[1]]) > 1:
+        suffix += "_" + key[0]
+      name = f"{c.name}.{suffix}" if c.name else suffix
+      out.append(dataclasses.replace(c, name=name, leaf_ids=tuple(ids)))
+    out.append(dataclasses.replace(c, leaf_ids=tuple(groups[main])))
+  return out
 
 
 # --------------------------------------------------------------------------
@@ -403,6 +463,8 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
                                                   else rng)
       rng = jax.random.wrap_key_data(data) if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key) else data
       init_args = (rng,)
+  if config.lora is not None:
+    params, init_fn = _with_adapters(config, params, init_fn, init_args, rng)
   captured = {}
   replicated = NamedSharding(mesh, P())
   traced = None  # init_fn's jaxpr, and where each parameter leaf is among its outputs
@@ -485,6 +547,21 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
                            model_state=model_state,
                            comm_hook_state=_init_hook_state(plan), nonfinite_steps=skipped,
                            rng=None if rng is None else owned(rng), plan=plan)
+
+
+def _with_adapters(config: FSDPConfig, params, init_fn, init_args, rng):
+  """LoRA: ``(params, init_fn)`` giving the stored tree, each target kernel
+  a :class:`~fsdp_jax._src.lora.LoRAWeight` (its ``A`` drawn from ``rng``,
+  key 0 without one)."""
+  lora = config.lora
+  whole = jax.eval_shape(init_fn, *init_args) if init_fn is not None else params
+  lora_lib.check_user_tree(whole, "init_train_state with FSDPConfig(lora=...)")
+  targets = lora_lib.find_targets(whole, lora, config.stacked_layers)
+  key = jax.random.key(0) if rng is None else rng
+  if init_fn is not None:
+    user_init = init_fn
+    return None, lambda *a: lora_lib.adapter_tree(user_init(*a), lora, targets, key)
+  return jax.jit(lambda p: lora_lib.adapter_tree(p, lora, targets, key))(params), None
 
 
 def _load_pretrained(plan: Plan, source, init_fn, init_args, traced):

@@ -1,0 +1,290 @@
+"""The LoRA adapter path inside the step: ``loss_fn`` re-evaluated with each
+target kernel kept apart as ``W`` and its factors.
+
+``loss_fn`` is traced on the user's tree (the merged kernels' shapes) and its
+jaxpr evaluated again with each target kernel bound to a :class:`LoRAValue`
+(the gathered frozen base, ``A``, ``B``). A ``dot_general`` that reads the
+kernel becomes PEFT's computation, ``x @ W + s * (dropout(x) @ A) @ B`` in
+the dot's own dimension numbers, precision and output type, so the base's
+weight gradient is never formed (``W`` is a constant of the
+differentiation). The value follows the kernel through dtype casts (mixed
+precision's, Flax's ``promote_dtype``), nested ``jit`` calls,
+``jax.checkpoint`` (kept, with its policy) and ``lax.scan`` over stacked
+layers (the scan slices the value's parts). Any other use (a transpose, a
+reshape, a ``while`` loop) sees the merged weight ``W + s * A @ B``; the
+step records it and ``print(state.plan)`` lists it, and adapter dropout,
+which needs the adapter path's input, is refused there.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import zlib
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fsdp_jax._src import _compat
+from fsdp_jax._src import lora as lora_lib
+from fsdp_jax._src import loss as loss_lib
+from fsdp_jax._src import quantization as quant
+from fsdp_jax._src.lora import Report
+
+# A fixed salt folded into the step's key for the adapters' dropout, so
+# the masks never repeat the ones ``loss_fn`` draws from its own ``rng``.
+_DROPOUT_SALT = 0x4C6F5241  # "LoRA"
+
+
+class LoRAValue:
+  """A target kernel as the re-evaluated loss holds it: the base (its
+  ``uint8`` payload for QLoRA, decoded where it is used), ``A``, ``B``, the
+  scale, the dropout rate and key, and the dtype the loss has cast it to.
+  A pytree (``lax.scan`` slices its parts, ``jax.checkpoint`` passes them)."""
+
+  __slots__ = ("base", "a", "b", "key", "scale", "rate", "quantization", "width", "dtype",
+               "name")
+
+  def __init__(self, base, a, b, key, *, scale, rate, quantization, width, dtype, name):
+    self.base, self.a, self.b, self.key = base, a, b, key
+    self.scale, self.rate, self.quantization = scale, rate, quantization
+    self.width, self.dtype, self.name = width, jnp.dtype(dtype), name
+
+  def _aux(self):
+    return (self.scale, self.rate, self.quantization, self.width, self.dtype, self.name)
+
+  @property
+  def shape(self) -> tuple:
+    return tuple(self.a.shape[:-1]) + (self.b.shape[-1],)
+
+  def weight(self):
+    """The base kernel, decoded, in the value's dtype."""
+    if self.quantization is None:
+      return self.base.astype(self.dtype)
+    return _decode(self.base, self.quantization, self.width, self.dtype)
+
+  def merged(self):
+    """``W + scale * A @ B`` in the value's dtype (the fallback)."""
+    delta = jnp.matmul(self.a, self.b, preferred_element_type=jnp.float32)
+    w = self.weight()
+    return (w.astype(jnp.float32) + jnp.float32(self.scale) * delta).astype(self.dtype)
+
+  def cast(self, dtype) -> "LoRAValue":
+    base = self.base if self.quantization is not None else self.base.astype(dtype)
+    return LoRAValue(base, self.a.astype(dtype), self.b.astype(dtype), self.key,
+                     scale=self.scale, rate=self.rate, quantization=self.quantization,
+                     width=self.width, dtype=dtype, name=self.name)
+
+
+def _decode(payload, q, width, dtype):
+  return quant.decode(payload, q, width, dtype)
+
+
+jax.tree_util.register_pytree_node(
+    LoRAValue,
+    lambda v: ((v.base, v.a, v.b, v.key), v._aux()),  # pylint: disable=protected-access
+    lambda aux, ch: LoRAValue(*ch, scale=aux[0], rate=aux[1], quantization=aux[2],
+                              width=aux[3], dtype=aux[4], name=aux[5]))
+
+
+def _is_lora(x) -> bool:
+  return isinstance(x, LoRAValue)
+
+
+# --------------------------------------------------------------------------
+# The interpreter
+
+
+def _read(env, v):
+  return v.val if isinstance(v, _compat.Literal) else env[v]
+
+
+def _materialize(x, report: Report, why: str):
+  if not _is_lora(x):
+    return x
+  if x.rate:
+    raise ValueError(
+        f"LoRA(dropout={x.rate}) on target {x.name!r}, which the loss uses through "
+        f"{why}, not as a matmul operand: dropout applies to the adapter path's input, "
+        "and here the adapter is merged into the weight. Fix: pass dropout=0.0, or "
+        "narrow LoRA(targets=...) to the kernels used in matmuls.")
+  report.fallback(x, why)
+  return x.merged()
+
+
+def _dropout(x, value: LoRAValue, counter: list):
+  if not value.rate:
+    return x
+  counter[0] += 1
+  key = jax.random.fold_in(value.key, counter[0])
+  keep = jax.random.bernoulli(key, 1.0 - value.rate, x.shape)
+  return jnp.where(keep, x / jnp.asarray(1.0 - value.rate, x.dtype), jnp.zeros((), x.dtype))
+
+
+def _dot(eqn, invals, report: Report, counter: list):
+  """``dot_general`` with a :class:`LoRAValue` operand: PEFT's adapter path,
+  or the merged weight when the dims do not allow it."""
+  (lc, rc), (lb, rb) = _compat.dot_dimension_numbers(eqn)
+  lhs, rhs = invals
+  opts = _compat.dot_options(eqn)
+  side = 1 if _is_lora(rhs) and not _is_lora(lhs) else 0 if _is_lora(lhs) and not _is_lora(rhs) else None
+  value = None if side is None else invals[side]
+  contract = None if side is None else (rc if side else lc)
+  if (value is None or lb or rb or len(value.shape) != 2 or len(contract) != 1):
+    vals = [_materialize(x, report, "a dot_general it cannot split") for x in invals]
+    return _compat.bind_eqn(eqn, vals)
+  d = contract[0]
+  w = value.weight()
+  base = _compat.bind_eqn(eqn, [w, rhs] if side == 0 else [lhs, w])[0]
+  a, b = value.a, value.b
+  x = _dropout(lhs if side else rhs, value, counter)
+  other = lc if side else rc
+  # dW = A @ B ([m, r] @ [r, n]); the dot contracts W's dim d with x.
+  first, second = (a, b) if d == 0 else (b, a)   # the factor holding dim d first
+  first_dim = 0 if d == 0 else 1                  # d's position in that factor
+  if side:  # x . W: x's free dims, then W's free dim
+    t = lax.dot_general(x, first, ((other, (first_dim,)), ((), ())), **opts)
+    r_axis = 0 if d == 0 else 1                   # r's position in the second factor
+    u = lax.dot_general(t, second, (((t.ndim - 1,), (r_axis,)), ((), ())), **opts)
+  else:     # W . x: W's free dim, then x's free dims
+    t = lax.dot_general(first, x, (((first_dim,), other), ((), ())), **opts)
+    r_axis = 0 if d == 0 else 1
+    u = lax.dot_general(second, t, (((r_axis,), (0,)), ((), ())), **opts)
+  report.adapter_path.add(value.name)
+  return [base + (u * jnp.asarray(value.scale, u.dtype)).astype(base.dtype)]
+
+
+def evaluate(jaxpr, consts, args, report: Report, counter: list) -> list:
+  """Evaluates ``jaxpr`` with :class:`LoRAValue` s among ``args``."""
+  env: dict = {}
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    invals = [_read(env, v) for v in eqn.invars]
+    if not any(_is_lora(x) for x in invals):
+      outs = _compat.bind_eqn(eqn, invals)
+    else:
+      outs = _rule(eqn, invals, report, counter)
+    for v, x in zip(eqn.outvars, outs):
+      if not isinstance(v, _compat.DropVar):
+        env[v] = x
+  return [_materialize(_read(env, v), report, "an output of a traced function")
+          for v in jaxpr.outvars]
+
+
+def _rule(eqn, invals, report: Report, counter: list) -> list:
+  name = eqn.primitive.name
+  if name == "dot_general":
+    return _dot(eqn, invals, report, counter)
+  if name == "convert_element_type" and _is_lora(invals[0]):
+    return [invals[0].cast(_compat.converted_dtype(eqn))]
+  if name in _compat.PASSTHROUGH_PRIMITIVES and len(invals) == 1:
+    return [invals[0]]
+  if _compat.is_remat(eqn):
+    p = _compat.remat_params(eqn)
+    body = lambda *xs: evaluate(p.jaxpr, [], list(xs), report, counter)
+    prevent_cse = bool(p.prevent_cse) if isinstance(p.prevent_cse, bool) else any(p.prevent_cse)
+    return list(jax.checkpoint(body, policy=p.policy, prevent_cse=prevent_cse)(*invals))
+  if _compat.is_scan(eqn):
+    return _scan(eqn, invals, report, counter)
+  if name in ("pjit", "jit", "closed_call", "core_call"):
+    body = _compat.call_body(eqn)
+    if body is not None:
+      return evaluate(body[0], body[1], invals, report, counter)
+  why = f"{name} ({_compat.user_site(eqn)})"
+  return _compat.bind_eqn(eqn, [_materialize(x, report, why) for x in invals])
+
+
+def _scan(eqn, invals, report: Report, counter: list) -> list:
+  p = _compat.scan_params(eqn)
+  nc, ncar = p.num_consts, p.num_carry
+  consts = invals[:nc]
+  carry = [_materialize(x, report, "a scan carry") for x in invals[nc:nc + ncar]]
+  xs = invals[nc + ncar:]
+
+  def body(c, x):
+    outs = evaluate(p.body, list(p.body_consts), list(consts) + list(c) + list(x), report,
+                    counter)
+    return outs[:ncar], outs[ncar:]
+
+  c, ys = lax.scan(body, carry, xs, length=p.length, reverse=p.reverse, unroll=p.unroll)
+  return list(c) + list(ys)
+
+
+# --------------------------------------------------------------------------
+# The loss with adapters
+
+
+def values_tree(stored_tree, lora: lora_lib.LoRA, names: dict, key):
+  """The gathered stored tree -> the user's tree with :class:`LoRAValue` s
+  at the targets (``names``: id-free order of targets -> dotted names)."""
+  it = iter(names)
+
+  def one(node):
+    if not lora_lib.is_lora_weight(node):
+      return node
+    name = next(it)
+    k = None
+    if lora.dropout:
+      k = jax.random.fold_in(key, zlib.crc32(name.encode()) % (2 ** 31))
+      lead = tuple(node.lora_A.shape[:-2])
+      if lead:  # stacked: one key per layer (the scan slices them)
+        k = jax.random.split(k, lead[0])
+    compute = node.lora_A.dtype
+    return LoRAValue(node.base, node.lora_A, node.lora_B, k, scale=lora.scaling,
+                     rate=lora.dropout, quantization=node.quantization, width=node.width,
+                     dtype=compute, name=name)
+
+  return jax.tree.map(one, stored_tree, is_leaf=lora_lib.is_lora_weight)
+
+
+def wrap_loss(loss_fn: Callable, *, lora: lora_lib.LoRA, target_names: tuple,
+              axis_env: tuple, report: Report) -> Callable:
+  """``loss_fn`` over the user's tree -> the same loss over the stored
+  (gathered) tree, with the adapter path. The result takes ``rng`` when
+  ``loss_fn`` does or the adapters use dropout."""
+  user_rng = loss_lib.takes_rng(loss_fn)
+
+  def run(params, args, rng):
+    key = None
+    if lora.dropout:
+      key = jax.random.fold_in(rng, _DROPOUT_SALT)
+    values = values_tree(params, lora, target_names, key)
+    flat, treedef = jax.tree.flatten(values, is_leaf=_is_lora)
+    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
+    kw = {"rng": rng} if user_rng else {}
+    call = lambda p, *a: loss_fn(p, *a, **kw)
+    closed, out_shape = jax.make_jaxpr(call, return_shape=True, axis_env=list(axis_env))(
+        jax.tree.unflatten(treedef, structs), *args)
+    rest = jax.tree.leaves(args)
+    jaxpr, consts = _compat.split_closed(closed)
+    outs = evaluate(jaxpr, consts, flat + rest, report, [0])
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  if user_rng or lora.dropout:
+    @functools.wraps(loss_fn)
+    def with_rng(params, *args, rng):
+      return run(params, args, rng)
+    del with_rng.__wrapped__  # its signature is its own: it takes rng
+    return with_rng
+
+  @functools.wraps(loss_fn)
+  def without_rng(params, *args):
+    return run(params, args, None)
+  del without_rng.__wrapped__
+  return without_rng
+
+
+def warn_fallbacks(report: Report, warned: set) -> None:
+  """One warning per target the loss uses through the merged weight."""
+  for name, why in sorted(report.merged.items()):
+    if name not in warned:
+      warned.add(name)
+      warnings.warn(
+          f"LoRA target {name!r} is used through {why}, not as a matmul operand: that use "
+          "sees the merged weight W + scale * A @ B (its gradient is formed for the "
+          "whole kernel there). print(state.plan) lists it.", stacklevel=3)
