@@ -13,6 +13,12 @@ default for gradient reductions): ``floor(x / scale + u)`` with ``u`` in
 its position, so the rounding is unbiased and needs no random state (the same
 inputs give the same bytes, on every device and in every run).
 
+``"nf4"`` is QLoRA's NormalFloat4 as bitsandbytes stores it: each value
+becomes the index of the nearest of 16 fixed levels (:data:`NF4_LEVELS`,
+quantiles of a normal distribution) after dividing by its block's absmax, so
+the codes and scales are bitsandbytes' ``quantize_4bit(..., quant_type="nf4")``
+bytes for the same flat float32 data.
+
 Layout of one payload row (the last axis of the array sent):
 ``[quantized values | float32 scales, 4 bytes each]``. The last block may be
 partial: its scale covers the values it has, and nothing is sent for the
@@ -34,12 +40,54 @@ _FORMATS = {
     "int4": (4, 7.0),
     "float8_e4m3fn": (8, 448.0),
     "float8_e5m2": (8, 57344.0),
+    "nf4": (4, 1.0),
 }
-_SPELLINGS = "jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2, or 4-bit as \"int4\" / jnp.int4"
+_SPELLINGS = ("jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2, or 4-bit as \"int4\" / "
+              "jnp.int4 or \"nf4\" (QLoRA's NormalFloat4)")
 _ROUNDINGS = (None, "nearest", "stochastic")
 
+# QLoRA's NormalFloat4 levels, exactly bitsandbytes' table
+# (``bitsandbytes.functional.get_4bit_type("nf4")``); code i decodes to
+# NF4_LEVELS[i] times the block's absmax.
+NF4_LEVELS = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+# bitsandbytes' decision thresholds: the float32 midpoints of adjacent levels;
+# a value on a midpoint takes the lower code (torch.bucketize, right=False).
+_LEVELS32 = np.asarray(NF4_LEVELS, np.float32)
+NF4_THRESHOLDS = tuple(float(m) for m in (_LEVELS32[:-1] + _LEVELS32[1:]) / np.float32(2))
 
-def _canonical(dtype) -> np.dtype:
+
+class _NF4Dtype:
+  """What ``Quantization(dtype="nf4").dtype`` holds: NF4 has no numpy dtype,
+  so this stands in for one where the code reads ``dtype.name``. Every
+  instance equals every other and, as a numpy dtype equals its name, the
+  string ``"nf4"`` (any case); nothing else."""
+
+  name = "nf4"
+
+  def __eq__(self, other):
+    return isinstance(other, _NF4Dtype) if not isinstance(other, str) else (
+        other.lower() == "nf4")
+
+  def __hash__(self):
+    return hash("nf4")
+
+  def __repr__(self):
+    return "'nf4'"
+
+  def __reduce__(self):
+    return (_NF4Dtype, ())
+
+
+NF4 = _NF4Dtype()
+
+
+def _canonical(dtype):
+  if isinstance(dtype, _NF4Dtype) or (isinstance(dtype, str) and dtype.lower() == "nf4"):
+    return NF4
   try:
     d = jnp.dtype(dtype)
   except TypeError:
@@ -68,6 +116,17 @@ class Quantization:
   travel as float32 next to the values. The bytes per value moved are
   ``bits / 8 + 4 / block_size``.
 
+  ``"nf4"`` is QLoRA's 4-bit NormalFloat (Dettmers et al., 2023): each block
+  is divided by its absmax (the scale, ``M`` = 1) and each value becomes the
+  index of the nearest of bitsandbytes' 16 levels (:data:`NF4_LEVELS`,
+  quantiles of a standard normal, so normally distributed weights use the
+  codes evenly), packed two per byte. Blocks of 64 are QLoRA's and
+  bitsandbytes' default (0.5625 bytes per value); the codes and scales are
+  bitsandbytes' ``quantize_4bit(quant_type="nf4")`` bytes for the same data.
+  NF4 rounds to nearest only (in a gradient reduction too, where values
+  under about 4% of their block's absmax become 0: for gradients prefer int8 or
+  int4 with stochastic rounding).
+
   Rounding to nearest is off by at most half a step (``scale / 2``) but
   biased: a value under half a step always becomes 0. Stochastic rounding
   rounds up with probability equal to the remainder, so the dequantized value
@@ -77,17 +136,19 @@ class Quantization:
 
   Args:
     dtype: ``jnp.int8`` (default), ``jnp.float8_e4m3fn``,
-      ``jnp.float8_e5m2``, or 4-bit integers spelled ``"int4"`` or
-      ``jnp.int4`` (two values packed per byte). Stored as a ``numpy``
-      dtype, so configs built from different spellings compare equal.
-    block_size: values per scale (a positive int; even for int4), or
+      ``jnp.float8_e5m2``, 4-bit integers spelled ``"int4"`` or
+      ``jnp.int4``, or ``"nf4"`` (any case; 4-bit formats pack two values
+      per byte). Stored as a ``numpy`` dtype (nf4, which has none, as an
+      object whose ``.name`` is ``"nf4"``), so configs built from different
+      spellings compare equal.
+    block_size: values per scale (a positive int; even for 4-bit formats), or
       ``None`` for one scale per device's whole shard of the unit (per-tensor
       scaling of what the device sends).
     rounding: ``"nearest"``, ``"stochastic"`` (integer formats only; the
       dither is a hash of each value's bits and position, deterministic), or
       ``None`` (default): stochastic in a gradient reduction with an integer
       format, nearest otherwise (all-gathers of weights, float8 formats,
-      which XLA's conversion rounds to nearest even).
+      which XLA's conversion rounds to nearest even, and nf4).
 
   Raises:
     ValueError: an unsupported dtype or block size, naming the fix.
@@ -103,6 +164,11 @@ class Quantization:
     True
     >>> q.stochastic(gradient=True), q.stochastic(gradient=False)
     (True, False)
+    >>> nf4 = fsdp_jax.Quantization(dtype="nf4", block_size=64)
+    >>> nf4.payload_bytes(1024)   # 512 bytes of packed codes + 16 float32 scales
+    576
+    >>> nf4.dtype.name, nf4.bits, nf4 == fsdp_jax.Quantization(dtype="NF4", block_size=64)
+    ('nf4', 4, True)
   """
 
   dtype: Any = jnp.int8
@@ -119,7 +185,7 @@ class Quantization:
             "scale, e.g. 256), or None for one scale per device's shard.")
       if self.bits == 4 and b % 2:
         raise ValueError(
-            f"Quantization(dtype='int4', block_size={b}): 4-bit values are packed "
+            f"Quantization(dtype='{self.dtype.name}', block_size={b}): 4-bit values are packed "
             "two per byte, so the block size must be even; e.g. "
             f"block_size={b + 1}.")
       object.__setattr__(self, "block_size", int(b))
@@ -132,17 +198,18 @@ class Quantization:
       raise ValueError(
           f"Quantization(dtype={self.dtype.name}, rounding='stochastic'): stochastic "
           "rounding is implemented for the integer formats (int8, int4); float8 "
-          "values are rounded to nearest even by XLA's conversion. Fix: use "
-          "dtype=jnp.int8 or 'int4', or rounding='nearest'.")
+          "values are rounded to nearest even by XLA's conversion, and nf4 values "
+          "to the nearest of its 16 levels. Fix: use dtype=jnp.int8 or 'int4', or "
+          "rounding='nearest'.")
 
   @property
   def bits(self) -> int:
-    """Bits per quantized value (8 or 4)."""
+    """Bits per quantized value (8, or 4 for int4 and nf4)."""
     return _FORMATS[self.dtype.name][0]
 
   @property
   def max_value(self) -> float:
-    """The magnitude a block's largest value is scaled to."""
+    """The magnitude a block's largest value is scaled to (1 for nf4)."""
     return _FORMATS[self.dtype.name][1]
 
   @property
@@ -198,6 +265,31 @@ def _dither(x):
   return (h >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
 
 
+def _nf4_codes(blocks, amax, n: int):
+  """``(..., nb, b)`` float32 blocks -> ``(..., nb * b)`` NF4 codes (uint8,
+  0..15) and ``(..., nb)`` scales, as bitsandbytes' ``quantize_4bit``
+  computes them: ``x * (1 / absmax)`` in full blocks, ``x / absmax`` in a
+  partial last one, and the code is the number of thresholds below the
+  value. The divisor is floored at float32's smallest normal (bitsandbytes
+  floors it at 1e-38, a subnormal that XLA flushes to zero): an all-zero
+  block keeps scale 0 and codes 7, level 0.0, so zeros stay exact. A
+  non-finite block gets a NaN scale, so it decodes to NaN."""
+  nb, b = blocks.shape[-2:]
+  safe = jnp.maximum(amax, jnp.float32(np.finfo(np.float32).tiny))[..., None]
+  scaled = blocks * (jnp.float32(1.0) / safe)
+  if nb * b != n:
+    # XLA rewrites x / broadcast(a) as x * broadcast(1 / a); the barrier
+    # keeps the true division (it decides values on a threshold).
+    last = blocks[..., -1, :]
+    divisor = lax.optimization_barrier(jnp.broadcast_to(safe[..., -1, :], last.shape))
+    scaled = scaled.at[..., -1, :].set(last / divisor)
+  codes = jnp.zeros(scaled.shape, jnp.uint8)
+  for t in NF4_THRESHOLDS:  # a NaN compares false throughout: code 0
+    codes = codes + (scaled > jnp.float32(t)).astype(jnp.uint8)
+  scale = jnp.where(jnp.isfinite(amax), amax, jnp.float32(jnp.nan))
+  return codes.reshape(blocks.shape[:-2] + (nb * b,)), scale
+
+
 def encode(x, q: Quantization, *, stochastic: bool = False):
   """Quantizes the last axis of ``x`` (``(..., n)``) into ``uint8`` payload
   rows ``(..., q.payload_bytes(n))``, rounding to nearest, or stochastically
@@ -211,13 +303,16 @@ def encode(x, q: Quantization, *, stochastic: bool = False):
     x = jnp.pad(x, [(0, 0)] * len(prefix) + [(0, nb * b - n)])
   blocks = x.reshape(prefix + (nb, b))
   amax = jnp.max(jnp.abs(blocks), axis=-1)
-  scale = amax / jnp.float32(q.max_value)
-  scale = jnp.where(amax == 0, jnp.float32(1.0), scale)
-  scaled = (blocks / scale[..., None]).reshape(prefix + (nb * b,))
   p = len(prefix)
   name = q.dtype.name
   if stochastic and not q.integer:
     raise ValueError(f"stochastic rounding is for the integer formats, not {name}")
+  if name == "nf4":
+    codes, scale = _nf4_codes(blocks, amax, n)
+  else:
+    scale = amax / jnp.float32(q.max_value)
+    scale = jnp.where(amax == 0, jnp.float32(1.0), scale)
+    scaled = (blocks / scale[..., None]).reshape(prefix + (nb * b,))
   if q.integer:
     # |scaled| <= M, so floor(scaled + u) stays within [-M, M].
     rounded = jnp.floor(scaled + _dither(x)) if stochastic else jnp.round(scaled)
@@ -229,6 +324,10 @@ def encode(x, q: Quantization, *, stochastic: bool = False):
     pairs = lax.slice_in_dim(vals, 0, 2 * _body_bytes(n, 4), axis=p)
     pairs = pairs.reshape(prefix + (_body_bytes(n, 4), 2))
     body = pairs[..., 0] | (pairs[..., 1] << 4)
+  elif name == "nf4":  # bitsandbytes' order: the first value in the high nibble
+    pairs = lax.slice_in_dim(codes, 0, 2 * _body_bytes(n, 4), axis=p)
+    pairs = pairs.reshape(prefix + (_body_bytes(n, 4), 2))
+    body = (pairs[..., 0] << 4) | pairs[..., 1]
   else:
     vals = scaled.astype(q.dtype)
     body = lax.bitcast_convert_type(lax.slice_in_dim(vals, 0, n, axis=p), jnp.uint8)
@@ -254,6 +353,9 @@ def decode(payload, q: Quantization, n: int, dtype):
     lo = (body & 15).astype(jnp.float32) - 8.0
     hi = (body >> 4).astype(jnp.float32) - 8.0
     vals = jnp.stack([lo, hi], axis=-1).reshape(prefix + (2 * body_len,))
+  elif name == "nf4":
+    codes = jnp.stack([body >> 4, body & 15], axis=-1).reshape(prefix + (2 * body_len,))
+    vals = jnp.asarray(_LEVELS32)[codes]
   else:
     vals = lax.bitcast_convert_type(body, q.dtype).astype(jnp.float32)
   have = vals.shape[-1]
