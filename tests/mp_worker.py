@@ -64,7 +64,16 @@ def dotted(tree):
   return {name(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def setup(strategy: str = "FULL_SHARD", lr: float = 1e-2, nonfinite: str = "propagate"):
+def lora_config():
+  """LoRA on the blocks' kernels (int8 base), the output layer trained."""
+  import jax.numpy as jnp
+  import fsdp_jax
+  return fsdp_jax.LoRA(targets=("blocks.*.w",), rank=2, alpha=4.0, trainable=("out",),
+                       base_quantization=fsdp_jax.Quantization(dtype=jnp.int8, block_size=4))
+
+
+def setup(strategy: str = "FULL_SHARD", lr: float = 1e-2, nonfinite: str = "propagate",
+          lora: bool = False):
   """The state and step of the helpers' uneven MLP with Adam: FULL_SHARD on
   a ``("shard",)`` mesh of all devices, HYBRID on ``replicate=2 x shard=N/2``.
   Returns ``(state, step, mesh)``."""
@@ -76,7 +85,8 @@ def setup(strategy: str = "FULL_SHARD", lr: float = 1e-2, nonfinite: str = "prop
 
   S = fsdp_jax.ShardingStrategy
   strategy = S[strategy]
-  config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, nonfinite=nonfinite)
+  config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, nonfinite=nonfinite,
+                               lora=lora_config() if lora else None, use_orig_params=lora)
   if strategy in (S.HYBRID_SHARD, S._HYBRID_SHARD_ZERO2):
     mesh = fsdp_jax.make_mesh(replicate=2, shard=jax.device_count() // 2)
   else:
@@ -121,6 +131,14 @@ def train(strategy: str, steps: int = STEPS):
   layout = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices).tolist()
   state, losses = run_steps(state, step, 0, steps)
   return losses, flat(fsdp_jax.summon_full_params(state)), layout
+
+
+def train_lora(strategy: str, steps: int = STEPS):
+  """LoRA with an int8 base: (losses, merged params)."""
+  import fsdp_jax
+  state, step, _ = setup(strategy, lora=True)
+  state, losses = run_steps(state, step, 0, steps)
+  return losses, flat(fsdp_jax.summon_full_params(state))
 
 
 def train_skipping(strategy: str, steps: int = STEPS, bad_step: int = 2):
@@ -176,6 +194,9 @@ def main_train(args, info):
     flags, skipped, count, params = train_skipping(strategy, args.steps)
     out[strategy]["skipping"] = {"flags": flags, "skipped": skipped, "step": count,
                                  "params": {k: v.tolist() for k, v in params.items()}}
+    losses, params = train_lora(strategy, args.steps)
+    out[strategy]["lora"] = {"losses": losses,
+                             "params": {k: v.tolist() for k, v in params.items()}}
   if info.rank == 0:
     with open(args.out, "w") as f:
       json.dump(out, f)

@@ -113,6 +113,13 @@ def test_two_processes_train_like_one(two_process_run, strategy):
   for name, ref in params.items():
     np.testing.assert_allclose(np.asarray(skip["params"][name], np.float32), ref,
                                rtol=2e-4, atol=1e-6, err_msg=name)
+  # LoRA with an int8 base: adapters and the trained layer as in one process.
+  lora_losses, lora_params = mp_worker.train_lora(strategy)
+  np.testing.assert_allclose(run["lora"]["losses"], lora_losses, rtol=0, atol=1e-5)
+  assert lora_losses[-1] < lora_losses[0]
+  for name, ref in lora_params.items():
+    np.testing.assert_allclose(np.asarray(run["lora"]["params"][name], np.float32), ref,
+                               rtol=2e-4, atol=1e-6, err_msg=name)
   print(f"\n{strategy}: 2x4 launcher run {got['launcher_seconds']:.1f} s, "
         f"losses {np.round(run['losses'], 6).tolist()}")
 

@@ -279,11 +279,11 @@ def wrap_loss(loss_fn: Callable, *, lora: lora_lib.LoRA, target_names: tuple,
   return without_rng
 
 
-def warn_fallbacks(report: Report, warned: set) -> None:
+def warn_fallbacks(report: Report) -> None:
   """One warning per target the loss uses through the merged weight."""
   for name, why in sorted(report.merged.items()):
-    if name not in warned:
-      warned.add(name)
+    if name not in report.warned:
+      report.warned.add(name)
       warnings.warn(
           f"LoRA target {name!r} is used through {why}, not as a matmul operand: that use "
           "sees the merged weight W + scale * A @ B (its gradient is formed for the "

@@ -121,6 +121,8 @@ class LocalLoss:
         if frameworks.is_missing_rng_error(e):
           e.add_note(loss_lib.MISSING_RNG_HINT)
         raise
+      if plan.lora_report is not None:
+        adapters.warn_fallbacks(plan.lora_report)
       draws = loss_lib.constant_key_draws(closed)
       if draws:
         raise ValueError(loss_lib.constant_key_message(draws, self._takes_rng))

@@ -208,6 +208,7 @@ class Report:
   def __init__(self):
     self.adapter_path: set = set()
     self.merged: dict = {}
+    self.warned: set = set()
 
   def fallback(self, value, why: str) -> None:
     self.merged.setdefault(value.name, why)

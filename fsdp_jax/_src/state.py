@@ -269,6 +269,17 @@ def _lora_requires_grad(abstract_params, config: FSDPConfig, requires_grad):
   user_view = jax.tree.map(lambda x: x.lora_A if is_node(x) else x, abstract_params,
                            is_leaf=is_node)
   trainable = lora_lib.trainable_leaves(user_view, config.lora)
+  target_slots = [i for i, x in enumerate(jax.tree.leaves(abstract_params, is_leaf=is_node))
+                  if is_node(x)]
+  for (name, node), i in zip(nodes, target_slots):
+    if i in trainable:
+      what = ("its base is quantized (LoRA(base_quantization=...)) and frozen"
+              if node.quantization is not None else "it is adapted (frozen base + A @ B)")
+      raise ValueError(
+          f"LoRA target {name!r} (shape {tuple(node.lora_A.shape[:-1]) + (node.width,)}) is "
+          f"also named by LoRA(trainable=...) {config.lora.trainable!r}, but {what}. Fix: "
+          "narrow LoRA(trainable=...) to the other leaves, or drop the kernel from targets "
+          "to train it fully.")
   mask = lora_lib.requires_grad_tree(abstract_params, trainable,
                                      lora_lib.user_treedef(abstract_params))
   return mask, tuple(name for name, _ in nodes)
