@@ -233,6 +233,49 @@ def test_flax_linen_model_targets_modules():
                                                  for i in range(2) for c in "qv"}
 
 
+def test_flax_nnx_model():
+  from flax import nnx
+
+  class Block(nnx.Module):
+    def __init__(self, d, rngs):
+      self.wq = nnx.Linear(d, d, rngs=rngs)
+      self.wo = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+      self.norm = nnx.LayerNorm(d, rngs=rngs)
+
+    def __call__(self, x):
+      return self.norm(x + self.wo(jnp.tanh(self.wq(x))))
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.blocks = nnx.List([Block(6, rngs) for _ in range(2)])
+      self.head = nnx.Linear(6, 3, rngs=rngs)
+
+    def __call__(self, x):
+      for b in self.blocks:
+        x = b(x)
+      return self.head(x)
+
+  graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+
+  def loss_fn(p, b):
+    return jnp.mean((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2)
+
+  x = jax.random.normal(jax.random.key(0), (12, 6))
+  batches = [{"x": x, "y": jnp.sin(x[:, :3])}] * 3
+  lora = fsdp_jax.LoRA(targets=("*.wq", "*.wo"), rank=2, trainable=("head",))
+  opt = optax.adam(1e-2)
+  ref_losses, ref_params = reference(params, loss_fn, lora, opt, batches)
+  state, losses = run(params, loss_fn, lora, opt, batches, mesh=_mesh(3))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  full = fsdp_jax.summon_full_params(state)
+  assert jax.tree.structure(full) == jax.tree.structure(params)
+  assert_close(full, ref_params)
+  names = {l.name for l in state.plan.leaves}
+  assert "blocks.0.wq.kernel.lora_A" in names  # NNX's .value left out, as elsewhere
+  assert state.plan.lora_report.adapter_path == {f"blocks.{i}.w{c}.kernel"
+                                                 for i in range(2) for c in "qo"}
+
+
 def test_adapter_path_skips_the_base_weight_gradient():
   """x @ A @ B beside x @ W: the compiled LoRA step does far fewer flops
   than the same step with the merged weight (which forms dW whole)."""

@@ -25,16 +25,29 @@ def path_name(path) -> str:
   return ".".join(key_name(k) for k in path) or ROOT
 
 
-def leaf_paths(tree) -> list[tuple[str, ...]]:
-  """Dotted-name parts of every leaf (NNX's trailing ``.value`` dropped)."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  out = []
-  for path, _ in flat:
-    parts = tuple(key_name(k) for k in path)
-    if len(parts) > 1 and parts[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
-      parts = parts[:-1]
-    out.append(parts)
-  return out
+# The leaves of a LoRA target's stored node (fsdp_jax._src.lora.LoRAWeight).
+ADAPTER_PARTS = ("base", "lora_A", "lora_B")
+
+
+def path_parts(path) -> tuple[str, ...]:
+  """Dotted-name parts of a key path, NNX's ``.value`` dropped (trailing, or
+  before a LoRA target's parts: ``wq.kernel.base``, not
+  ``wq.kernel.value.base``)."""
+  parts = tuple(key_name(k) for k in path)
+  keep = []
+  for j, (k, part) in enumerate(zip(path, parts)):
+    rest = parts[j + 1:]
+    if (part == "value" and isinstance(k, jax.tree_util.GetAttrKey) and j > 0
+        and (not rest or (len(rest) == 1 and rest[0] in ADAPTER_PARTS))):
+      continue
+    keep.append(part)
+  return tuple(keep)
+
+
+def leaf_paths(tree, is_leaf=None) -> list[tuple[str, ...]]:
+  """Dotted-name parts of every leaf (see :func:`path_parts`)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+  return [path_parts(path) for path, _ in flat]
 
 
 def equinox():

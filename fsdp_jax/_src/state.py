@@ -261,7 +261,7 @@ def _lora_requires_grad(abstract_params, config: FSDPConfig, requires_grad):
         "trains (the adapters, and what LoRA(trainable=...) names). Fix: drop "
         "requires_grad= and list the fully trained leaves in LoRA(trainable=(...)).")
   is_node = lora_lib.is_lora_weight
-  nodes = [(naming.path_name(p), x) for p, x in
+  nodes = [(".".join(naming.path_parts(p)), x) for p, x in
            jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=is_node)[0]
            if is_node(x)]
   if not nodes:
