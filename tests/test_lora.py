@@ -317,6 +317,24 @@ def test_embedding_lookup_falls_back_to_the_merged_weight_and_says_so():
   assert "adapter path x @ W + scale * (x @ A) @ B: 2 of 3 targets" in text
 
 
+def test_transposed_kernel_takes_the_adapter_path():
+  """``h @ W.T`` (a tied projection, a PyTorch-layout kernel) is a matmul of
+  the transposed kernel: (A @ B).T = B.T @ A.T, no merged weight."""
+  d = 9
+  params = {"proj": jax.random.normal(jax.random.key(0), (d, 4)) * 0.5,
+            "mid": jnp.eye(4) + 0.1}
+  loss_fn = lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["proj"] @ p["mid"]) @ p["proj"].T
+                                   - b["x"]) ** 2)
+  batches = [{"x": jax.random.normal(jax.random.key(s), (6, d))} for s in range(3)]
+  lora = fsdp_jax.LoRA(targets=("proj",), rank=2, alpha=2.0)
+  opt = optax.adam(5e-2)
+  ref_losses, ref_params = reference(params, loss_fn, lora, opt, batches)
+  state, losses = run(params, loss_fn, lora, opt, batches, mesh=_mesh(3))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert_close(fsdp_jax.summon_full_params(state), ref_params)
+  assert state.plan.lora_report.adapter_path == {"proj"} and not state.plan.lora_report.merged
+
+
 def test_dropout_draws_per_step_and_is_refused_on_a_merged_use():
   params, batches = tiny_params(), tiny_batches()
   mesh = _mesh(2)

@@ -629,3 +629,8 @@ def converted_dtype(eqn):
   """The target dtype of a ``convert_element_type`` equation
   (``params["new_dtype"]``)."""
   return eqn.params["new_dtype"]
+
+
+def transpose_permutation(eqn) -> tuple:
+  """The permutation of a ``transpose`` equation (``params["permutation"]``)."""
+  return tuple(eqn.params["permutation"])

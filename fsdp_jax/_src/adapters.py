@@ -45,25 +45,44 @@ class LoRAValue:
   A pytree (``lax.scan`` slices its parts, ``jax.checkpoint`` passes them)."""
 
   __slots__ = ("base", "a", "b", "key", "scale", "rate", "quantization", "width", "dtype",
-               "name")
+               "name", "transposed")
 
-  def __init__(self, base, a, b, key, *, scale, rate, quantization, width, dtype, name):
+  def __init__(self, base, a, b, key, *, scale, rate, quantization, width, dtype, name,
+               transposed=False):
     self.base, self.a, self.b, self.key = base, a, b, key
     self.scale, self.rate, self.quantization = scale, rate, quantization
     self.width, self.dtype, self.name = width, jnp.dtype(dtype), name
+    self.transposed = transposed  # the loss transposed the kernel: a = B.T, b = A.T
 
   def _aux(self):
-    return (self.scale, self.rate, self.quantization, self.width, self.dtype, self.name)
+    return (self.scale, self.rate, self.quantization, self.width, self.dtype, self.name,
+            self.transposed)
 
   @property
   def shape(self) -> tuple:
     return tuple(self.a.shape[:-1]) + (self.b.shape[-1],)
 
   def weight(self):
-    """The base kernel, decoded, in the value's dtype."""
+    """The base kernel, decoded, in the value's dtype (transposed as the
+    loss transposed it)."""
     if self.quantization is None:
-      return self.base.astype(self.dtype)
-    return _decode(self.base, self.quantization, self.width, self.dtype)
+      w = self.base.astype(self.dtype)
+    else:
+      w = _decode(self.base, self.quantization, self.width, self.dtype)
+    return jnp.swapaxes(w, -1, -2) if self.transposed else w
+
+  def transpose(self) -> "LoRAValue":
+    """The value of ``W.T``: ``(A @ B).T = B.T @ A.T``."""
+    return self._replace(a=jnp.swapaxes(self.b, -1, -2), b=jnp.swapaxes(self.a, -1, -2),
+                         transposed=not self.transposed)
+
+  def _replace(self, **kw) -> "LoRAValue":
+    fields = dict(base=self.base, a=self.a, b=self.b, key=self.key, scale=self.scale,
+                  rate=self.rate, quantization=self.quantization, width=self.width,
+                  dtype=self.dtype, name=self.name, transposed=self.transposed)
+    fields.update(kw)
+    return LoRAValue(fields.pop("base"), fields.pop("a"), fields.pop("b"), fields.pop("key"),
+                     **fields)
 
   def merged(self):
     """``W + scale * A @ B`` in the value's dtype (the fallback)."""
@@ -73,9 +92,8 @@ class LoRAValue:
 
   def cast(self, dtype) -> "LoRAValue":
     base = self.base if self.quantization is not None else self.base.astype(dtype)
-    return LoRAValue(base, self.a.astype(dtype), self.b.astype(dtype), self.key,
-                     scale=self.scale, rate=self.rate, quantization=self.quantization,
-                     width=self.width, dtype=dtype, name=self.name)
+    return self._replace(base=base, a=self.a.astype(dtype), b=self.b.astype(dtype),
+                         dtype=dtype)
 
 
 def _decode(payload, q, width, dtype):
@@ -86,7 +104,7 @@ jax.tree_util.register_pytree_node(
     LoRAValue,
     lambda v: ((v.base, v.a, v.b, v.key), v._aux()),  # pylint: disable=protected-access
     lambda aux, ch: LoRAValue(*ch, scale=aux[0], rate=aux[1], quantization=aux[2],
-                              width=aux[3], dtype=aux[4], name=aux[5]))
+                              width=aux[3], dtype=aux[4], name=aux[5], transposed=aux[6]))
 
 
 def _is_lora(x) -> bool:
@@ -184,6 +202,9 @@ def _rule(eqn, invals, report: Report, counter: list) -> list:
     return [invals[0].cast(_compat.converted_dtype(eqn))]
   if name in _compat.PASSTHROUGH_PRIMITIVES and len(invals) == 1:
     return [invals[0]]
+  if (name == "transpose" and len(invals[0].shape) == 2
+      and _compat.transpose_permutation(eqn) == (1, 0)):
+    return [invals[0].transpose()]  # x @ W.T (tied embeddings, PyTorch-layout kernels)
   if _compat.is_remat(eqn):
     p = _compat.remat_params(eqn)
     body = lambda *xs: evaluate(p.jaxpr, [], list(xs), report, counter)
