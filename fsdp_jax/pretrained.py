@@ -8,7 +8,9 @@ invertible transforms (:func:`transpose`, :func:`rope_interleave`,
 only; ``fsdp_jax.init_train_state(init_fn=..., pretrained=load(...))`` reads
 each device's shard as a slice of the file, so no host ever holds the whole
 model. :func:`save` writes the parameters back, file by file, for
-transformers, vLLM and PEFT. See docs/pretrained.md.
+transformers, vLLM and PEFT (a LoRA state's merged). :func:`save_adapter`
+and :func:`load_adapter` write and read a LoRA state's adapters in PEFT's
+format. See docs/pretrained.md.
 
 Example:
   >>> from fsdp_jax import pretrained
@@ -25,11 +27,13 @@ from fsdp_jax._src.pretrained import (
     Transform as Transform,
     WeightMap as WeightMap,
     load as load,
+    load_adapter as load_adapter,
     reshape as reshape,
     rope_interleave as rope_interleave,
     save as save,
+    save_adapter as save_adapter,
     transpose as transpose,
 )
 
-__all__ = ["PretrainedSource", "Transform", "WeightMap", "load", "reshape",
-           "rope_interleave", "save", "transpose"]
+__all__ = ["PretrainedSource", "Transform", "WeightMap", "load", "load_adapter", "reshape",
+           "rope_interleave", "save", "save_adapter", "transpose"]

@@ -4,22 +4,91 @@ resolves against the plan (every checkpoint tensor to a parameter, shapes
 and dtypes checked) and reads shard by shard: each device's stored array is
 filled from the rows of each leaf it holds, read from the file as slices,
 and moved to the device before the next is read. A process reads only what
-its own devices hold."""
+its own devices hold.
+
+With ``FSDPConfig(lora=...)`` a rule for a target kernel ``X`` loads the
+stored ``X.base`` (for QLoRA each device's rows are quantized as they are
+read, so the full-precision model is never held); ``X.lora_A`` and
+``X.lora_B`` are not in a base checkpoint and keep ``init_fn``'s values."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsdp_jax._src import lora as lora_lib
+from fsdp_jax._src import quantization as quant
 from fsdp_jax._src.plan import Plan, UnitSpec
 from fsdp_jax._src.pretrained import files
 from fsdp_jax._src.pretrained.weight_map import Chain, WeightMap
+from fsdp_jax._src.quantization import Quantization
 
 MAX_LISTED = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapted:
+  """A LoRA target kernel of a plan: the user's parameter ``name``, the
+  leaf ids of its stored ``base``, ``lora_A`` and ``lora_B``, and what
+  decoding the base needs (``quantization``, the kernel's ``width`` and
+  ``dtype``). ``shape`` is the kernel's (``[layers,] m, n``)."""
+
+  name: str
+  base: int
+  lora_A: int  # pylint: disable=invalid-name
+  lora_B: int  # pylint: disable=invalid-name
+  quantization: Optional[Quantization]
+  width: int
+  dtype: np.dtype
+  shape: tuple
+
+
+def adapted_leaves(plan: Plan) -> list:
+  """The plan's LoRA target kernels (:class:`Adapted`), in stored order;
+  empty without ``FSDPConfig(lora=...)``."""
+  if plan.config.lora is None:
+    return []
+  tree = jax.tree_util.tree_unflatten(plan.treedef, list(range(len(plan.leaves))))
+  out = []
+  for node in jax.tree.leaves(tree, is_leaf=lora_lib.is_lora_weight):
+    if not lora_lib.is_lora_weight(node):
+      continue
+    name = plan.leaves[node.base].name
+    name = name[:-len(".base")] if name.endswith(".base") else name
+    lead_m = tuple(plan.leaves[node.lora_A].shape[:-1])
+    out.append(Adapted(name, node.base, node.lora_A, node.lora_B, node.quantization,
+                       int(node.width), np.dtype(node.dtype), lead_m + (int(node.width),)))
+  return out
+
+
+def host_device():
+  """The CPU device, where host-side quantization and merges run (the
+  default device where the CPU backend is not initialised)."""
+  try:
+    return jax.devices("cpu")[0]
+  except RuntimeError:
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _encoder(q: Quantization):
+  return jax.jit(functools.partial(quant.encode, q=q))
+
+
+def encode_rows(rows: np.ndarray, q: Quantization, dtype) -> np.ndarray:
+  """Rows of a kernel (in the checkpoint's dtype) -> its stored QLoRA base
+  rows: converted to the kernel's ``dtype``, then
+  :func:`fsdp_jax._src.quantization.encode` run on the CPU (the function
+  ``init_train_state`` runs on ``init_fn``'s kernel, so the same bits)."""
+  rows = np.asarray(rows).astype(dtype, copy=False)
+  with jax.default_device(host_device()):
+    return np.asarray(_encoder(q)(rows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +101,10 @@ class LeafSource:
   stacked: bool  # one tensor per index of the leaf's axis 0
   chain: Chain
   checkpoint_shape: tuple  # of each tensor
+  # QLoRA: the leaf is a quantized base; the kernel's rows are converted to
+  # ``dtype`` and encoded as they are read.
+  quantization: Optional[Quantization] = None
+  dtype: Optional[np.dtype] = None
 
 
 class PretrainedSource:
@@ -94,6 +167,13 @@ class PretrainedSource:
     every problem (an uncovered tensor or parameter under ``strict``, a
     parameter the model lacks, a shape or dtype that does not fit)."""
     names = {l.name: l.index for l in plan.leaves}
+    adapted = {t.base: t for t in adapted_leaves(plan)}
+    # LoRA: a rule for the kernel ``X`` loads its base ``X.base``; the
+    # factors are never in a base checkpoint.
+    names.update({t.name: i for i, t in adapted.items()})
+    factors = {j for t in adapted.values() for j in (t.lora_A, t.lora_B)}
+    shown = {i: (f"{t.name!r} (LoRA target, stored as {plan.leaves[i].name!r})")
+             for i, t in adapted.items()}
     if names and all(n.startswith("params.") for n in names):
       # Flax linen's collection prefix may be left out of a pattern.
       names.update({n[len("params."):]: i for n, i in list(names.items())})
@@ -125,25 +205,31 @@ class PretrainedSource:
     out = {}
     for i, slot in sorted(groups.items()):
       leaf = plan.leaves[i]
+      target = adapted.get(i)
+      q = None if target is None else target.quantization
+      # A quantized base is loaded from the kernel: its shape and dtype.
+      full_shape = tuple(leaf.shape) if target is None else target.shape
+      kernel_dtype = np.dtype(leaf.dtype) if target is None else target.dtype
+      what = shown.get(i, repr(leaf.name))
       rules = {id(r) for _, r in slot.values()}
       if len(rules) > 1:
-        problems.append(f"parameter {leaf.name!r} is mapped by several rules")
+        problems.append(f"parameter {what} is mapped by several rules")
         continue
       tensor, rule = next(iter(slot.values()))
       stacked = None not in slot
       if stacked:
         layers = sorted(slot)
-        if layers != list(range(leaf.shape[0] if leaf.shape else 0)):
+        if layers != list(range(full_shape[0] if full_shape else 0)):
           problems.append(
-              f"parameter {leaf.name!r} {leaf.shape} stacks {len(layers)} tensors of rule "
+              f"parameter {what} {full_shape} stacks {len(layers)} tensors of rule "
               f"{rule.describe()} (indices {layers[:6]}{' ...' if len(layers) > 6 else ''}), "
-              f"but its axis 0 has {leaf.shape[0] if leaf.shape else 0} entries")
+              f"but its axis 0 has {full_shape[0] if full_shape else 0} entries")
           continue
         tensors = tuple(slot[k][0] for k in layers)
-        want = tuple(leaf.shape[1:])
+        want = tuple(full_shape[1:])
       else:
         tensors = (tensor,)
-        want = tuple(leaf.shape)
+        want = tuple(full_shape)
       infos = [self.reader.tensors[t] for t in tensors]
       shapes = {info.shape for info in infos}
       if len(shapes) > 1:
@@ -161,22 +247,24 @@ class PretrainedSource:
         problems.append(
             f"shape mismatch: tensor {tensors[0]!r}{' (and its layers)' if stacked else ''} "
             f"has shape {list(ckpt_shape)}, which after {rule.chain} is {list(got)}, but "
-            f"parameter {leaf.name!r} has shape {list(leaf.shape)}"
-            + (f" ({leaf.shape[0]} stacked layers of {list(want)})" if stacked else ""))
+            f"parameter {what} has shape {list(full_shape)}"
+            + (f" ({full_shape[0]} stacked layers of {list(want)})" if stacked else ""))
         continue
       src_dtype = infos[0].dtype
-      if not np.can_cast(src_dtype, np.dtype(leaf.dtype), casting="same_kind"):
+      if not np.can_cast(src_dtype, kernel_dtype, casting="same_kind"):
         problems.append(f"tensor {tensors[0]!r} is {src_dtype}, which does not convert to "
-                        f"parameter {leaf.name!r}'s {np.dtype(leaf.dtype)}")
+                        f"parameter {what}'s {kernel_dtype}")
         continue
-      out[i] = LeafSource(i, tensors, stacked, rule.chain, ckpt_shape)
+      out[i] = LeafSource(i, tensors, stacked, rule.chain, ckpt_shape, q,
+                          None if q is None else kernel_dtype)
     if self.strict:
       if uncovered:
         problems.append(
             f"{len(uncovered)} checkpoint tensor(s) no rule covers: "
             f"{_listing(uncovered)} (add rules, a (pattern, None) rule to drop them, or "
             "load(..., strict=False))")
-      missing = [l.name for l in plan.leaves if l.index not in out]
+      missing = [adapted[l.index].name if l.index in adapted else l.name for l in plan.leaves
+                 if l.index not in out and l.index not in factors]
       if missing:
         problems.append(
             f"{len(missing)} parameter(s) no checkpoint tensor loads: {_listing(missing)} "
@@ -227,8 +315,17 @@ class PretrainedSource:
   def read_leaf(self, src: LeafSource, index: tuple, dtype=None) -> np.ndarray:
     """``leaf[index]`` (a tuple of unit-step slices over the leaf's shape),
     in ``dtype`` (by default the checkpoint's, and possibly a read-only view
-    of the file or a transposed view: copy it before keeping it)."""
+    of the file or a transposed view: copy it before keeping it). A
+    quantized LoRA base: the kernel's rows ``index[:-1]``, encoded, then
+    ``index[-1]`` of their payload rows."""
     index = tuple(index)
+    if src.quantization is not None:
+      ndim = len(src.chain.model_shape(src.checkpoint_shape)) + int(src.stacked)
+      index = index + (slice(None),) * (ndim - len(index))
+      plain = dataclasses.replace(src, quantization=None, dtype=None)
+      rows = self.read_leaf(plain, index[:-1] + (slice(None),))
+      out = encode_rows(rows, src.quantization, src.dtype)[..., index[-1]]
+      return out if dtype is None else out.astype(dtype, copy=False)
     if src.stacked:
       a, b, _ = (index[0] if index else slice(None)).indices(len(src.tensors))
       parts = [self._tensor_part(src.tensors[k], src.chain, src.checkpoint_shape, index[1:])
@@ -479,6 +576,13 @@ def load(path, weight_map: WeightMap, *, strict: bool = True) -> PretrainedSourc
   as a slice, so no host holds the whole model; in a multi-process run each
   process reads only what its devices hold. The optimizer state is
   initialised from the loaded parameters.
+
+  With ``FSDPConfig(lora=...)`` the rules name the model's own parameters:
+  a target kernel's rule loads its frozen base (for QLoRA, each device's
+  rows are quantized as they are read, with the function
+  ``init_train_state`` applies to ``init_fn``'s kernel), and its
+  ``lora_A`` / ``lora_B``, which a base checkpoint does not have, keep
+  ``init_fn``'s initialisation (``strict`` does not ask for them).
 
   Args:
     path: a ``.safetensors`` file; a directory of them, with or without

@@ -3,11 +3,16 @@
 ``model.safetensors.index.json``. Files are filled in parameter order up to
 ``max_shard_size``; each is written by one process, from the full values of
 its tensors only, so no host holds more than one file's worth (and one FSDP
-unit) of the model. The directory appears whole or not at all."""
+unit) of the model. The directory appears whole or not at all.
+
+A LoRA state (``FSDPConfig(lora=...)``) is saved merged: each target kernel
+as ``decode(base) + (alpha / r) * A @ B``, under the user's parameter
+names."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -15,11 +20,15 @@ import shutil
 import uuid
 from typing import Optional
 
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fsdp_jax._src import layout
+from fsdp_jax._src import lora as lora_lib
 from fsdp_jax._src.pretrained import files
+from fsdp_jax._src.pretrained.loading import adapted_leaves, host_device
 from fsdp_jax._src.pretrained.weight_map import WeightMap
 from fsdp_jax._src.state import ShardedTrainState
 from fsdp_jax._src.state_dicts import convert
@@ -39,28 +48,43 @@ def parse_size(size) -> int:
   return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
+def find_rule(weight_map: WeightMap, name: str, short: bool):
+  """``(rule, placeholder values)`` mapping parameter ``name`` (Flax linen's
+  ``params.`` prefix may be left out of the patterns), or None."""
+  found = weight_map.param_rule(name)
+  if found is None and short and name.startswith("params."):
+    found = weight_map.param_rule(name[len("params."):])
+  return found
+
+
 def _entries(plan, weight_map: WeightMap, dtype) -> list:
   """``[(checkpoint name, leaf id, layer or None, chain, checkpoint shape,
-  dtype)]`` in parameter order, every parameter mapped."""
-  names = {l.name: l.index for l in plan.leaves}
-  short = all(n.startswith("params.") for n in names)
+  dtype)]`` in parameter order, every parameter mapped. A LoRA target is
+  one entry, of its base's leaf id, with the kernel's name and shape."""
+  short = all(l.name.startswith("params.") for l in plan.leaves)
+  adapted = {t.base: t for t in adapted_leaves(plan)}
+  factors = {j for t in adapted.values() for j in (t.lora_A, t.lora_B)}
   out, unmapped = [], []
   for leaf in plan.leaves:
-    found = weight_map.param_rule(leaf.name)
-    if found is None and short:
-      found = weight_map.param_rule(leaf.name[len("params."):])
+    if leaf.index in factors:
+      continue
+    target = adapted.get(leaf.index)
+    name = leaf.name if target is None else target.name
+    full_shape = tuple(leaf.shape) if target is None else target.shape
+    found = find_rule(weight_map, name, short)
     if found is None:
-      unmapped.append(leaf.name)
+      unmapped.append(name)
       continue
     rule, values = found
     stack = rule.stack_axis_name
-    out_dtype = np.dtype(dtype) if dtype is not None else np.dtype(leaf.dtype)
+    own = np.dtype(leaf.dtype) if target is None else target.dtype
+    out_dtype = np.dtype(dtype) if dtype is not None else own
     if stack is None:
-      shape = rule.chain.checkpoint_shape(tuple(leaf.shape))
+      shape = rule.chain.checkpoint_shape(full_shape)
       out.append((rule.checkpoint_name(values), leaf.index, None, rule.chain, shape, out_dtype))
     else:
-      shape = rule.chain.checkpoint_shape(tuple(leaf.shape[1:]))
-      for layer in range(leaf.shape[0]):
+      shape = rule.chain.checkpoint_shape(full_shape[1:])
+      for layer in range(full_shape[0]):
         out.append((rule.checkpoint_name({**values, stack: layer}), leaf.index, layer,
                     rule.chain, shape, out_dtype))
   if unmapped:
@@ -97,7 +121,11 @@ def save(state: ShardedTrainState, directory, weight_map: WeightMap, *,
   """Writes the parameters of ``state`` as a Hugging Face checkpoint.
 
   Args:
-    state: a :class:`~fsdp_jax.ShardedTrainState`.
+    state: a :class:`~fsdp_jax.ShardedTrainState`. A LoRA state
+      (``FSDPConfig(lora=...)``) is saved merged: each target kernel under
+      its own name as ``decode(base) + (alpha / r) * A @ B`` (in float32,
+      then the file's dtype), a model transformers loads without PEFT
+      (:func:`save_adapter` writes the adapters alone).
     directory: where to write; it must not exist unless ``overwrite``.
     weight_map: the :class:`WeightMap` the model was loaded with: each
       parameter goes back to its checkpoint name, through the inverses of
@@ -148,15 +176,22 @@ def save(state: ShardedTrainState, directory, weight_map: WeightMap, *,
   written = []
   split = convert.split_storage(plan, state.params)
   ignored = convert.ignored_entries(plan, state.params)
+  adapted = {t.base: t for t in adapted_leaves(plan)}
+  scaling = None if plan.config.lora is None else plan.config.lora.scaling
   cache: dict = {}  # the last unit copied to the host, which the next file may continue
   for k, (group, name) in enumerate(zip(groups, names)):
     owner = k % world == rank
-    leaves = _full_leaves(plan, split, ignored, {e[1] for e in group}, cache)
+    ids = {e[1] for e in group}
+    ids |= {j for i in ids if i in adapted for j in (adapted[i].lora_A, adapted[i].lora_B)}
+    leaves = full_leaves(plan, split, ignored, ids, cache)
     if owner:
       path = os.path.join(tmp, name)
       writer = files.SafetensorsWriter(path, [(e[0], e[5], e[4]) for e in group], meta)
       for ckpt, i, layer, chain, shape, _ in group:
-        value = leaves[i] if layer is None else leaves[i][layer]
+        if i in adapted:
+          value = merged(adapted[i], leaves, scaling, layer)
+        else:
+          value = leaves[i] if layer is None else leaves[i][layer]
         writer.write(ckpt, chain.to_checkpoint(value, shape))  # converted to the file's dtype
       writer.close()
       files.check_readable(path)
@@ -175,7 +210,24 @@ def save(state: ShardedTrainState, directory, weight_map: WeightMap, *,
   return written
 
 
-def _full_leaves(plan, split: dict, ignored: dict, ids: set, cache: dict) -> dict:
+@functools.lru_cache(maxsize=16)
+def _merger(scaling: float):
+  return jax.jit(lambda node: lora_lib.merge(node, scaling, jnp.float32))
+
+
+def merged(target, leaves: dict, scaling: float, layer=None) -> np.ndarray:
+  """A LoRA target's effective kernel (of one layer, or all), from the
+  host values of its stored leaves: ``decode(base) + scaling * A @ B`` in
+  float32, computed on the CPU."""
+  pick = (lambda x: x) if layer is None else (lambda x: x[layer])
+  node = lora_lib.LoRAWeight(pick(leaves[target.base]), pick(leaves[target.lora_A]),
+                             pick(leaves[target.lora_B]), quantization=target.quantization,
+                             width=target.width, dtype=target.dtype)
+  with jax.default_device(host_device()):
+    return np.asarray(_merger(float(scaling))(node))
+
+
+def full_leaves(plan, split: dict, ignored: dict, ids: set, cache: dict) -> dict:
   """``{leaf id: numpy array}`` of the full values of ``ids`` on this
   process, unit by unit: each unit's stored arrays are copied to the host
   (their shards, assembled) and cut into leaves there (views), with no

@@ -1,0 +1,521 @@
+"""LoRA adapters in PEFT's format: :func:`save_adapter` writes a LoRA
+state's factors as ``adapter_model.safetensors`` and ``adapter_config.json``
+(what ``peft.PeftModel.from_pretrained`` reads), :func:`load_adapter` reads
+such a directory back into a LoRA state.
+
+PEFT adapts a PyTorch weight ``W`` ``[out, in]`` by ``(alpha / r) *
+lora_B.weight @ lora_A.weight`` (``[out, r] @ [r, in]``); the state adapts
+the model's kernel (``[m, n]``, the checkpoint tensor through the WeightMap's
+transforms) by ``(alpha / r) * A @ B``. The map's inverse transforms must
+take a kernel to the checkpoint tensor by permuting (and possibly swapping)
+its two axes, each on its own: transposes, rotary permutations and reshapes
+that keep the axes do. Which ones it does is found by running the inverse
+on a matrix of element indices, so the factors are exact permutations of
+each other's rows (a round trip is bitwise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+import jax
+import numpy as np
+
+from fsdp_jax._src import layout, offload
+from fsdp_jax._src.pretrained import files
+from fsdp_jax._src.pretrained.loading import Adapted, adapted_leaves
+from fsdp_jax._src.pretrained.saving import (_barrier, _publish, _shared_tmp, find_rule,
+                                             full_leaves)
+from fsdp_jax._src.pretrained.weight_map import Chain, WeightMap
+from fsdp_jax._src.state import ShardedTrainState
+from fsdp_jax._src.state_dicts import convert
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_BIN = "adapter_model.bin"
+CONFIG_FILE = "adapter_config.json"
+PREFIX = "base_model.model."
+
+
+@dataclasses.dataclass(frozen=True)
+class FactorLayout:
+  """How a kernel ``[m, n]`` sits in its checkpoint tensor ``[out, in]``:
+  ``ckpt[p, q] = kernel[rows[p], cols[q]]``, or with ``transposed``
+  ``ckpt[p, q] = kernel[rows[q], cols[p]]``."""
+
+  transposed: bool
+  rows: np.ndarray  # positions along the kernel's axis 0
+  cols: np.ndarray  # positions along the kernel's axis 1
+
+  def to_peft(self, a: np.ndarray, b: np.ndarray) -> tuple:
+    """Our ``A`` ``[m, r]``, ``B`` ``[r, n]`` -> PEFT's ``(lora_A.weight
+    [r, in], lora_B.weight [out, r])``."""
+    if self.transposed:  # ckpt = (A[rows] @ B[:, cols]).T
+      return a[self.rows].T, b[:, self.cols].T
+    return b[:, self.cols], a[self.rows]
+
+  def from_peft(self, lora_a: np.ndarray, lora_b: np.ndarray, m: int, n: int, dtype) -> tuple:
+    """The inverse of :meth:`to_peft`."""
+    r = lora_a.shape[0]
+    a, b = np.empty((m, r), dtype), np.empty((r, n), dtype)
+    if self.transposed:
+      a[self.rows], b[:, self.cols] = lora_a.T, lora_b.T
+    else:
+      a[self.rows], b[:, self.cols] = lora_b, lora_a
+    return a, b
+
+
+def factor_layout(chain: Chain, kernel_shape: tuple, checkpoint_shape: tuple,
+                  what: str) -> FactorLayout:
+  """Runs the inverse of ``chain`` on a matrix of element indices and reads
+  off how it permutes the kernel's axes, or a ``ValueError`` naming the
+  chain when it mixes them (or is not a permutation)."""
+  m, n = kernel_shape
+  fix = ("PEFT adapts a 2-D [out, in] weight, so the transforms between it and the kernel "
+         "may only transpose the two axes and permute each (transpose(), "
+         "rope_interleave(...), or a reshape that keeps both axes). Fix: narrow "
+         "LoRA(targets=...) to such kernels, or save the merged model with "
+         "pretrained.save(state, ...).")
+  if len(checkpoint_shape) != 2:
+    raise ValueError(f"{what}: its checkpoint tensor has shape {list(checkpoint_shape)}, "
+                     f"not 2-D. {fix}")
+  index = np.arange(m * n, dtype=np.int64 if m * n >= 2**31 else np.int32).reshape(m, n)
+  try:
+    c = np.asarray(chain.to_checkpoint(index, tuple(checkpoint_shape)))
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{what}: the inverse of {chain} fails on the kernel [{m}, {n}] "
+                     f"({e}). {fix}") from None
+  ok = c.shape == tuple(checkpoint_shape)
+  if ok and not np.issubdtype(c.dtype, np.integer):
+    ok = bool(np.all(np.isfinite(c)) and np.all(c == np.round(c)))
+    c = c.astype(np.int64) if ok else c
+  if ok:
+    flat = c.reshape(-1)
+    ok = flat.size == m * n and flat.min() >= 0 and flat.max() < m * n
+    if ok:
+      seen = np.zeros(m * n, bool)
+      seen[flat] = True
+      ok = bool(seen.all())
+  if not ok:
+    raise ValueError(f"{what}: the inverse of {chain} does not move the kernel's elements "
+                     f"as a permutation. {fix}")
+  rows, cols = np.divmod(c, n)
+  if np.all(rows == rows[:, :1]) and np.all(cols == cols[:1, :]):
+    return FactorLayout(False, rows[:, 0].copy(), cols[0, :].copy())
+  if np.all(rows == rows[:1, :]) and np.all(cols == cols[:, :1]):
+    return FactorLayout(True, rows[0, :].copy(), cols[:, 0].copy())
+  raise ValueError(f"{what}: the inverse of {chain} mixes the kernel's axes (an element's "
+                   f"row in the checkpoint depends on both of its kernel indices). {fix}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Module:
+  """One PEFT-adapted module: a target's layer (or the whole target)."""
+
+  target: Adapted
+  layer: Optional[int]
+  module: str  # the checkpoint name without ".weight"
+  layout: FactorLayout
+
+  @property
+  def keys(self) -> tuple:
+    return (f"{PREFIX}{self.module}.lora_A.weight", f"{PREFIX}{self.module}.lora_B.weight")
+
+
+def _require_lora(state, fn: str):
+  plan = getattr(state, "plan", None)
+  if plan is None or plan.config.lora is None:
+    raise ValueError(
+        f"{fn}: the state has no LoRA adapters (its FSDPConfig has lora=None). Fix: build "
+        "the state with FSDPConfig(lora=fsdp_jax.LoRA(targets=..., rank=...)); to save "
+        "every parameter, use pretrained.save(state, directory, weight_map).")
+  return plan
+
+
+def _modules(plan, weight_map: WeightMap, fn: str) -> list:
+  """Every target's PEFT modules, in stored order."""
+  if not isinstance(weight_map, WeightMap):
+    raise TypeError(f"{fn}: weight_map must be a fsdp_jax.pretrained.WeightMap, got "
+                    f"{type(weight_map).__name__}.")
+  short = all(l.name.startswith("params.") for l in plan.leaves)
+  out, layouts = [], {}
+  for t in adapted_leaves(plan):
+    found = find_rule(weight_map, t.name, short)
+    if found is None:
+      raise ValueError(
+          f"{fn}: no rule of the WeightMap maps LoRA target {t.name!r} (shape "
+          f"{list(t.shape)}) to a checkpoint tensor. Fix: pass the WeightMap the base model "
+          "was loaded with (a rule whose parameter pattern matches it).")
+    rule, values = found
+    stack = rule.stack_axis_name
+    layers = [None] if stack is None else list(range(t.shape[0]))
+    kernel = tuple(t.shape[-2:])
+    if stack is None and len(t.shape) != 2:
+      raise ValueError(
+          f"{fn}: LoRA target {t.name!r} has shape {list(t.shape)} (stacked layers) but rule "
+          f"{rule.describe()} maps it to one checkpoint tensor; PEFT adapts one 2-D weight "
+          "per module. Fix: map one checkpoint tensor per layer (a '{i}' placeholder in the "
+          "checkpoint pattern only).")
+    for layer in layers:
+      name = rule.checkpoint_name(values if layer is None else {**values, stack: layer})
+      if not name.endswith(".weight"):
+        raise ValueError(
+            f"{fn}: LoRA target {t.name!r} maps to checkpoint tensor {name!r}, which is not "
+            "a module's '.weight'; PEFT adapts modules (e.g. 'model.layers.0.self_attn."
+            "q_proj.weight'). Fix: narrow LoRA(targets=...) to linear layers' kernels.")
+      key = (id(rule), kernel)
+      if key not in layouts:
+        what = f"LoRA target {t.name!r} -> {name!r}"
+        layouts[key] = factor_layout(rule.chain, kernel, rule.chain.checkpoint_shape(kernel),
+                                     what)
+      out.append(_Module(t, layer, name[:-len(".weight")], layouts[key]))
+  return out
+
+
+def _trainable(plan, weight_map: WeightMap, fn: str) -> list:
+  """``[(leaf id, layer or None, checkpoint name, chain, checkpoint
+  shape)]`` of the leaves ``LoRA(trainable=...)`` trains (PEFT's
+  ``modules_to_save``)."""
+  adapted = adapted_leaves(plan)
+  factors = {j for t in adapted for j in (t.lora_A, t.lora_B)}
+  short = all(l.name.startswith("params.") for l in plan.leaves)
+  out = []
+  for leaf in plan.leaves:
+    if leaf.frozen or leaf.index in factors:
+      continue
+    found = find_rule(weight_map, leaf.name, short)
+    if found is None:
+      raise ValueError(
+          f"{fn}: no rule of the WeightMap maps the trainable parameter {leaf.name!r} "
+          "(LoRA(trainable=...); PEFT's modules_to_save) to a checkpoint tensor. Fix: add a "
+          "rule for it, or drop it from LoRA(trainable=...).")
+    rule, values = found
+    stack = rule.stack_axis_name
+    if stack is None:
+      out.append((leaf.index, None, rule.checkpoint_name(values), rule.chain,
+                  rule.chain.checkpoint_shape(tuple(leaf.shape))))
+    else:
+      shape = rule.chain.checkpoint_shape(tuple(leaf.shape[1:]))
+      out.extend((leaf.index, k, rule.checkpoint_name({**values, stack: k}), rule.chain, shape)
+                 for k in range(leaf.shape[0]))
+  return out
+
+
+def _module_of(tensor: str) -> str:
+  return tensor.rsplit(".", 1)[0]
+
+
+def _adapter_config(lora, modules: list, saved: list, task_type, base_model) -> dict:
+  leaf_names = sorted({m.module.rsplit(".", 1)[-1] for m in modules})
+  to_save = sorted({_module_of(e[2]) for e in saved}) or None
+  return {
+      "peft_type": "LORA", "task_type": task_type, "base_model_name_or_path": base_model,
+      "revision": None, "inference_mode": True, "r": lora.rank,
+      "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": leaf_names,
+      "bias": "none", "fan_in_fan_out": False, "modules_to_save": to_save,
+      "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+      "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
+      "alpha_pattern": {},
+  }
+
+
+def save_adapter(state: ShardedTrainState, directory, weight_map: WeightMap, *,
+                 task_type: Optional[str] = "CAUSAL_LM",
+                 base_model_name_or_path: Optional[str] = None, dtype=None,
+                 overwrite: bool = False) -> list[str]:
+  """Writes the LoRA adapters of ``state`` in PEFT's format, for
+  ``peft.PeftModel.from_pretrained(base_model, directory)``.
+
+  ``adapter_model.safetensors`` holds, for each target (each layer of a
+  stacked one), ``base_model.model.<module>.lora_A.weight`` ``[rank, in]``
+  and ``.lora_B.weight`` ``[out, rank]`` in PyTorch's layout, ``<module>``
+  being the target's checkpoint tensor name without ``.weight``: the
+  factors go through the inverse of the WeightMap's transforms, so that
+  ``lora_B.weight @ lora_A.weight`` is the checkpoint-layout image of ``A @
+  B``. The leaves ``LoRA(trainable=...)`` trains are written whole, under
+  their checkpoint names (PEFT's ``modules_to_save``). ``adapter_config.json``
+  holds ``peft_type: "LORA"``, ``r``, ``lora_alpha``, ``lora_dropout``,
+  ``target_modules`` (the modules' last names, e.g. ``["q_proj",
+  "v_proj"]``), ``modules_to_save``, ``task_type`` and
+  ``base_model_name_or_path``.
+
+  Args:
+    state: a state built with ``FSDPConfig(lora=...)``.
+    directory: where to write; it must not exist unless ``overwrite``. It
+      appears whole or not at all.
+    weight_map: the :class:`WeightMap` the base model was loaded with.
+    task_type: PEFT's task type (``"CAUSAL_LM"``, ``"SEQ_CLS"``, ...; None
+      for a bare ``PeftModel``).
+    base_model_name_or_path: recorded in ``adapter_config.json``.
+    dtype: the factors' dtype in the file (default: as stored).
+    overwrite: replace an existing directory once the new one is complete.
+
+  Returns:
+    The files written. Every process must call it (process 0 writes).
+
+  Raises:
+    ValueError: for a state without LoRA, a target no rule maps, or a
+      target whose transforms mix its axes (PEFT's factors cannot express
+      it; ``pretrained.save`` writes the merged model instead).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax, json, os, tempfile
+    >>> from fsdp_jax import pretrained
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(
+    ...     params={"fc": {"kernel": jnp.ones((6, 4))}}, optimizer=optax.sgd(0.1), mesh=mesh,
+    ...     config=fsdp_jax.FSDPConfig(lora=fsdp_jax.LoRA(targets=("fc",), rank=2)))
+    >>> wm = pretrained.WeightMap([("fc.weight", "fc.kernel", pretrained.transpose())])
+    >>> out = os.path.join(tempfile.mkdtemp(), "adapter")
+    >>> [os.path.basename(f) for f in pretrained.save_adapter(state, out, wm)]
+    ['adapter_model.safetensors', 'adapter_config.json']
+    >>> from safetensors.numpy import load_file
+    >>> {k: v.shape for k, v in load_file(os.path.join(out, "adapter_model.safetensors")).items()}
+    {'base_model.model.fc.lora_A.weight': (2, 6), 'base_model.model.fc.lora_B.weight': (4, 2)}
+    >>> json.load(open(os.path.join(out, "adapter_config.json")))["target_modules"]
+    ['fc']
+  """
+  plan = _require_lora(state, "save_adapter")
+  lora = plan.config.lora
+  directory = os.path.abspath(os.fspath(directory))
+  if os.path.exists(directory) and not overwrite:
+    raise FileExistsError(
+        f"save_adapter: {directory} exists. Fix: pick a new directory, or pass "
+        "overwrite=True (the old one is replaced once the new one is complete).")
+  modules = _modules(plan, weight_map, "save_adapter")
+  saved = _trainable(plan, weight_map, "save_adapter")
+  clash = {_module_of(e[2]) for e in saved} & {m.module for m in modules}
+  if clash:
+    raise ValueError(
+        f"save_adapter: module(s) {sorted(clash)} are both LoRA targets and trained whole "
+        "(LoRA(trainable=...)); PEFT's modules_to_save cannot hold an adapted module. Fix: "
+        "drop them from LoRA(trainable=...) or from targets.")
+  ids = {j for m in modules for j in (m.target.lora_A, m.target.lora_B)} | {e[0] for e in saved}
+  leaves = full_leaves(plan, convert.split_storage(plan, state.params),
+                       convert.ignored_entries(plan, state.params), ids, {})
+  tensors = []  # (name, array)
+  for m in modules:
+    pick = (lambda x: x) if m.layer is None else (lambda x, k=m.layer: x[k])
+    lora_a, lora_b = m.layout.to_peft(pick(leaves[m.target.lora_A]),
+                                      pick(leaves[m.target.lora_B]))
+    tensors += list(zip(m.keys, (lora_a, lora_b)))
+  for i, layer, name, chain, shape in saved:
+    value = leaves[i] if layer is None else leaves[i][layer]
+    tensors.append((PREFIX + name, chain.to_checkpoint(value, shape)))
+  written = [os.path.join(directory, ADAPTER_FILE), os.path.join(directory, CONFIG_FILE)]
+  tmp = _shared_tmp(directory)
+  if jax.process_index() == 0:
+    path = os.path.join(tmp, ADAPTER_FILE)
+    entries = [(k, np.dtype(dtype) if dtype is not None else v.dtype, v.shape)
+               for k, v in tensors]
+    writer = files.SafetensorsWriter(path, entries, {"format": "pt"})
+    for k, v in tensors:
+      writer.write(k, v)
+    writer.close()
+    files.check_readable(path)
+    config = _adapter_config(lora, modules, saved, task_type, base_model_name_or_path)
+    with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
+      json.dump(config, f, indent=2, sort_keys=True)
+  _barrier("fsdp_jax.pretrained.save_adapter")
+  if jax.process_index() == 0:
+    _publish(tmp, directory)
+  _barrier("fsdp_jax.pretrained.save_adapter.done")
+  return written
+
+
+def _read_config(directory: str, lora, sample: str) -> dict:
+  path = os.path.join(directory, CONFIG_FILE)
+  if not os.path.exists(path):
+    raise ValueError(f"load_adapter: {directory} holds no {CONFIG_FILE}: not a PEFT adapter "
+                     "directory. Fix: pass the directory save_adapter (or PEFT's "
+                     "save_pretrained) wrote.")
+  with open(path) as f:
+    config = json.load(f)
+  fix = "Fix: build the state with FSDPConfig(lora=fsdp_jax.LoRA(..., {}))."
+  if config.get("peft_type", "LORA") != "LORA":
+    raise ValueError(f"load_adapter: {path} is a {config.get('peft_type')} adapter, not LoRA.")
+  r = config.get("r", 8)  # PEFT's defaults
+  if r != lora.rank:
+    raise ValueError(
+        f"load_adapter: the adapter has rank r={r} ({path}{sample}) but the "
+        f"state's LoRA has rank={lora.rank}. " + fix.format(f"rank={r}"))
+  alpha = config.get("lora_alpha", 8)
+  if not isinstance(alpha, (int, float)) or float(alpha) != lora.alpha:
+    raise ValueError(
+        f"load_adapter: the adapter has lora_alpha={alpha} ({path}) but the state's LoRA has "
+        f"alpha={lora.alpha:g}: the scale alpha / r would differ. "
+        + fix.format(f"alpha={alpha}"))
+  for key, what in (("use_rslora", "rank-stabilised scaling"), ("use_dora", "DoRA"),
+                    ("fan_in_fan_out", "[in, out] (Conv1D) weights"),
+                    ("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas")):
+    if config.get(key):
+      raise ValueError(f"load_adapter: {path} sets {key}={config[key]!r} ({what}), which "
+                       "fsdp_jax's LoRA does not have. Fix: train the adapter without it.")
+  return config
+
+
+def _open(directory: str):
+  for name in (ADAPTER_FILE, ADAPTER_BIN):
+    path = os.path.join(directory, name)
+    if os.path.exists(path):
+      return files.open_checkpoint(path)
+  raise ValueError(f"load_adapter: {directory} holds neither {ADAPTER_FILE} nor "
+                   f"{ADAPTER_BIN}. Fix: pass the directory save_adapter (or PEFT's "
+                   "save_pretrained) wrote.")
+
+
+def load_adapter(state: ShardedTrainState, directory, weight_map: WeightMap
+                 ) -> ShardedTrainState:
+  """Reads a PEFT LoRA adapter (what :func:`save_adapter` or PEFT's
+  ``save_pretrained`` writes) into a LoRA state: returns the state with its
+  ``lora_A`` / ``lora_B`` (and the leaves ``LoRA(trainable=...)`` trains,
+  from PEFT's ``modules_to_save``, where the adapter holds them) replaced,
+  sharded as before. The factors go through the WeightMap's transforms, the
+  inverse of :func:`save_adapter`, so a round trip is exact.
+
+  The optimizer state is left as it is (its moments belong to the old
+  factors: start a fresh state's optimizer, or keep training with them
+  knowingly); the frozen base is untouched.
+
+  Args:
+    state: a state built with ``FSDPConfig(lora=...)`` whose targets,
+      ``rank`` and ``alpha`` are the adapter's.
+    directory: the adapter's directory (``adapter_config.json`` and
+      ``adapter_model.safetensors`` or ``adapter_model.bin``).
+    weight_map: the :class:`WeightMap` the base model was loaded with.
+
+  Raises:
+    ValueError: naming the tensor, its shape and the fix: a rank or alpha
+      that is not the state's, a target's tensors missing from the adapter,
+      adapter tensors for a module the state does not adapt.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax, os, tempfile
+    >>> from fsdp_jax import pretrained
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> config = fsdp_jax.FSDPConfig(lora=fsdp_jax.LoRA(targets=("fc",), rank=2))
+    >>> params = {"fc": {"kernel": jnp.ones((6, 4))}}
+    >>> one = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+    ...                                 config=config, rng=jax.random.key(1))
+    >>> bump = lambda w: w.replace(lora_B=w.lora_B + 1.0)  # as if trained: B != 0
+    >>> one = fsdp_jax.write_full_params(one, lambda p: {"fc": {"kernel": bump(p["fc"]["kernel"])}})
+    >>> wm = pretrained.WeightMap([("fc.weight", "fc.kernel", pretrained.transpose())])
+    >>> out = os.path.join(tempfile.mkdtemp(), "adapter")
+    >>> _ = pretrained.save_adapter(one, out, wm)
+    >>> two = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+    ...                                 config=config, rng=jax.random.key(2))
+    >>> merged = lambda s: fsdp_jax.summon_full_params(s)["fc"]["kernel"]
+    >>> bool((merged(two) == merged(one)).all())  # another A
+    False
+    >>> two = pretrained.load_adapter(two, out, wm)
+    >>> bool((merged(two) == merged(one)).all())
+    True
+  """
+  plan = _require_lora(state, "load_adapter")
+  lora = plan.config.lora
+  directory = os.fspath(directory)
+  modules = _modules(plan, weight_map, "load_adapter")
+  saved = _trainable(plan, weight_map, "load_adapter")
+  reader = _open(directory)
+  names = set(reader.tensors)
+  sample = next((n for n in sorted(names) if ".lora_A." in n), None)
+  _read_config(directory, lora, "" if sample is None else
+               f"; tensor {sample!r} has shape {list(reader.tensors[sample].shape)}")
+  problems, missing = [], []
+  wanted = set()
+  for m in modules:
+    wanted.update(m.keys)
+    out_dim, in_dim = m.layout.rows.size, m.layout.cols.size
+    if m.layout.transposed:
+      out_dim, in_dim = in_dim, out_dim
+    for key, want in zip(m.keys, ((lora.rank, in_dim), (out_dim, lora.rank))):
+      if key not in names:
+        missing.append(key)
+        continue
+      got = tuple(reader.tensors[key].shape)
+      if got != want:
+        problems.append(
+            f"tensor {key!r} has shape {list(got)}, but LoRA target {m.target.name!r} "
+            f"(rank {lora.rank}) needs {list(want)}: "
+            + ("the adapter's rank is not the state's; fix: FSDPConfig(lora=LoRA(rank=...)) "
+               "with the adapter's rank" if lora.rank not in got or len(got) != 2 else
+               "the adapter is for a model of another size; fix: pass the base model the "
+               "adapter was trained on"))
+  if missing:
+    problems.append(
+        f"{len(missing)} tensor(s) of the state's LoRA targets are not in the adapter: "
+        f"{missing[:8]}{' ...' if len(missing) > 8 else ''}; fix: the state's "
+        "LoRA(targets=...) must be the adapter's (its adapter_config.json's target_modules)")
+  whole = {PREFIX + e[2]: e for e in saved}
+  unknown = sorted(n for n in names if n not in wanted and n not in whole)
+  if unknown:
+    modules_known = sorted({m.module for m in modules})
+    problems.append(
+        f"{len(unknown)} adapter tensor(s) are for modules the state does not adapt or "
+        f"train: {unknown[:8]}{' ...' if len(unknown) > 8 else ''} (the state adapts "
+        f"{modules_known[:6]}{' ...' if len(modules_known) > 6 else ''}); fix: add their "
+        "parameters to LoRA(targets=...) (or, for a module trained whole, to "
+        "LoRA(trainable=...)), with WeightMap rules for them")
+  if problems:
+    raise ValueError(f"load_adapter: {directory}:\n  - " + "\n  - ".join(problems))
+  new: dict = {}
+  for m in modules:
+    t = m.target
+    dtype = np.dtype(plan.leaves[t.lora_A].dtype)
+    lora_a, lora_b = (np.asarray(reader.read(k)) for k in m.keys)
+    m_dim, n_dim = t.shape[-2:]
+    a, b = m.layout.from_peft(lora_a, lora_b, m_dim, n_dim, dtype)
+    for i, x in ((t.lora_A, a), (t.lora_B, b)):
+      if m.layer is None:
+        new[i] = x
+      else:
+        new.setdefault(i, np.empty(plan.leaves[i].shape, dtype))[m.layer] = x
+  kept = {}
+  for i, layer, name, chain, _ in saved:
+    if PREFIX + name not in names:
+      continue
+    value = chain.to_model(np.asarray(reader.read(PREFIX + name)))
+    leaf = plan.leaves[i]
+    if layer is None:
+      kept[i] = np.asarray(value).astype(leaf.dtype)
+    else:
+      kept.setdefault(i, np.empty(leaf.shape, leaf.dtype))[layer] = value
+  new.update(kept)
+  return state.replace(params=_replace_leaves(plan, state.params, new))
+
+
+def _replace_leaves(plan, storage, new: dict):
+  """The stored params with the full values ``new`` (``{leaf id: numpy
+  array}``) written in: each unit holding one of them is gathered, updated
+  and sharded again (in its own memory kind); the others are kept."""
+  if any(plan.leaves[i].ignored for i in new):
+    names = [plan.leaves[i].name for i in new if plan.leaves[i].ignored]
+    raise ValueError(f"load_adapter: {names} are ignored_states; the adapter cannot be "
+                     "loaded into them. Fix: leave them out of FSDPConfig(ignored_states=...).")
+  units = [u for u in plan.units if any(i in new for i in u.leaf_ids)]
+  if plan.use_orig_params:
+    parts = plan.treedef.flatten_up_to(storage)
+  else:
+    parts = dict(storage)
+  for unit in units:
+    arrays = layout.unit_storage(plan, unit, storage)
+    sh = plan.sharding(plan.spec_for(unit))
+    out_sh = {i: sh for i in unit.leaf_ids} if plan.use_orig_params else {"flat": sh}
+    values = {i: new[i] for i in unit.leaf_ids if i in new}
+
+    def run(arrays, values, unit=unit):
+      full = layout.unpack_storage_full(plan, unit, offload.to_device(arrays))
+      full.update({i: v.astype(full[i].dtype) for i, v in values.items()})
+      return layout.pack_unit(plan, unit, full)
+
+    packed = jax.jit(run, out_shardings=out_sh)(arrays, values)
+    if plan.use_orig_params:
+      for i in unit.leaf_ids:
+        parts[i] = packed[i]
+    else:
+      parts[unit.flat_key] = packed["flat"]
+  if plan.use_orig_params:
+    return plan.treedef.unflatten(parts)
+  return parts
