@@ -399,11 +399,6 @@ def stored_leaf_kind(name: str) -> Optional[str]:
   return tail if tail in ("base", "lora_A", "lora_B") else None
 
 
-def base_bytes(m: int, n: int, q: Optional[Quantization], itemsize: int) -> int:
-  """Stored bytes of one ``[m, n]`` base."""
-  return m * (n * itemsize if q is None else q.payload_bytes(n))
-
-
 def check_user_tree(stored_tree, what: str) -> Any:
   """Refuses a tree that already holds adapters where the user's is wanted."""
   if any(is_lora_weight(x) for x in jax.tree.leaves(stored_tree, is_leaf=is_lora_weight)):
