@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import fsdp_jax
+from fsdp_jax import hlo
 from fsdp_jax._src import lora as lora_lib
 
 S = fsdp_jax.ShardingStrategy
@@ -274,6 +275,36 @@ def test_flax_nnx_model():
   assert "blocks.0.wq.kernel.lora_A" in names  # NNX's .value left out, as elsewhere
   assert state.plan.lora_report.adapter_path == {f"blocks.{i}.w{c}.kernel"
                                                  for i in range(2) for c in "qo"}
+
+
+@pytest.mark.parametrize("strategy,n,r", [(S.FULL_SHARD, 3, None), (S.HYBRID_SHARD, 2, 2),
+                                           (S.NO_SHARD, 2, None)])
+@pytest.mark.parametrize("use_orig_params", [True, False])
+def test_frozen_base_is_never_reduced_and_the_plan_counts_it(strategy, n, r, use_orig_params):
+  """Only the adapters and trainable leaves are reduce-scattered (and
+  all-reduced over replicas); print(state.plan) counts what the compiled
+  step does."""
+  params, batch = tiny_params(), tiny_batches(1)[0]
+  mesh = _mesh(n, r)
+  cfg = fsdp_jax.FSDPConfig(sharding_strategy=strategy, use_orig_params=use_orig_params,
+                            lora=LORA, auto_wrap_policy=WRAP)
+  state = fsdp_jax.init_train_state(params=params, optimizer=optax.adam(1e-2), mesh=mesh,
+                                    config=cfg, rng=KEY)
+  step = fsdp_jax.shard_train_step(tiny_loss, mesh=mesh, config=cfg)
+  colls = hlo.collectives(step.lower(state, batch).compile().as_text())
+  count = lambda kind: sum(1 for c in colls if c.kind == kind for shape in c.shapes if shape)
+  planned = state.plan.collectives_per_step()
+  trainable = [l for l in state.plan.leaves if not l.frozen]
+  if strategy is S.NO_SHARD:
+    assert count("reduce-scatter") == 0
+    assert count("all-reduce") == planned["all-reduce"]
+  else:
+    assert count("reduce-scatter") == planned["reduce-scatter"]
+    assert planned["reduce-scatter"] == (len(trainable) if use_orig_params else
+                                         len(state.plan.trainable_units))
+    # Hybrid: one all-reduce over the replicas per trainable unit.
+    assert count("all-reduce") == planned["all-reduce"] == (
+        len(state.plan.trainable_units) if r else 0)
 
 
 def test_adapter_path_skips_the_base_weight_gradient():

@@ -216,7 +216,8 @@ def _rule(eqn, invals, report: Report, counter: list) -> list:
     body = _compat.call_body(eqn)
     if body is not None:
       return evaluate(body[0], body[1], invals, report, counter)
-  why = f"{name} ({_compat.user_site(eqn)})"
+  site = _compat.user_site(eqn)
+  why = f"{name} at {site}" if site and site != "?" else name
   return _compat.bind_eqn(eqn, [_materialize(x, report, why) for x in invals])
 
 

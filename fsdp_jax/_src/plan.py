@@ -519,12 +519,17 @@ class Plan:
     ``unit``: how many collectives its all-gather and its gradient reduction
     take, one for the unit's buffer or one per leaf
     (:func:`fsdp_jax._src.collectives.gathers_per_leaf`; a stateful hook
-    reduces the packed buffer)."""
+    reduces the packed buffer). Frozen leaves are never reduced."""
     out = []
     for group, spec in self.gather_specs(unit):
       gathers = len(group) if collectives.gathers_per_leaf(spec) else 1
-      reduces = (len(group) if collectives.reduces_per_leaf(spec) and not self.stateful_hook
-                 else 1)
+      trainable = [i for i in group if not self.leaves[i].frozen]
+      if not trainable:
+        reduces = 0
+      elif collectives.reduces_per_leaf(spec) and not self.stateful_hook:
+        reduces = len(trainable)
+      else:
+        reduces = 1
       out.append((group, spec, gathers, reduces))
     return out
 

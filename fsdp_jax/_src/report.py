@@ -31,13 +31,13 @@ def collectives_per_step(plan) -> dict[str, int]:
   for u in plan.units:
     for _, spec, gathers, reduces in plan.group_collectives(u):
       if strategy is ShardingStrategy.NO_SHARD:
-        out["all-reduce"] += 1
+        out["all-reduce"] += 1 if reduces else 0
         continue
       per_pass = 2 if u.stacked and not spec.secondary else 1
       out["all-gather"] += per_pass * (
           gathers + (1 if spec.secondary else gathers) * plan.reshard(u))
       out["reduce-scatter"] += reduces
-      if plan.config.is_hybrid:
+      if plan.config.is_hybrid and reduces:
         out["all-reduce"] += 1
   return out
 

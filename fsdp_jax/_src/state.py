@@ -565,6 +565,11 @@ def _with_adapters(config: FSDPConfig, params, init_fn, init_args, rng):
   a :class:`~fsdp_jax._src.lora.LoRAWeight` (its ``A`` drawn from ``rng``,
   key 0 without one)."""
   lora = config.lora
+  if lora.dropout and rng is None:
+    raise ValueError(
+        f"FSDPConfig(lora=LoRA(dropout={lora.dropout})): the adapters' dropout draws its "
+        "masks from the state's key, one per step and device, and init_train_state got no "
+        "rng. Fix: pass init_train_state(..., rng=jax.random.key(0)), or dropout=0.0.")
   whole = jax.eval_shape(init_fn, *init_args) if init_fn is not None else params
   lora_lib.check_user_tree(whole, "init_train_state with FSDPConfig(lora=...)")
   targets = lora_lib.find_targets(whole, lora, config.stacked_layers)
