@@ -3,6 +3,8 @@
 
     python examples/finetune_llama.py --checkpoint path/to/llama --text data.txt --out tuned
     python examples/finetune_llama.py            # a small random checkpoint, made here
+    python examples/finetune_llama.py --lora     # LoRA adapters, the base frozen
+    python examples/finetune_llama.py --qlora    # QLoRA: the frozen base stored in NF4
 
 The checkpoint directory is what ``save_pretrained`` writes (``config.json``
 and safetensors files, sharded with an index or not). Each device's shard of
@@ -14,6 +16,18 @@ one, else byte by byte (modulo the vocabulary). The tuned model is written
 to ``--out`` in Hugging Face's layout, with the checkpoint's ``config.json``
 beside it, so ``transformers.LlamaForCausalLM.from_pretrained(out)`` and
 vLLM read it.
+
+With ``--lora`` only low-rank adapters train: each target kernel ``W``
+(by default every attention and MLP projection: PEFT's ``q_proj``,
+``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``,
+``down_proj``) is seen as ``W + (alpha / rank) * A @ B``, with ``A`` and
+``B`` trained and everything else frozen (no gradient, no optimizer state).
+``--qlora`` also stores the frozen base kernels in QLoRA's 4-bit
+NormalFloat (blocks of 64, one float32 scale each) and gathers them in it.
+Either way the script prints what the plan says about the adapters, the
+memory each device holds, and writes the adapters in PEFT's format to
+``--out/adapter`` (``peft.PeftModel.from_pretrained(base_model,
+out/adapter)`` loads them) besides the merged model in ``--out``.
 
 Without ``--checkpoint`` the script writes a small random Llama (2 layers,
 grouped-query attention) with fsdp_jax itself first, so it runs anywhere,
@@ -50,6 +64,13 @@ SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_
              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
              rope_theta=10000.0, tie_word_embeddings=False)
 
+# LoRA targets: the module names of examples/llama.py (attn.q is PEFT's
+# self_attn.q_proj, ...); PEFT's names are accepted too.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+PEFT_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
+              "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+QLORA = dict(dtype="nf4", block_size=64)  # QLoRA's NormalFloat4
+
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
   """Shows defaults, except where the help already says what one is."""
@@ -78,14 +99,85 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--batch-size", type=int, default=8)
   p.add_argument("--seq-len", type=int, default=64)
-  p.add_argument("--lr", type=float, default=1e-4)
+  p.add_argument("--lr", type=float, default=None,
+                 help="learning rate (default: 1e-4; 1e-3 with --lora or --qlora)")
   p.add_argument("--platform", choices=("auto", "cpu", "gpu"), default="auto")
   p.add_argument("--cpu-devices", type=int, default=8)
   p.add_argument("--seed", type=int, default=0)
+  lora = p.add_argument_group("LoRA and QLoRA")
+  mode = lora.add_mutually_exclusive_group()
+  mode.add_argument("--lora", action="store_true",
+                    help="train LoRA adapters only; the base model is frozen")
+  mode.add_argument("--qlora", action="store_true",
+                    help="LoRA over a frozen base stored in NF4 (4-bit NormalFloat, blocks "
+                    "of 64)")
+  lora.add_argument("--rank", type=int, default=None, help="LoRA rank r (default: 8)")
+  lora.add_argument("--alpha", type=float, default=None,
+                    help="lora_alpha; the adapters are scaled by alpha / rank (default: 16)")
+  lora.add_argument("--targets", default=None,
+                    help="comma-separated patterns naming the kernels to adapt (default: "
+                    f"{','.join(LORA_TARGETS)}, i.e. every attention and MLP projection; "
+                    "PEFT's q_proj, ..., down_proj are accepted)")
+  lora.add_argument("--lora-dropout", type=float, default=None,
+                    help="dropout on the adapters' input (default: 0.0)")
   args = p.parse_args(argv)
   if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
     p.error("--steps, --batch-size and --seq-len must be positive (seq-len at least 2)")
+  args.lora_mode = "qlora" if args.qlora else "lora" if args.lora else None
+  given = [f for f, v in (("--rank", args.rank), ("--alpha", args.alpha),
+                          ("--targets", args.targets), ("--lora-dropout", args.lora_dropout))
+           if v is not None]
+  if given and args.lora_mode is None:
+    p.error(f"{', '.join(given)} need(s) --lora or --qlora")
+  args.rank = 8 if args.rank is None else args.rank
+  args.alpha = 16.0 if args.alpha is None else args.alpha
+  args.lora_dropout = 0.0 if args.lora_dropout is None else args.lora_dropout
+  targets = LORA_TARGETS if args.targets is None else tuple(
+      t.strip() for t in args.targets.split(",") if t.strip())
+  if not targets:
+    p.error("--targets needs at least one pattern, e.g. --targets q,v")
+  args.targets = tuple(PEFT_NAMES.get(t, t) for t in targets)
+  if args.rank < 1:
+    p.error("--rank must be at least 1")
+  if not 0 <= args.lora_dropout < 1:
+    p.error("--lora-dropout must be in [0, 1)")
+  if args.lr is None:
+    args.lr = 1e-3 if args.lora_mode else 1e-4
   return args
+
+
+def lora_config(args) -> "fsdp_jax.LoRA | None":
+  """``FSDPConfig(lora=...)``: the adapters of ``--lora`` / ``--qlora``."""
+  if args.lora_mode is None:
+    return None
+  return fsdp_jax.LoRA(
+      targets=args.targets, rank=args.rank, alpha=args.alpha, dropout=args.lora_dropout,
+      base_quantization=fsdp_jax.Quantization(**QLORA) if args.lora_mode == "qlora" else None)
+
+
+def bytes_per_device(tree) -> int:
+  """Bytes of the arrays of ``tree`` held by the fullest device."""
+  per_device: dict = {}
+  for x in jax.tree.leaves(tree):
+    for shard in x.addressable_shards:
+      per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+  return max(per_device.values(), default=0)
+
+
+def memory_per_device(state, compiled) -> dict:
+  """What one device holds: the stored parameters (frozen ones included),
+  the gradient shards (one per trainable parameter shard: frozen
+  parameters get none), the optimizer state, and the compiled step's peak
+  from ``memory_analysis()`` (arguments + outputs - donated + temporaries)."""
+  trainable, _ = fsdp_jax.custom.split_trainable(state.plan, state.params)
+  ma = compiled.memory_analysis()
+  out = {"params": bytes_per_device(state.params), "grads": bytes_per_device(trainable),
+         "optimizer": bytes_per_device(state.opt_state)}
+  if ma is not None:
+    out["temp"] = int(ma.temp_size_in_bytes)
+    out["peak"] = int(ma.argument_size_in_bytes + ma.output_size_in_bytes
+                      - ma.alias_size_in_bytes + ma.temp_size_in_bytes)
+  return out
 
 
 def configure_devices(platform: str, cpu_devices: int) -> None:
@@ -151,7 +243,8 @@ def main(argv=None) -> dict:
       auto_wrap_policy=None if args.scan else fsdp_jax.ModuleWrapPolicy({llama.Block}),
       stacked_layers=("params.layers",) if args.scan else (),
       mixed_precision=(fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16)
-                       if args.precision == "bf16" else None))
+                       if args.precision == "bf16" else None),
+      lora=lora_config(args))
   optimizer = optax.adamw(args.lr, weight_decay=0.0)
   t0 = time.perf_counter()
   source = pretrained.load(checkpoint, weight_map)
@@ -161,6 +254,9 @@ def main(argv=None) -> dict:
       pretrained=source)
   print(f"loaded {checkpoint} in {time.perf_counter() - t0:.1f} s onto {n} device(s), "
         f"{args.strategy}; this process read {source.bytes_read / 2**20:.1f} MiB")
+  if args.lora_mode:
+    print(f"{args.lora_mode.upper()}: targets {','.join(args.targets)}; "
+          f"{len(state.plan.lora_targets)} kernels adapted")
 
   if args.text:
     with open(args.text, encoding="utf-8", errors="replace") as f:
@@ -180,18 +276,37 @@ def main(argv=None) -> dict:
   step = fsdp_jax.shard_train_step(loss_fn, optimizer)
   rng = np.random.default_rng(args.seed)
   batch_size = -(-args.batch_size // n) * n  # a multiple of the data-parallel size
-  bar = tqdm(range(args.steps), desc="fine-tune") if tqdm is not None else range(args.steps)
-  losses = []
-  for _ in bar:
+
+  def next_batch():
     starts = rng.integers(0, len(ids) - args.seq_len - 1, batch_size)
     window = np.stack([ids[s:s + args.seq_len + 1] for s in starts])
-    state, metrics = step(state, {"inputs": window[:, :-1], "targets": window[:, 1:]})
+    return {"inputs": window[:, :-1], "targets": window[:, 1:]}
+
+  batches = [next_batch() for _ in range(args.steps)]
+  # Compiled once here (the steps below reuse it): tracing the step is also
+  # what tells the plan how the loss uses each LoRA target.
+  compiled = step.lower(state, batches[0]).compile()
+  if args.lora_mode:
+    for line in str(state.plan).splitlines():
+      if line.startswith("  LoRA") or line.startswith("    adapter path") or (
+          line.startswith("    merged weight")):
+        print("plan: " + line.strip())
+  memory = memory_per_device(state, compiled)
+  peak = (f"; compiled step peak {memory['peak']:,} (temporaries {memory['temp']:,})"
+          if "peak" in memory else "")
+  print(f"memory per device (bytes): params {memory['params']:,}, grads {memory['grads']:,}, "
+        f"optimizer state {memory['optimizer']:,}{peak}")
+  bar = tqdm(range(args.steps), desc="fine-tune") if tqdm is not None else range(args.steps)
+  losses = []
+  for i in bar:
+    state, metrics = step(state, batches[i])
     losses.append(float(metrics["loss"]))
     if tqdm is not None:
       bar.set_postfix(loss=f"{losses[-1]:.4f}")
     else:
       print(f"step {len(losses)}: loss {losses[-1]:.4f}")
   print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {args.steps} steps")
+  print("loss curve: " + " ".join(f"{x:.4f}" for x in losses))
 
   out = args.out or os.path.join(tempfile.mkdtemp(prefix="llama_tuned_"), "tuned")
   files = pretrained.save(state, out, weight_map, overwrite=args.out is not None)
@@ -200,8 +315,19 @@ def main(argv=None) -> dict:
                  "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
       if os.path.exists(os.path.join(checkpoint, name)):
         shutil.copy(os.path.join(checkpoint, name), os.path.join(out, name))
-  print(f"saved {len(files)} file(s) to {out} (Hugging Face's layout, with config.json)")
-  return {"losses": losses, "out": out, "checkpoint": checkpoint}
+  merged = " (the adapters merged into the base)" if args.lora_mode else ""
+  print(f"saved {len(files)} file(s) to {out} (Hugging Face's layout, with config.json)"
+        f"{merged}")
+  adapter = None
+  if args.lora_mode:
+    adapter = os.path.join(out, "adapter")
+    pretrained.save_adapter(state, adapter, weight_map, base_model_name_or_path=checkpoint,
+                            overwrite=True)
+    print(f"saved the PEFT adapter to {adapter} (adapter_model.safetensors, "
+          "adapter_config.json): peft.PeftModel.from_pretrained("
+          f"LlamaForCausalLM.from_pretrained({checkpoint!r}), {adapter!r})")
+  return {"losses": losses, "out": out, "checkpoint": checkpoint, "adapter": adapter,
+          "memory": memory}
 
 
 if __name__ == "__main__":

@@ -17,7 +17,13 @@ settings and hard timeouts.
   ``shard_map``, checked against ``shard_train_step``);
 * ``finetune_llama.py`` without ``--checkpoint``: it writes a small random
   Llama, loads it shard by shard, fine-tunes it (the loss goes down) and
-  saves it in Hugging Face's layout, which loads again;
+  saves it in Hugging Face's layout, which loads again; with ``--lora``
+  (rank, alpha, targets in PEFT's names, dropout) and ``--qlora`` (NF4 base):
+  the loss goes down, the plan reports the adapters, the memory per device
+  drops where LoRA says it does, and the PEFT adapter written to
+  ``--out/adapter`` has PEFT's tensor names, shapes and config; PEFT's
+  ``PeftModel.from_pretrained`` over the base gives the merged model's
+  logits (where torch and peft are installed);
 * ``--help`` and argument errors of every example, in this process.
 
 The subprocesses start together (module fixture) so that they overlap; every
@@ -54,6 +60,9 @@ GPT_ARGS = ["--platform", "cpu", "--steps", "6", "--log-every", "1", "--layers",
             "--sample-chars", "8", "--precision", "bf16", "--max-norm", "1.0",
             "--accumulate", "2", "--save-every", "3"]
 TIMEOUT_S = 300  # per subprocess; they normally take 15-60 s on 2 cores
+
+# finetune_llama.py's LoRA and QLoRA runs (the full run's settings).
+FINETUNE_ARGS = ["--steps", "6", "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3"]
 
 STEP_LINE = re.compile(r"^step\s+(\d+)\s+loss (\S+)(?:\s+grad_norm (\S+))?", re.M)
 FIRST_FINAL = re.compile(r"first (?:data )?loss (\S+) -> final (?:data )?loss (\S+)")
@@ -99,6 +108,13 @@ class Jobs:
     self.finetune = Job("finetune", [
         py, str(EXAMPLES / "finetune_llama.py"), "--platform", "cpu", "--steps", "6",
         "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3", "--out", str(tmp / "tuned")], tmp)
+    self.finetune_lora = Job("finetune_lora", [
+        py, str(EXAMPLES / "finetune_llama.py"), "--platform", "cpu", *FINETUNE_ARGS,
+        "--lora", "--rank", "4", "--alpha", "8", "--lora-dropout", "0.1",
+        "--targets", "q_proj,v,o_proj,down", "--out", str(tmp / "lora")], tmp)
+    self.finetune_qlora = Job("finetune_qlora", [
+        py, str(EXAMPLES / "finetune_llama.py"), "--platform", "cpu", *FINETUNE_ARGS,
+        "--qlora", "--out", str(tmp / "qlora")], tmp)
     self._resume = None
 
   def resume(self) -> Background:
@@ -115,7 +131,7 @@ class Jobs:
 
   def kill_all(self) -> None:
     for job in (self.gpt, self.gpt_mp, self.gpt_offload, self.nnx, self.custom,
-                self.finetune, self._resume):
+                self.finetune, self.finetune_lora, self.finetune_qlora, self._resume):
       if job is not None:
         job.kill()
 
@@ -277,6 +293,10 @@ def test_finetune_llama_loads_tunes_and_saves(jobs):
   assert m, out
   first, last = map(float, m.groups())
   assert last < first - 0.1, out
+  memory = memory_line(out)
+  assert memory["grads"] == memory["params"] > 0, out  # every parameter trains
+  assert memory["optimizer"] > 2 * memory["params"], out  # AdamW's two moments
+  assert "LoRA" not in out and not (jobs.tmp / "tuned" / "adapter").exists()
   m = re.search(r"^saved (\d+) file\(s\) to (\S+) ", out, re.M)
   assert m and Path(m.group(2)) == jobs.tmp / "tuned", out
   tuned = jobs.tmp / "tuned"
@@ -286,6 +306,161 @@ def test_finetune_llama_loads_tunes_and_saves(jobs):
   config = llama.LlamaConfig.from_pretrained(str(tuned))
   source = pretrained.load(str(tuned), llama.weight_map(config))  # strict: every tensor mapped
   assert source.bytes_read == 0  # headers only
+
+
+MEMORY_LINE = re.compile(r"^memory per device \(bytes\): params ([\d,]+), grads ([\d,]+), "
+                         r"optimizer state ([\d,]+); compiled step peak ([\d,]+) "
+                         r"\(temporaries ([\d,]+)\)$", re.M)
+
+
+def memory_line(output: str) -> dict[str, int]:
+  m = MEMORY_LINE.search(output)
+  assert m, f"no memory line in:\n{output}"
+  return dict(zip(("params", "grads", "optimizer", "peak", "temp"),
+                  (int(g.replace(",", "")) for g in m.groups())))
+
+
+def _checked_lora_run(job, out_dir: Path, *, mode: str, rank: int, alpha: float,
+                      dropout: float, modules: list[str]):
+  """The checks both LoRA runs share; returns (output, adapter tensors,
+  adapter config, base checkpoint directory)."""
+  import json
+
+  from safetensors.numpy import load_file
+
+  out = job.ok()
+  kernels = 2 * len(modules)  # two layers
+  assert f"{mode.upper()}: targets " in out and f"; {kernels} kernels adapted" in out, out
+  drop = f", dropout {dropout:g}" if dropout else ""
+  base = "frozen base quantized (nf4, blocks of 64)" if mode == "qlora" else "frozen base"
+  assert f"plan: LoRA rank {rank}, alpha {alpha:g} (scale {alpha / rank:g}){drop}; {base}: " \
+         f"{kernels} targets; trainable " in out, out
+  assert f"plan: adapter path x @ W + scale * (x @ A) @ B: {kernels} of {kernels} targets" in out
+  assert "merged weight" not in out, out  # every target is used as a matmul operand
+  m = re.search(r"^loss (\S+) -> (\S+) after 6 steps$", out, re.M)
+  assert m, out
+  first, last = map(float, m.groups())
+  assert last < first - 0.1, out
+  curve = re.search(r"^loss curve: (.*)$", out, re.M)
+  assert curve and len(curve.group(1).split()) == 6, out
+
+  # The merged model, in Hugging Face's layout; the adapter beside it.
+  assert (out_dir / "config.json").exists() and list(out_dir.glob("*.safetensors"))
+  adapter = out_dir / "adapter"
+  assert f"saved the PEFT adapter to {adapter} " in out, out
+  assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json",
+                                                        "adapter_model.safetensors"]
+  config = json.loads((adapter / "adapter_config.json").read_text())
+  checkpoint = re.search(r"^no --checkpoint: wrote a small random Llama to (\S+)$", out,
+                         re.M).group(1)
+  assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+  assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (rank, alpha, dropout)
+  assert config["target_modules"] == sorted(modules)
+  assert config["base_model_name_or_path"] == checkpoint
+  assert not config["modules_to_save"] and not config["use_dora"] and not config["use_rslora"]
+  tensors = load_file(str(adapter / "adapter_model.safetensors"))
+  # SMALL: hidden 128, MLP 256, 4 heads of 32 and 2 key/value heads.
+  io = {"q_proj": (128, 128), "k_proj": (128, 64), "v_proj": (128, 64),
+        "o_proj": (128, 128), "gate_proj": (128, 256), "up_proj": (128, 256),
+        "down_proj": (256, 128)}
+  expected = {}
+  for i in range(2):
+    for name in modules:
+      where = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+      key = f"base_model.model.model.layers.{i}.{where}.{name}"
+      d_in, d_out = io[name]
+      expected[f"{key}.lora_A.weight"] = (rank, d_in)
+      expected[f"{key}.lora_B.weight"] = (d_out, rank)
+  assert {k: v.shape for k, v in tensors.items()} == expected
+  assert all(tensors[k].any() for k in expected), "untrained (all-zero) factors"
+  return out, tensors, config, checkpoint
+
+
+def _merged_minus_adapters(out_dir: Path, checkpoint: str, tensors: dict, scale: float):
+  """``{checkpoint tensor: (base, merged - scale * lora_B @ lora_A)}``."""
+  from safetensors.numpy import load_file
+
+  base = {}
+  for f in Path(checkpoint).glob("*.safetensors"):
+    base.update(load_file(str(f)))
+  merged = {}
+  for f in out_dir.glob("*.safetensors"):
+    merged.update(load_file(str(f)))
+  assert sorted(merged) == sorted(base)
+  out = {}
+  for name, w in base.items():
+    module = "base_model.model." + name[:-len(".weight")]
+    m = merged[name]
+    if f"{module}.lora_A.weight" in tensors:
+      m = m - scale * (tensors[f"{module}.lora_B.weight"] @ tensors[f"{module}.lora_A.weight"])
+    out[name] = (w, m)
+  return out
+
+
+def test_finetune_llama_lora(jobs):
+  """--lora with PEFT's module names: the adapters train, the plan says
+  so, the gradients and optimizer state shrink to the adapters', and PEFT
+  loads the adapter over the base with the merged model's logits."""
+  import numpy as np
+
+  modules = ["q_proj", "v_proj", "o_proj", "down_proj"]
+  out, tensors, _, checkpoint = _checked_lora_run(
+      jobs.finetune_lora, jobs.tmp / "lora", mode="lora", rank=4, alpha=8.0, dropout=0.1,
+      modules=modules)
+  full, lora = memory_line(jobs.finetune.ok()), memory_line(out)
+  assert lora["params"] > full["params"]  # the base, plus the adapters
+  assert lora["grads"] * 10 < full["grads"], (lora, full)
+  assert lora["optimizer"] * 10 < full["optimizer"], (lora, full)
+  # Only the adapted kernels changed, each by exactly scale * lora_B @ lora_A.
+  for name, (w, rest) in _merged_minus_adapters(jobs.tmp / "lora", checkpoint, tensors,
+                                                2.0).items():
+    np.testing.assert_allclose(rest, w, rtol=0, atol=1e-6, err_msg=name)
+
+  try:
+    import peft
+    import torch
+    import transformers
+  except ImportError:
+    pytest.skip("needs torch, transformers and peft for PeftModel.from_pretrained")
+  tokens = torch.tensor(np.random.default_rng(0).integers(0, 256, (2, 16)))
+  with torch.no_grad():
+    base = transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()
+    base_logits = base(tokens).logits.numpy()
+    tuned = peft.PeftModel.from_pretrained(base, str(jobs.tmp / "lora" / "adapter")).eval()
+    peft_logits = tuned(tokens).logits.numpy()
+    merged = transformers.LlamaForCausalLM.from_pretrained(str(jobs.tmp / "lora")).eval()
+    merged_logits = merged(tokens).logits.numpy()
+  np.testing.assert_allclose(peft_logits, merged_logits, rtol=0, atol=1e-4)
+  assert np.abs(peft_logits - base_logits).max() > 1e-2  # the adapter changed the model
+
+
+def test_finetune_llama_qlora(jobs):
+  """--qlora (every projection, NF4 base in blocks of 64): it trains,
+  stores the base in about a sixth of the bytes, and the merged model is
+  the base's NF4 round trip plus exactly the adapter's update; everything
+  else is the checkpoint's, bit for bit."""
+  import numpy as np
+
+  modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+  out, tensors, _, checkpoint = _checked_lora_run(
+      jobs.finetune_qlora, jobs.tmp / "qlora", mode="qlora", rank=8, alpha=16.0, dropout=0.0,
+      modules=modules)
+  full, qlora = memory_line(jobs.finetune.ok()), memory_line(out)
+  assert qlora["params"] * 2 < full["params"], (qlora, full)
+  assert qlora["grads"] * 10 < full["grads"] and qlora["optimizer"] * 10 < full["optimizer"]
+  adapted = 0
+  for name, (w, rest) in _merged_minus_adapters(jobs.tmp / "qlora", checkpoint, tensors,
+                                                2.0).items():
+    module = "base_model.model." + name[:-len(".weight")]
+    if f"{module}.lora_A.weight" not in tensors:
+      np.testing.assert_array_equal(rest, w, err_msg=name)
+      continue
+    adapted += 1
+    # NF4's levels are at most 0.31 of a block's absmax apart: rounding to
+    # the nearest is off by at most 0.16 of it.
+    err = np.abs(rest - w).max()
+    assert 0 < err <= 0.16 * np.abs(w).max() + 1e-6, (name, err)
+  assert adapted == 14
 
 
 # --------------------------------------------------------------------------
@@ -307,7 +482,8 @@ def _load(name: str):
     ("train_nnx", ["--strategy", "--use-orig-params", "--steps"]),
     ("custom_step", ["--max-norm", "--ema-decay", "--l2", "--verify"]),
     ("finetune_llama", ["--checkpoint", "--text", "--out", "--strategy", "--scan",
-                        "--precision"]),
+                        "--precision", "--lora", "--qlora", "--rank", "--alpha", "--targets",
+                        "--lora-dropout"]),
 ])
 def test_help(name, flags, capsys):
   with pytest.raises(SystemExit) as e:
@@ -329,5 +505,20 @@ def test_help(name, flags, capsys):
 def test_train_gpt_argument_errors(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
     _load("train_gpt").main(argv)
+  assert e.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rank", "4"], "--rank need(s) --lora or --qlora"),
+    (["--alpha", "8", "--targets", "q"], "--alpha, --targets need(s) --lora or --qlora"),
+    (["--lora", "--qlora"], "argument --qlora: not allowed with argument --lora"),
+    (["--lora", "--rank", "0"], "--rank must be at least 1"),
+    (["--qlora", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
+    (["--lora", "--targets", ","], "--targets needs at least one pattern"),
+])
+def test_finetune_llama_argument_errors(argv, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    _load("finetune_llama").main(argv)
   assert e.value.code == 2
   assert message in capsys.readouterr().err

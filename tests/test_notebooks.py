@@ -24,7 +24,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
-EXPECTED = {"quickstart.ipynb", "strategies.ipynb", "checkpoint_resharding.ipynb"}
+EXPECTED = {"quickstart.ipynb", "strategies.ipynb", "checkpoint_resharding.ipynb",
+            "finetune.ipynb"}
 CELL_TIMEOUT_S = 300     # per cell; each notebook takes well under a minute
 STARTUP_TIMEOUT_S = 120  # kernel start on a loaded machine
 
@@ -106,6 +107,14 @@ CHECKS = {
         text=["identical parameters and optimizer state",
               "restored in a separate process"],
         images=0),
+    "finetune.ipynb": dict(
+        text=["== full fine-tuning", "== LoRA", "== QLoRA",
+              "LoRA rank 8, alpha 16 (scale 2); frozen base: 14 targets",
+              "frozen base quantized (nf4, blocks of 64): 14 targets",
+              "adapter path x @ W + scale * (x @ A) @ B: 14 of 14 targets",
+              "adapter_model.safetensors", "adapter_config.json", "'peft_type': 'LORA'",
+              "load_adapter: the same merged weights: True"],
+        images=1),
 }
 
 
