@@ -17,6 +17,7 @@
     python -m benchmarks gpu            # a 1B GPT on the GPUs vs plain jit (GPU.md)
     python -m benchmarks pretrained     # loading and saving pretrained weights (PRETRAINED.md)
     python -m benchmarks pretrained_copy  # the loader's host copies on this CPU
+    python -m benchmarks lora           # LoRA and QLoRA against full fine-tuning (LORA.md)
 
 ``python -m benchmarks <name> --help`` lists a measurement's options.
 """
@@ -49,6 +50,7 @@ MEASUREMENTS = {
     "gpu": ("benchmarks.gpu", "main"),
     "pretrained": ("benchmarks.pretrained", "main"),
     "pretrained_copy": ("benchmarks.pretrained_copy", "main"),
+    "lora": ("benchmarks.lora", "main"),
 }
 
 
