@@ -401,6 +401,41 @@ def test_quantized_base_matches_reference_on_decoded_weights(q, use_orig_params)
   assert base.frozen
 
 
+def test_quantized_base_keeps_no_decoded_kernel_for_backward():
+  """QLoRA decodes each kernel where it is used, and again in backward:
+  its compiled step needs no more temporary memory than LoRA's (decoded
+  kernels kept from forward would make it 4x here)."""
+  params, batch = tiny_params(d=256, layers=6), tiny_batches(1, rows=8, seq=4)[0]
+  mesh = _mesh(4)
+  temp = {}
+  for name, q in [("lora", None), ("qlora", fsdp_jax.Quantization(dtype="nf4", block_size=64))]:
+    lora = fsdp_jax.LoRA(targets=("*.wq", "*.wo"), rank=4, base_quantization=q)
+    cfg = fsdp_jax.FSDPConfig(use_orig_params=True, lora=lora, auto_wrap_policy=WRAP)
+    state = fsdp_jax.init_train_state(params=params, optimizer=optax.adam(1e-3), mesh=mesh,
+                                      config=cfg, rng=KEY)
+    step = fsdp_jax.shard_train_step(tiny_loss, mesh=mesh, config=cfg)
+    temp[name] = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+  assert temp["qlora"] <= temp["lora"], temp
+
+
+def test_bf16_kernels_get_float32_adapters_as_in_peft():
+  """PEFT's autocast_adapter_dtype: a 16-bit model's adapters (and their
+  optimizer state) are float32; the adapter path runs in float32 and adds
+  into the base matmul's bf16 output."""
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny_params())
+  batches = tiny_batches()
+  opt = optax.adam(1e-2)
+  state, losses = run(params, tiny_loss, LORA, opt, batches, mesh=_mesh(3))
+  dtypes = {l.name: np.dtype(l.dtype) for l in state.plan.leaves}
+  assert dtypes["layers.0.wq.lora_A"] == np.float32 and dtypes["layers.0.wq.base"] == jnp.bfloat16
+  assert dtypes["head"] == jnp.bfloat16  # a fully trained leaf keeps its dtype
+  full = fsdp_jax.summon_full_params(state)
+  assert full["layers"][0]["wq"].dtype == jnp.bfloat16
+  ref_losses, _ = reference(params, tiny_loss, LORA, opt, batches)
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+  assert losses[-1] < losses[0]
+
+
 def test_checkpoint_holds_adapters_only_and_resumes_bitwise(tmp_path):
   params, batches = tiny_params(d=128), tiny_batches()
   opt = optax.adam(1e-2)

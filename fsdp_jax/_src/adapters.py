@@ -86,14 +86,15 @@ class LoRAValue:
 
   def merged(self):
     """``W + scale * A @ B`` in the value's dtype (the fallback)."""
-    delta = jnp.matmul(self.a, self.b, preferred_element_type=jnp.float32)
+    delta = jnp.matmul(self.a.astype(jnp.float32), self.b.astype(jnp.float32))
     w = self.weight()
     return (w.astype(jnp.float32) + jnp.float32(self.scale) * delta).astype(self.dtype)
 
   def cast(self, dtype) -> "LoRAValue":
+    """The kernel cast by the loss (Flax's ``promote_dtype``): the base is
+    seen in ``dtype``; the adapters keep theirs, as PEFT's do."""
     base = self.base if self.quantization is not None else self.base.astype(dtype)
-    return self._replace(base=base, a=self.a.astype(dtype), b=self.b.astype(dtype),
-                         dtype=dtype)
+    return self._replace(base=base, dtype=dtype)
 
 
 def _decode(payload, q, width, dtype):
@@ -154,10 +155,24 @@ def _dot(eqn, invals, report: Report, counter: list):
     vals = [_materialize(x, report, "a dot_general it cannot split") for x in invals]
     return _compat.bind_eqn(eqn, vals)
   d = contract[0]
-  w = value.weight()
-  base = _compat.bind_eqn(eqn, [w, rhs] if side == 0 else [lhs, w])[0]
+  x = lhs if side else rhs
+
+  def base_dot(stored, x):
+    w = value._replace(base=stored).weight()  # pylint: disable=protected-access
+    return _compat.bind_eqn(eqn, [w, x] if side == 0 else [x, w])[0]
+
+  if value.quantization is None:
+    base = base_dot(value.base, x)
+  else:
+    # QLoRA: decoded where it is used and again in the backward pass, so no
+    # decoded kernel is kept from forward to backward (only its payload,
+    # which FULL_SHARD re-gathers): otherwise every layer's decoded kernel
+    # would be live at the peak (2x full fine-tuning's, benchmarks/LORA.md).
+    base = jax.checkpoint(base_dot)(value.base, x)
   a, b = value.a, value.b
-  x = _dropout(lhs if side else rhs, value, counter)
+  # PEFT runs the adapter in its own dtype (x cast to lora_A's) and adds the
+  # result in the base output's.
+  x = _dropout(x, value, counter).astype(a.dtype)
   other = lc if side else rc
   # dW = A @ B ([m, r] @ [r, n]); the dot contracts W's dim d with x.
   first, second = (a, b) if d == 0 else (b, a)   # the factor holding dim d first
@@ -241,10 +256,12 @@ def _scan(eqn, invals, report: Report, counter: list) -> list:
 # The loss with adapters
 
 
-def values_tree(stored_tree, lora: lora_lib.LoRA, names: dict, key):
+def values_tree(stored_tree, lora: lora_lib.LoRA, names: tuple, base_dtypes: tuple, key):
   """The gathered stored tree -> the user's tree with :class:`LoRAValue` s
-  at the targets (``names``: id-free order of targets -> dotted names)."""
+  at the targets (``names`` and ``base_dtypes``, the dtype the loss sees
+  each base in, in stored order)."""
   it = iter(names)
+  dtypes = iter(base_dtypes)
 
   def one(node):
     if not lora_lib.is_lora_weight(node):
@@ -256,7 +273,7 @@ def values_tree(stored_tree, lora: lora_lib.LoRA, names: dict, key):
       lead = tuple(node.lora_A.shape[:-2])
       if lead:  # stacked: one key per layer (the scan slices them)
         k = jax.random.split(k, lead[0])
-    compute = node.lora_A.dtype
+    compute = next(dtypes)
     return LoRAValue(node.base, node.lora_A, node.lora_B, k, scale=lora.scaling,
                      rate=lora.dropout, quantization=node.quantization, width=node.width,
                      dtype=compute, name=name)
@@ -265,7 +282,7 @@ def values_tree(stored_tree, lora: lora_lib.LoRA, names: dict, key):
 
 
 def wrap_loss(loss_fn: Callable, *, lora: lora_lib.LoRA, target_names: tuple,
-              axis_env: tuple, report: Report) -> Callable:
+              base_dtypes: tuple, axis_env: tuple, report: Report) -> Callable:
   """``loss_fn`` over the user's tree -> the same loss over the stored
   (gathered) tree, with the adapter path. The result takes ``rng`` when
   ``loss_fn`` does or the adapters use dropout."""
@@ -275,7 +292,7 @@ def wrap_loss(loss_fn: Callable, *, lora: lora_lib.LoRA, target_names: tuple,
     key = None
     if lora.dropout:
       key = jax.random.fold_in(rng, _DROPOUT_SALT)
-    values = values_tree(params, lora, target_names, key)
+    values = values_tree(params, lora, target_names, base_dtypes, key)
     flat, treedef = jax.tree.flatten(values, is_leaf=_is_lora)
     structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
     kw = {"rng": rng} if user_rng else {}

@@ -68,6 +68,7 @@ class LocalLoss:
       # beside the frozen matmul (fsdp_jax._src.adapters).
       loss_fn = adapters.wrap_loss(loss_fn, lora=plan.config.lora,
                                    target_names=plan.lora_targets,
+                                   base_dtypes=plan.lora_base_dtypes(),
                                    axis_env=plan.axis_env, report=plan.lora_report)
     self.loss_fn = loss_fn
     self.plan = plan

@@ -323,6 +323,13 @@ def init_factors(key, m: int, n: int, rank: int, lead: tuple, dtype):
   return a, jnp.zeros(lead + (rank, n), dtype)
 
 
+def adapter_dtype(kernel_dtype):
+  """The factors' dtype: float32 for a 16-bit kernel (PEFT's default,
+  ``autocast_adapter_dtype=True``), else the kernel's."""
+  kernel_dtype = jnp.dtype(kernel_dtype)
+  return jnp.dtype(jnp.float32) if kernel_dtype.itemsize < 4 else kernel_dtype
+
+
 def encode_base(w, q: Quantization):
   """A kernel's rows -> ``uint8`` payload rows (codes, then float32 scales),
   rounded to nearest."""
@@ -352,7 +359,8 @@ def adapter_tree(tree, lora: LoRA, targets: dict, key):
       out.append(w)
       continue
     dtype = jnp.dtype(w.dtype)
-    a, b = init_factors(jax.random.fold_in(key, i), t.m, t.n, lora.rank, t.lead, dtype)
+    a, b = init_factors(jax.random.fold_in(key, i), t.m, t.n, lora.rank, t.lead,
+                        adapter_dtype(dtype))
     base = jnp.asarray(w) if q is None else encode_base(w, q)
     out.append(LoRAWeight(base, a, b, quantization=q, width=t.n, dtype=dtype))
   return jax.tree_util.tree_unflatten(treedef, out)

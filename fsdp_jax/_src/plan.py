@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fsdp_jax._src import collectives, offload, report
+from fsdp_jax._src.lora import is_lora_weight
 from fsdp_jax._src.collectives import GatherSpec, LeafLayout
 from fsdp_jax._src.config import (FSDPConfig, MixedPrecision, data_axis_names,
                                   gradient_divide_factors, is_float_dtype)
@@ -205,6 +206,24 @@ class Plan:
   @property
   def n(self) -> int:
     return self.axes.shard_size
+
+  def lora_base_dtypes(self) -> tuple:
+    """The dtype the loss sees each LoRA target's base in (stored order):
+    its unit's ``param_dtype`` under mixed precision, else the kernel's own
+    (a quantized base decodes to it)."""
+    out = []
+    tree = jax.tree_util.tree_unflatten(self.treedef, list(range(len(self.leaves))))
+    for node in jax.tree_util.tree_leaves(tree, is_leaf=is_lora_weight):
+      if not is_lora_weight(node):
+        continue
+      base = self.leaves[node.base]
+      mp = (self.config.mixed_precision if base.ignored
+            else self.mixed_precision(self.units[base.unit]))
+      if mp is not None and mp.param_dtype is not None:
+        out.append(jnp.dtype(mp.param_dtype))
+      else:
+        out.append(jnp.dtype(node.dtype))
+    return tuple(out)
 
   def mixed_precision(self, unit: UnitSpec) -> Optional[MixedPrecision]:
     """The unit's MixedPrecision: a per-unit override, else the config's."""
