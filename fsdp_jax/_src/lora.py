@@ -46,7 +46,8 @@ class LoRA:
   B``, with ``A`` (``[m, rank]``, PEFT's Kaiming-uniform init: uniform in
   ``+-1/sqrt(m)``) and ``B`` (``[rank, n]``, zeros) trainable and in the
   kernel's own layout (for a JAX ``[in, out]`` kernel, ``A`` is PEFT's
-  ``lora_A.weight.T`` and ``B`` its ``lora_B.weight.T``). The step computes
+  ``lora_A.weight.T`` and ``B`` its ``lora_B.weight.T``) and dtype (float32
+  for a 16-bit kernel, as PEFT's ``autocast_adapter_dtype``). The step computes
   ``x @ W + (alpha / rank) * (dropout(x) @ A) @ B`` where the loss uses the
   kernel as a matmul operand, so the frozen base's weight gradient is never
   computed; every other use sees the merged weight (``print(state.plan)``
