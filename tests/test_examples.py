@@ -421,7 +421,8 @@ def test_finetune_llama_lora(jobs):
     import torch
     import transformers
   except ImportError:
-    pytest.skip("needs torch, transformers and peft for PeftModel.from_pretrained")
+    pytest.skip("PeftModel.from_pretrained needs torch, transformers and peft, which the test "
+                "extra installs on Python 3.11 only (torch's CPU build)")
   tokens = torch.tensor(np.random.default_rng(0).integers(0, 256, (2, 16)))
   with torch.no_grad():
     base = transformers.LlamaForCausalLM.from_pretrained(checkpoint).eval()

@@ -29,7 +29,8 @@ Q = fsdp_jax.Quantization
 NF4 = Q(dtype="nf4", block_size=64)
 LEVELS = np.asarray(quantization.NF4_LEVELS, np.float32)
 HALF_GAP = float(np.max(np.diff(LEVELS))) / 2  # (1 - 0.7229568) / 2
-BNB_REASON = "bitsandbytes is installed with the test extra on Python 3.11"
+BNB_REASON = ("bitsandbytes (and the torch it needs) is installed by the test extra on "
+              "Python 3.11 only, where torch's CPU build is available")
 WRAP = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
 
 

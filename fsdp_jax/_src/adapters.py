@@ -68,7 +68,7 @@ class LoRAValue:
     if self.quantization is None:
       w = self.base.astype(self.dtype)
     else:
-      w = _decode(self.base, self.quantization, self.width, self.dtype)
+      w = quant.decode(self.base, self.quantization, self.width, self.dtype)
     return jnp.swapaxes(w, -1, -2) if self.transposed else w
 
   def transpose(self) -> "LoRAValue":
@@ -95,10 +95,6 @@ class LoRAValue:
     seen in ``dtype``; the adapters keep theirs, as PEFT's do."""
     base = self.base if self.quantization is not None else self.base.astype(dtype)
     return self._replace(base=base, dtype=dtype)
-
-
-def _decode(payload, q, width, dtype):
-  return quant.decode(payload, q, width, dtype)
 
 
 jax.tree_util.register_pytree_node(

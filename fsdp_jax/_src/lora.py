@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ import numpy as np
 from fsdp_jax._src import naming
 from fsdp_jax._src import quantization as quant
 from fsdp_jax._src.quantization import Quantization
-from fsdp_jax._src.wrap import name_matches
+from fsdp_jax._src.wrap import name_matches, named_leaves
 
 # The leaf names of a module's matmul kernel in Flax (``kernel``) and in
 # equinox / PyTorch-style trees (``weight``): a pattern naming the module
@@ -297,18 +297,8 @@ def find_targets(tree, lora: LoRA, stacked_patterns=()) -> dict:
 def trainable_leaves(tree, lora: LoRA) -> set:
   """Indices of the user's leaves ``lora.trainable`` names (a leaf, or a
   subtree above it)."""
-  paths = naming.leaf_paths(tree)
-  out = set()
-  for pattern in lora.trainable:
-    hits = {i for i, p in enumerate(paths)
-            if any(matches(".".join(p[:k]), pattern) for k in range(1, len(p) + 1))}
-    if not hits:
-      examples = ", ".join(repr(".".join(p)) for p in paths[:6])
-      raise ValueError(
-          f"LoRA(trainable=...) entry {pattern!r} matches no parameter or subtree; "
-          f"parameters are named by dotted paths such as {examples}. Fix the pattern.")
-    out |= hits
-  return out
+  return named_leaves(naming.leaf_paths(tree), lora.trainable, "LoRA(trainable=...) entry",
+                      match=matches)
 
 
 # --------------------------------------------------------------------------
@@ -329,12 +319,6 @@ def adapter_dtype(kernel_dtype):
   ``autocast_adapter_dtype=True``), else the kernel's."""
   kernel_dtype = jnp.dtype(kernel_dtype)
   return jnp.dtype(jnp.float32) if kernel_dtype.itemsize < 4 else kernel_dtype
-
-
-def encode_base(w, q: Quantization):
-  """A kernel's rows -> ``uint8`` payload rows (codes, then float32 scales),
-  rounded to nearest."""
-  return quant.encode(w, q)
 
 
 def decode_base(node: LoRAWeight, dtype=None):
@@ -362,7 +346,8 @@ def adapter_tree(tree, lora: LoRA, targets: dict, key):
     dtype = jnp.dtype(w.dtype)
     a, b = init_factors(jax.random.fold_in(key, i), t.m, t.n, lora.rank, t.lead,
                         adapter_dtype(dtype))
-    base = jnp.asarray(w) if q is None else encode_base(w, q)
+    # QLoRA: each row -> uint8 payload (codes, then float32 scales), to nearest.
+    base = jnp.asarray(w) if q is None else quant.encode(w, q)
     out.append(LoRAWeight(base, a, b, quantization=q, width=t.n, dtype=dtype))
   return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -408,9 +393,8 @@ def stored_leaf_kind(name: str) -> Optional[str]:
   return tail if tail in ("base", "lora_A", "lora_B") else None
 
 
-def check_user_tree(stored_tree, what: str) -> Any:
+def check_user_tree(stored_tree, what: str) -> None:
   """Refuses a tree that already holds adapters where the user's is wanted."""
   if any(is_lora_weight(x) for x in jax.tree.leaves(stored_tree, is_leaf=is_lora_weight)):
     raise ValueError(f"{what}: the tree already holds LoRA adapters (LoRAWeight nodes); "
                      "pass the model's own parameters.")
-  return stored_tree

@@ -149,16 +149,7 @@ def _align_module_paths(module_types: dict, paths) -> dict:
 
 def _ignored_leaves(paths, patterns) -> set:
   """Leaves named by ``ignored_states`` (a leaf, or any subtree above it)."""
-  out = set()
-  for pattern in patterns:
-    hits = {i for i, p in enumerate(paths)
-            if any(wrap.name_matches(".".join(p[:k]), pattern) for k in range(1, len(p) + 1))}
-    if not hits:
-      examples = ", ".join(repr(".".join(p)) for p in paths[:6])
-      raise ValueError(
-          f"ignored_states entry {pattern!r} matches no parameter or subtree; "
-          f"parameters are named by dotted paths such as {examples}. Fix the name.")
-    out |= hits
+  out = wrap.named_leaves(paths, patterns, "ignored_states entry")
   if len(out) == len(paths):
     raise ValueError("ignored_states covers every parameter: there is nothing for FSDP to shard.")
   return out

@@ -135,6 +135,30 @@ def name_matches(name: str, pattern: str) -> bool:
   return _name_regex(pattern).match(name) is not None
 
 
+def named_leaves(paths, patterns, what: str, match=None) -> set:
+  """Indices of the leaves (dotted-name parts ``paths``) that ``patterns``
+  name, each a leaf or a subtree above it (``match(name, pattern)``,
+  default :func:`name_matches`); a ``ValueError`` for a pattern that names
+  nothing, ``what`` saying where it came from (``"ignored_states entry"``).
+
+  Example:
+    >>> named_leaves([("a", "w"), ("a", "b"), ("c",)], ["a"], "entry")
+    {0, 1}
+  """
+  match = name_matches if match is None else match
+  out = set()
+  for pattern in patterns:
+    hits = {i for i, p in enumerate(paths)
+            if any(match(".".join(p[:k]), pattern) for k in range(1, len(p) + 1))}
+    if not hits:
+      examples = ", ".join(repr(".".join(p)) for p in paths[:6])
+      raise ValueError(
+          f"{what} {pattern!r} matches no parameter or subtree; parameters are named by "
+          f"dotted paths such as {examples}. Fix the pattern.")
+    out |= hits
+  return out
+
+
 def _matches(node: Node, specs: Iterable[Any]) -> bool:
   for spec in specs:
     if isinstance(spec, str):
