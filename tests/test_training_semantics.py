@@ -253,3 +253,44 @@ def test_custom_step_with_two_losses_and_ema():
     np.testing.assert_allclose(float(norm), ref_norm, rtol=1e-5)
   assert_trees_close(fsdp_jax.summon_full_params(state.replace(params=p)), ref_p)
   assert_trees_close(fsdp_jax.summon_full_params(state.replace(params=ema)), ref_ema)
+
+
+@jax.custom_vjp
+def _doubled_grad(w):
+  return w
+
+
+_doubled_grad.defvjp(lambda w: (w, None), lambda _, ct: (2.0 * ct,))
+
+
+@jax.custom_jvp
+def _clipped_relu(w):
+  return jnp.maximum(w, 0.0)
+
+
+_clipped_relu.defjvp(lambda primals, tangents: (_clipped_relu(primals[0]),
+                                                3.0 * tangents[0]))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+def test_custom_derivative_rules_on_parameters_are_kept(use_orig_params):
+  """A jax.custom_vjp / custom_jvp function applied to a parameter keeps its
+  rule in the step (its parameters are gathered before it; its body is not
+  differentiated in its place)."""
+  def loss_fn(p, b):
+    w = _doubled_grad(p["a"]["w"]) + _clipped_relu(p["b"]["w"])
+    return jnp.mean((b["x"] @ w) ** 2)
+
+  params = {"a": {"w": jnp.linspace(-1, 1, 12).reshape(4, 3)},
+            "b": {"w": jnp.linspace(-0.5, 1, 12).reshape(4, 3)}}
+  batches = [{"x": jnp.arange(16.0).reshape(4, 4) / 10}]
+  ref_losses, ref_final = reference_run(loss_fn, params, batches, optax.sgd(0.1))
+  mesh = mesh_for(S.FULL_SHARD, 2)
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=fsdp_jax.ModuleWrapPolicy(["a"]),
+                               use_orig_params=use_orig_params)
+  state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+                                    config=config)
+  step = fsdp_jax.shard_train_step(loss_fn, optax.sgd(0.1), mesh=mesh, config=config)
+  state, losses = train_steps(step, state, batches)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_final, rtol=1e-6)

@@ -332,6 +332,17 @@ def is_call(eqn) -> bool:
   return eqn.primitive.name in CALL_PRIMITIVES
 
 
+# Calls with their own differentiation rule (``jax.custom_jvp`` /
+# ``jax.custom_vjp`` functions): inlining their body would differentiate the
+# primal computation instead of the rule.
+CUSTOM_RULE_PRIMITIVES = frozenset({"custom_jvp_call", "custom_vjp_call",
+                                    "custom_vjp_call_jaxpr"})
+
+
+def has_custom_rule(eqn) -> bool:
+  return eqn.primitive.name in CUSTOM_RULE_PRIMITIVES
+
+
 def call_body(eqn):
   """The body of a call equation (``params["jaxpr"]``, or ``call_jaxpr`` for
   ``core_call``), as (open jaxpr, consts), or None."""
@@ -629,6 +640,11 @@ def converted_dtype(eqn):
   """The target dtype of a ``convert_element_type`` equation
   (``params["new_dtype"]``)."""
   return eqn.params["new_dtype"]
+
+
+def broadcast_dimensions(eqn) -> tuple:
+  """The ``broadcast_dimensions`` of a ``broadcast_in_dim`` equation."""
+  return tuple(eqn.params["broadcast_dimensions"])
 
 
 def transpose_permutation(eqn) -> tuple:

@@ -153,7 +153,10 @@ def eval_with_gathers(jaxpr: Jaxpr, consts, args, lazy: dict,
           lambda jaxpr, consts, args, lazy_, params: eval_with_gathers(
               jaxpr, consts, args, lazy_, g, params))
       continue
-    inner = _compat.call_body(eqn) if _compat.is_call(eqn) else None
+    # A custom_jvp / custom_vjp function keeps its rule: its parameters are
+    # gathered before it, and it runs as the user wrote it.
+    inner = (_compat.call_body(eqn) if _compat.is_call(eqn) and not _compat.has_custom_rule(eqn)
+             else None)
     reads_param_values = _PARAM in in_classes
     if inner is not None and (reads_params or reads_param_values
                               or checkpoints.has_user_checkpoint(inner[0])):
