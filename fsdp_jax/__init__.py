@@ -30,6 +30,7 @@ from fsdp_jax._src.config import (
 )
 from fsdp_jax._src.quantization import Quantization as Quantization
 from fsdp_jax._src.lora import LoRA as LoRA
+from fsdp_jax._src.tensor import TensorParallel as TensorParallel
 from fsdp_jax._src.wrap import (
     CustomPolicy as CustomPolicy,
     ModuleWrapPolicy as ModuleWrapPolicy,
@@ -107,7 +108,7 @@ __all__ = [
     "CheckpointManager", "CustomPolicy", "DistributedInfo", "FSDPConfig", "LoRA",
     "MixedPrecision", "ModuleWrapPolicy", "MonitoredBarrierError", "Node",
     "NonFiniteError", "OptimStateKeyType", "Plan", "Quantization",
-    "ShardedTrainState", "ShardingStrategy", "StateDictType", "TrainStep",
+    "ShardedTrainState", "ShardingStrategy", "StateDictType", "TensorParallel", "TrainStep",
     "WeightedLoss", "apply", "constant_key", "custom", "distributed", "export_params",
     "full_optim_state_dict", "gradient_divide_factors", "hlo", "hooks",
     "import_params", "init_train_state", "lambda_auto_wrap_policy",

@@ -22,6 +22,17 @@ def _ignored_flags(plan: Plan):
   return out
 
 
+def _tensor_flags(plan: Plan):
+  """A tree shaped like the stored params: True at arrays split over the
+  tensor axis (their norms add up over it; the others are replicated)."""
+  if plan.use_orig_params:
+    return jax.tree_util.tree_unflatten(
+        plan.treedef, [not l.ignored and plan.units[l.unit].tensor for l in plan.leaves])
+  out = {u.flat_key: u.tensor for u in plan.units}
+  out.update({plan.ignored_key(l): False for l in plan.ignored_leaves})
+  return out
+
+
 def _grad_dtypes(plan: Plan):
   """The dtype PyTorch's gradients would have per trainable leaf: the reduce
   dtype with ``keep_low_precision_grads``, else the stored dtype."""
@@ -48,20 +59,30 @@ def _total_norm(grads, plan: Plan, norm_type: float):
     raise ValueError(f"clip_grad_norm: norm_type={norm_type} must be > 0 or inf.")
   leaves = jax.tree.leaves(grads)
   is_ignored = jax.tree.leaves(split_trainable(plan, _ignored_flags(plan))[0])
-  sharded = [x for x, ign in zip(leaves, is_ignored) if not ign]
+  is_split = jax.tree.leaves(split_trainable(plan, _tensor_flags(plan))[0])
+  sharded = [x for x, ign, t in zip(leaves, is_ignored, is_split) if not ign and not t]
+  split = [x for x, t in zip(leaves, is_split) if t]
   own = [x for x, ign in zip(leaves, is_ignored) if ign]
   axes = plan.axes.shard_axes
+  split_axes = plan.axes.tensor_axes + axes
   zero = jnp.zeros((), jnp.float32)
-  # Sharded gradients are summed over the shard axes; ignored parameters'
-  # gradients are this device's own and count once (PyTorch adds the local
-  # non-sharded norm after the all-reduce).
+  # Sharded gradients are summed over the shard axes (and a tensor-parallel
+  # unit's over the tensor axis too: each device holds a slice); ignored
+  # parameters' gradients are this device's own and count once (PyTorch adds
+  # the local non-sharded norm after the all-reduce).
   if math.isinf(norm_type):
     amax = lambda xs: jnp.max(jnp.stack([zero] + [jnp.max(jnp.abs(x.astype(jnp.float32))) for x in xs]))
     local = amax(sharded)
-    return jnp.maximum(lax.pmax(local, axes) if axes else local, amax(own))
+    total = jnp.maximum(lax.pmax(local, axes) if axes else local, amax(own))
+    if split:
+      total = jnp.maximum(total, lax.pmax(amax(split), split_axes))
+    return total
   psum_ = lambda xs: sum((jnp.sum(jnp.abs(x.astype(jnp.float32)) ** norm_type) for x in xs), zero)
   local = psum_(sharded)
-  return ((lax.psum(local, axes) if axes else local) + psum_(own)) ** (1.0 / norm_type)
+  total = (lax.psum(local, axes) if axes else local) + psum_(own)
+  if split:
+    total = total + lax.psum(psum_(split), split_axes)
+  return total ** (1.0 / norm_type)
 
 
 def _norm_dtype(plan: Plan):
@@ -143,4 +164,4 @@ def nonfinite_leaves(grads, *, plan: Plan):
       bad = bad & geo.valid(l.index)
     flags.append(jnp.any(bad))
   vec = jnp.stack(flags).astype(jnp.int32)
-  return lax.pmax(vec, plan.axes.data_axes).astype(bool)
+  return lax.pmax(vec, plan.axes.data_axes + plan.axes.tensor_axes).astype(bool)

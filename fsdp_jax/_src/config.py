@@ -21,6 +21,7 @@ import numpy as np
 from fsdp_jax._src.collectives import check_hook
 from fsdp_jax._src.lora import LoRA
 from fsdp_jax._src.quantization import Quantization
+from fsdp_jax._src.tensor import TensorParallel
 
 
 class ShardingStrategy(enum.Enum):
@@ -370,6 +371,11 @@ class FSDPConfig(_ValueEquality):
       (quantized with ``LoRA(base_quantization=...)``) and trainable adapter
       factors; everything else is frozen unless ``LoRA(trainable=...)``
       names it. The model and loss are unchanged. See ``docs/lora.md``.
+    tensor_parallel: a :class:`~fsdp_jax.TensorParallel`: tensor parallelism
+      over the mesh's ``"tensor"`` axis (``make_mesh(shard=S, tensor=T)``)
+      composed with FSDP over the other axes; its rules split the leaves
+      they name (``"colwise"``, ``"rowwise"`` or a per-dimension tuple). The
+      model and loss are unchanged. See ``docs/tensor_parallel.md``.
 
   Example:
     >>> import fsdp_jax
@@ -408,8 +414,15 @@ class FSDPConfig(_ValueEquality):
   forward_prefetch_units: Optional[Mapping[str, Sequence[str]]] = None
   backward_prefetch_units: Optional[Mapping[str, Sequence[str]]] = None
   lora: Optional[LoRA] = None
+  tensor_parallel: Optional[TensorParallel] = None
 
   def __post_init__(self):
+    if self.tensor_parallel is not None and not isinstance(self.tensor_parallel,
+                                                           TensorParallel):
+      raise TypeError(
+          f"tensor_parallel={self.tensor_parallel!r} must be a fsdp_jax.TensorParallel or "
+          "None, e.g. tensor_parallel=fsdp_jax.TensorParallel(rules=[('*.wq', 'colwise'), "
+          "('*.wo', 'rowwise')]).")
     if self.lora is not None and not isinstance(self.lora, LoRA):
       raise TypeError(
           f"lora={self.lora!r} must be a fsdp_jax.LoRA or None, e.g. "
@@ -476,7 +489,7 @@ class FSDPConfig(_ValueEquality):
         raise TypeError(
             f"data_axis_name={self.data_axis_name!r}: pass the axis name the model's "
             "collectives use, e.g. 'batch', or a tuple of such names.")
-      taken = [n for n in names if n in ("shard", "replicate")]
+      taken = [n for n in names if n in ("shard", "replicate", "tensor")]
       if taken:
         raise ValueError(
             f"data_axis_name={self.data_axis_name!r}: {taken[0]!r} is a mesh axis name, "

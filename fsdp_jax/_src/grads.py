@@ -466,7 +466,7 @@ def _maybe_remat(local, plan: Plan):
 
 
 def _probe_shapes(plan: Plan) -> dict:
-  return {l.index: jax.ShapeDtypeStruct(l.shape, plan.compute_dtype(l))
+  return {l.index: jax.ShapeDtypeStruct(plan.gathered_shape(l), plan.compute_dtype(l))
           for l in plan.leaves if not l.frozen}
 
 

@@ -12,6 +12,13 @@ hooks, quantization and hpZ work on the unit's concatenated local buffer.
 
 Stacked units (``FSDPConfig.stacked_layers``) carry a leading layer axis that
 is not sharded: each layer is laid out as above, independently.
+
+A tensor-parallel unit (``UnitSpec.tensor``) is laid out as above once per
+slice of the tensor axis: slice ``t`` of every leaf (its ``tensor_dim`` cut
+in ``T`` equal parts) gets its own flat parameter or padded rows, and the
+``T`` layouts are concatenated along the sharded axis, so the stored array
+is sharded over ``(tensor, shard)`` and device ``(t, r)`` holds chunk ``r``
+of slice ``t``.
 """
 
 from __future__ import annotations
@@ -29,6 +36,16 @@ def pack_unit(plan: Plan, unit: UnitSpec, full_leaves: dict):
 
   Returns ``{leaf_id: array}`` (original layout) or ``{"flat": array}``.
   """
+  if unit.tensor:
+    parts = [_pack_slices(plan, unit, {i: _tensor_slice(plan, i, x, t)
+                                       for i, x in full_leaves.items()})
+             for t in range(plan.t)]
+    p = len(plan.prefix(unit))
+    return {k: _concat([part[k] for part in parts], p) for k in parts[0]}
+  return _pack_slices(plan, unit, full_leaves)
+
+
+def _pack_slices(plan: Plan, unit: UnitSpec, full_leaves: dict):
   prefix = plan.prefix(unit)
   p = len(prefix)
   n = plan.n
@@ -61,21 +78,52 @@ def unit_storage(plan: Plan, unit: UnitSpec, storage) -> list:
 def unpack_storage_full(plan: Plan, unit: UnitSpec, arrays: list) -> dict:
   """Stored (global) arrays of a unit -> its full leaves, without collectives
   (used outside the step, where arrays are global). On numpy arrays (a
-  host copy) the leaves are views."""
+  host copy) the leaves are views (copies for a tensor-parallel unit)."""
+  if unit.tensor:
+    p = len(plan.prefix(unit))
+    parts = []
+    for t in range(plan.t):
+      own = []
+      for x in arrays:
+        size = x.shape[p] // plan.t
+        own.append(_slice_in_dim(x, t * size, (t + 1) * size, p))
+      parts.append(_unpack_slices(plan, unit, own, local=True))
+    return {i: _concat([part[i] for part in parts],
+                       p + plan.leaves[i].tensor_dim) for i in parts[0]}
+  return _unpack_slices(plan, unit, arrays)
+
+
+def _tensor_slice(plan: Plan, i: int, x, t: int):
+  """Slice ``t`` of leaf ``i`` (its ``tensor_dim`` cut in ``plan.t`` parts)."""
+  leaf = plan.leaves[i]
+  p = len(plan.prefix(plan.units[leaf.unit]))
+  size = leaf.layer_shape[leaf.tensor_dim]
+  return _slice_in_dim(x, t * size, (t + 1) * size, p + leaf.tensor_dim)
+
+
+def _concat(xs: list, axis: int):
+  if all(isinstance(x, np.ndarray) for x in xs):
+    return np.concatenate(xs, axis=axis)
+  return jnp.concatenate(xs, axis=axis)
+
+
+def _unpack_slices(plan: Plan, unit: UnitSpec, arrays: list, local: bool = False) -> dict:
   prefix = plan.prefix(unit)
   p = len(prefix)
   out = {}
   if plan.use_orig_params:
     for i, x in zip(unit.leaf_ids, arrays):
       leaf = plan.leaves[i]
-      out[i] = _slice_in_dim(x, 0, leaf.dim0, p).reshape(leaf.shape)
+      shape = prefix + leaf.layer_shape if local else leaf.shape
+      out[i] = _slice_in_dim(x, 0, leaf.dim0, p).reshape(shape)
     return out
   (flat,) = arrays
   off = 0
   for i in unit.leaf_ids:
     leaf = plan.leaves[i]
     size = leaf.layer_numel
-    out[i] = _slice_in_dim(flat, off, off + size, p).reshape(leaf.shape)
+    shape = prefix + leaf.layer_shape if local else leaf.shape
+    out[i] = _slice_in_dim(flat, off, off + size, p).reshape(shape)
     off += size
   return out
 

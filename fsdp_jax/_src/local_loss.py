@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from fsdp_jax._src import _compat, adapters, collectives, frameworks, layout, offload, schedule
+from fsdp_jax._src import tensor_eval
 from fsdp_jax._src import loss as loss_lib
 from fsdp_jax._src.config import is_key_dtype
 from fsdp_jax._src.loss import LossOutput
@@ -70,6 +71,16 @@ class LocalLoss:
                                    target_names=plan.lora_targets,
                                    base_dtypes=plan.lora_base_dtypes(),
                                    axis_env=plan.axis_env, report=plan.lora_report)
+    if plan.config.tensor_parallel is not None:
+      # Each device runs the loss on its slices of the split leaves, with
+      # Megatron's collectives over the tensor axis (fsdp_jax._src.tensor_eval).
+      loss_fn = tensor_eval.wrap_loss(
+          loss_fn, full_shapes=tuple(l.shape for l in plan.leaves),
+          split_dims=tuple(None if l.tensor_dim is None
+                           else len(plan.prefix(plan.units[l.unit])) + l.tensor_dim
+                           for l in plan.leaves),
+          axis=plan.axes.tensor_axes[0], size=plan.t, axis_env=plan.axis_env,
+          report=plan.tensor_report)
     self.loss_fn = loss_fn
     self.plan = plan
     self.forward_inputs = loss_lib.check_forward_inputs(forward_inputs)
@@ -107,7 +118,7 @@ class LocalLoss:
                  tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(args)))
     if cache_key not in self._traces:
       full_structs = jax.tree_util.tree_unflatten(
-          plan.treedef, [jax.ShapeDtypeStruct(l.shape, plan.compute_dtype(l))
+          plan.treedef, [jax.ShapeDtypeStruct(plan.gathered_shape(l), plan.compute_dtype(l))
                          for l in plan.leaves])
       per_device_bn: list = []
       try:

@@ -1,5 +1,7 @@
 """Device meshes for FSDP: a ``("shard",)`` axis, or ``("replicate", "shard")``
-for the hybrid strategies (shard within a group, replicate across groups)."""
+for the hybrid strategies (shard within a group, replicate across groups),
+each optionally followed by a ``"tensor"`` axis for tensor parallelism
+(adjacent devices: one NVLink node)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from fsdp_jax._src.config import FSDPConfig, ShardingStrategy
 
 SHARD = "shard"
 REPLICATE = "replicate"
+TENSOR = "tensor"
 
 # Process-wide XLA flags that simulate_cpu_devices() adds for the CPU
 # backend. Each is measured in benchmarks/FLAGS.md, on fsdp_jax's step and on
@@ -195,6 +198,7 @@ def _cpu_devices_hint(devices: Sequence[jax.Device], needed: int) -> str:
 
 
 def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
+              tensor: Optional[int] = None,
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
   """Builds an FSDP mesh.
 
@@ -202,10 +206,16 @@ def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
   set it is 2-D, ``("replicate", "shard")``: devices that are adjacent in
   ``devices`` (the same host, in multi-process runs) share a shard group and
   groups replicate across hosts, as PyTorch recommends for HYBRID_SHARD.
+  With ``tensor=T`` a last axis ``"tensor"`` of size ``T`` is added for
+  tensor parallelism (``FSDPConfig(tensor_parallel=...)``): the ``T``
+  devices of a tensor group are adjacent (one NVLink node, or one process),
+  FSDP shards across groups, as torchtitan's ``("dp_shard", "tp")`` mesh.
 
   Args:
-    shard: size of the ``"shard"`` axis (default: all devices / replicate).
-    replicate: size of the ``"replicate"`` axis, or ``None`` for a 1-D mesh.
+    shard: size of the ``"shard"`` axis (default: all devices / (replicate
+      * tensor)).
+    replicate: size of the ``"replicate"`` axis, or ``None`` for no such axis.
+    tensor: size of the ``"tensor"`` axis, or ``None`` for no such axis.
     devices: the devices to use (default ``jax.devices()``).
 
   Example:
@@ -214,6 +224,8 @@ def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
     ...                           devices=jax.devices()[:4])
     >>> dict(mesh.shape)
     {'replicate': 2, 'shard': 2}
+    >>> dict(fsdp_jax.make_mesh(shard=4, tensor=2, devices=jax.devices()[:8]).shape)
+    {'shard': 4, 'tensor': 2}
   """
   if devices is None:
     devices = jax.devices()
@@ -222,22 +234,30 @@ def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
   devices = list(devices)
   n = len(devices)
   rep = 1 if replicate is None else int(replicate)
+  tp = 1 if tensor is None else int(tensor)
+  if rep < 1 or tp < 1 or (shard is not None and int(shard) < 1):
+    raise ValueError(f"make_mesh: sizes must be positive; got shard={shard}, "
+                     f"replicate={replicate}, tensor={tensor}.")
   if shard is None:
-    if n % rep:
+    if n % (rep * tp):
       raise ValueError(
-          f"make_mesh: {n} devices cannot be split into replicate={rep} groups; "
-          f"pass replicate dividing {n}.")
-    shard = n // rep
-  if rep * shard > n:
+          f"make_mesh: {n} devices cannot be split into replicate={rep} x tensor={tp} "
+          f"groups; pass sizes whose product divides {n}, or shard= explicitly.")
+    shard = n // (rep * tp)
+  shard = int(shard)
+  if rep * shard * tp > n:
     raise ValueError(
-        f"make_mesh: replicate={rep} x shard={shard} needs {rep * shard} "
-        f"devices but only {n} are available; pass devices= or smaller sizes."
-        + _cpu_devices_hint(devices, rep * shard))
-  devices = devices[: rep * shard]
-  if replicate is None:
-    return Mesh(np.array(devices), (SHARD,), axis_types=(AxisType.Auto,))
-  return Mesh(np.array(devices).reshape(rep, shard), (REPLICATE, SHARD),
-              axis_types=(AxisType.Auto, AxisType.Auto))
+        f"make_mesh: replicate={rep} x shard={shard}"
+        + (f" x tensor={tp}" if tensor is not None else "")
+        + f" needs {rep * shard * tp} devices but only {n} are available; pass devices= or "
+        "smaller sizes." + _cpu_devices_hint(devices, rep * shard * tp))
+  devices = devices[: rep * shard * tp]
+  names = ((REPLICATE,) if replicate is not None else ()) + (SHARD,) + (
+      (TENSOR,) if tensor is not None else ())
+  shape = ((rep,) if replicate is not None else ()) + (shard,) + (
+      (tp,) if tensor is not None else ())
+  return Mesh(np.array(devices).reshape(shape), names,
+              axis_types=(AxisType.Auto,) * len(names))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +266,9 @@ class MeshAxes:
 
   ``shard_axes`` are the axes parameters are sharded over, ``replicate_axes``
   the axes gradients are all-reduced over after the reduce-scatter, and
-  ``data_axes`` all axes the batch is split over.
+  ``data_axes`` all axes the batch is split over. ``tensor_axes`` is
+  ``("tensor",)`` under tensor parallelism (the batch is replicated over it,
+  the rules' leaves are split over it), of size ``tensor_size``.
   """
 
   shard_axes: tuple[str, ...]
@@ -254,28 +276,52 @@ class MeshAxes:
   data_axes: tuple[str, ...]
   shard_size: int
   world_size: int
+  tensor_axes: tuple[str, ...] = ()
+  tensor_size: int = 1
 
 
 def mesh_axes(mesh: Mesh, config: FSDPConfig) -> MeshAxes:
   """Validates ``mesh`` for ``config`` and says which axes do what."""
-  names = tuple(mesh.axis_names)
+  all_names = tuple(mesh.axis_names)
+  tp = config.tensor_parallel
+  tensor_axis = TENSOR if tp is None else tp.axis
+  names = tuple(a for a in all_names if a != tensor_axis)
   strategy = config.sharding_strategy
-  fix_1d = "fsdp_jax.make_mesh(shard=N)"
-  fix_2d = "fsdp_jax.make_mesh(replicate=R, shard=S)"
+  t = "" if tensor_axis not in all_names else ", tensor=T"
+  fix_1d = f"fsdp_jax.make_mesh(shard=N{t})"
+  fix_2d = f"fsdp_jax.make_mesh(replicate=R, shard=S{t})"
+  if tp is not None and tensor_axis not in all_names:
+    raise ValueError(
+        f"FSDPConfig(tensor_parallel=...) splits leaves over the mesh axis {tensor_axis!r}, "
+        f"but the mesh has axes {all_names} (shape {dict(mesh.shape)}). Fix: build the mesh "
+        f"with fsdp_jax.make_mesh(shard=S, tensor=T), or drop tensor_parallel.")
+  if tp is None and TENSOR in all_names:
+    raise ValueError(
+        f"The mesh has a 'tensor' axis of size {mesh.shape[TENSOR]} (shape "
+        f"{dict(mesh.shape)}) but FSDPConfig has no tensor_parallel rules, so every "
+        "device of a tensor group would hold and compute the same thing. Fix: pass "
+        "FSDPConfig(tensor_parallel=fsdp_jax.TensorParallel(rules=[...])), or build the "
+        "mesh without tensor=.")
+  if tensor_axis in all_names and all_names[-1] != tensor_axis:
+    raise ValueError(
+        f"The tensor axis {tensor_axis!r} must be the mesh's last axis (its devices "
+        f"adjacent); got axes {all_names}. Fix: build the mesh with "
+        "fsdp_jax.make_mesh(..., tensor=T).")
   if config.is_hybrid:
     if names != (REPLICATE, SHARD):
       raise ValueError(
           f"{strategy.name} needs a 2-D mesh with axes ('replicate', 'shard') "
           f"(shard within a group, replicate across groups); got a mesh with "
-          f"axes {names} and shape {dict(mesh.shape)}. Build one with {fix_2d}.")
+          f"axes {all_names} and shape {dict(mesh.shape)}. Build one with {fix_2d}.")
   elif names not in ((SHARD,), (REPLICATE, SHARD)):
     raise ValueError(
         f"{strategy.name} needs a mesh with axes ('shard',) or ('replicate', "
-        f"'shard'); got axes {names} with shape {dict(mesh.shape)}. Build one "
-        f"with {fix_1d}.")
+        f"'shard'){' and a last tensor axis' if t else ''}; got axes {all_names} with "
+        f"shape {dict(mesh.shape)}. Build one with {fix_1d}.")
   world = int(np.prod([mesh.shape[a] for a in names]))
+  tensor = ((tensor_axis,), int(mesh.shape[tensor_axis])) if tp is not None else ((), 1)
   if strategy is ShardingStrategy.NO_SHARD:
-    return MeshAxes((), names, names, 1, world)
+    return MeshAxes((), names, names, 1, world, *tensor)
   if config.is_hybrid:
-    return MeshAxes((SHARD,), (REPLICATE,), names, mesh.shape[SHARD], world)
-  return MeshAxes(names, (), names, world, world)
+    return MeshAxes((SHARD,), (REPLICATE,), names, mesh.shape[SHARD], world, *tensor)
+  return MeshAxes(names, (), names, world, world, *tensor)

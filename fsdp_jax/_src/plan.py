@@ -84,6 +84,11 @@ class LeafSpec:
   ``shape`` is the full shape; ``layer_shape`` drops the leading layer axis of
   a stacked unit. In the original-parameter layout the leaf is padded along
   its first per-layer dimension ``dim0`` to ``shard_size * chunk0`` rows.
+
+  Under tensor parallelism ``tensor_dim`` is the per-layer dimension split
+  over the tensor axis (None: replicated over it), and ``layer_shape`` is
+  the per-layer shape of one device's slice (that dimension divided by the
+  axis size): what the unit's gather returns and the loss runs on.
   """
 
   index: int
@@ -94,6 +99,7 @@ class LeafSpec:
   layer_shape: tuple[int, ...]
   frozen: bool = False
   ignored: bool = False
+  tensor_dim: Optional[int] = None
 
   @property
   def numel(self) -> int:
@@ -127,6 +133,9 @@ class UnitSpec:
   num_layers: int
   is_root: bool
   overrides: tuple = ()
+  # Tensor parallelism: every leaf is split over the tensor axis, and the
+  # stored arrays stack the T slices' FSDP layouts along the sharded axis.
+  tensor: bool = False
 
   @property
   def override_dict(self) -> dict:
@@ -181,6 +190,9 @@ class Plan:
   # order, and what tracing the step found (lora.Report; not compared).
   lora_targets: tuple = ()
   lora_report: Any = None
+  # Tensor parallelism: what tracing the step found (tensor_eval.Report; not
+  # compared).
+  tensor_report: Any = None
 
   def __post_init__(self):
     _check_resharding(self)
@@ -206,6 +218,22 @@ class Plan:
   @property
   def n(self) -> int:
     return self.axes.shard_size
+
+  @property
+  def t(self) -> int:
+    """The tensor-parallel axis size (1 without tensor parallelism)."""
+    return self.axes.tensor_size
+
+  def tensor_size(self, unit: UnitSpec) -> int:
+    """How many tensor slices the unit's stored arrays stack (1: replicated)."""
+    return self.t if unit.tensor else 1
+
+  def gathered_shape(self, leaf: LeafSpec) -> tuple[int, ...]:
+    """The shape the loss runs on inside the step: this device's tensor
+    slice of the leaf (the full shape without tensor parallelism)."""
+    if leaf.ignored or leaf.tensor_dim is None:
+      return leaf.shape
+    return self.prefix(self.units[leaf.unit]) + leaf.layer_shape
 
   def lora_base_dtypes(self) -> tuple:
     """The dtype the loss sees each LoRA target's base in (stored order):
@@ -307,13 +335,17 @@ class Plan:
     if leaf.ignored:
       return (self.axes.world_size,) + leaf.shape
     unit = self.units[leaf.unit]
-    return self.prefix(unit) + (self.n * self.chunk0(leaf),) + leaf.rest
+    return (self.prefix(unit) + (self.tensor_size(unit) * self.n * self.chunk0(leaf),)
+            + leaf.rest)
 
   def storage_shape_of_unit(self, unit: UnitSpec) -> tuple[int, ...]:
-    return self.prefix(unit) + (self.n * self.flat_chunk(unit),)
+    return self.prefix(unit) + (self.tensor_size(unit) * self.n * self.flat_chunk(unit),)
 
   def spec_for(self, unit: UnitSpec) -> P:
-    axes = self.axes.shard_axes
+    """The stored arrays' ``PartitionSpec``: the sharded axis over the shard
+    axes; a tensor-parallel unit's over ``(tensor, *shard axes)`` (each
+    tensor slice's FSDP layout, stacked)."""
+    axes = (self.axes.tensor_axes if unit.tensor else ()) + self.axes.shard_axes
     if not axes:
       return P()
     axis = axes[0] if len(axes) == 1 else axes
@@ -321,7 +353,7 @@ class Plan:
 
   def padded_numel(self, unit: UnitSpec) -> int:
     """Elements stored for the unit across all devices (with padding)."""
-    layers = unit.num_layers if unit.stacked else 1
+    layers = (unit.num_layers if unit.stacked else 1) * self.tensor_size(unit)
     if self.use_orig_params:
       per_layer = sum(self.n * self.chunk0(self.leaves[i]) * self.leaves[i].row_numel
                       for i in unit.leaf_ids)
@@ -480,7 +512,8 @@ class Plan:
   def axis_env(self) -> tuple:
     """``((model axis name, data-parallel world size), ...)``: the axis
     names the loss is traced with (``FSDPConfig.data_axis_name``)."""
-    return tuple((name, self.axes.world_size) for name in data_axis_names(self.config))
+    env = tuple((name, self.axes.world_size) for name in data_axis_names(self.config))
+    return env + tuple((a, self.t) for a in self.axes.tensor_axes)
 
   def dtype_groups(self, unit: UnitSpec) -> list[tuple[int, ...]]:
     """Leaves gathered together (one collective each): all of a flat unit, or

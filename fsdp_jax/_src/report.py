@@ -94,6 +94,59 @@ def _zeropp_lines(plan) -> list[str]:
   return lines
 
 
+def bytes_per_step(plan) -> dict:
+  """``{axis: {collective: bytes per device per step}}`` of the FSDP
+  collectives (the buffers each device gathers or reduces: a unit's
+  gathered size, re-gathered ones twice; the gradient in the reduce dtype).
+  A tensor-parallel unit's buffers are one tensor slice's."""
+  out: dict = {}
+  if not plan.axes.shard_axes and not plan.axes.replicate_axes:
+    return out
+  shard = "+".join(plan.axes.shard_axes) or None
+  rep = "+".join(plan.axes.replicate_axes) or None
+  for u in plan.units:
+    layers = u.num_layers if u.stacked else 1
+    for group, spec, _, reduces in plan.group_collectives(u):
+      dtype, length = collectives.payload_row(spec)
+      size = spec.n * length * layers
+      if shard is not None:
+        d = out.setdefault(shard, {})
+        d["all-gather"] = d.get("all-gather", 0) + size * np.dtype(dtype).itemsize * (
+            1 + bool(plan.reshard(u)))
+        if reduces:
+          d["reduce-scatter"] = d.get("reduce-scatter", 0) + size * np.dtype(
+              spec.reduce_dtype).itemsize
+      if rep is not None and reduces:
+        d = out.setdefault(rep, {})
+        per = length * layers if shard is not None else size
+        d["all-reduce"] = d.get("all-reduce", 0) + per * np.dtype(spec.reduce_dtype).itemsize
+  return out
+
+
+def _tensor_lines(plan) -> list:
+  tp = plan.config.tensor_parallel
+  if tp is None:
+    return []
+  split = [l for l in plan.leaves if l.tensor_dim is not None]
+  numel = sum(l.numel for l in split)
+  total = sum(l.numel for l in plan.leaves)
+  out = [f"  tensor parallel over {tp.axis!r} (T={plan.t}): {len(split)} leaves split "
+         f"({100 * numel / max(total, 1):.1f}% of elements), each stored as its 1/{plan.t} "
+         f"slice sharded over {plan.axes.shard_axes or '()'}; the others replicated over "
+         f"{tp.axis!r}"]
+  rep = plan.tensor_report
+  if rep is None or not rep.traced:
+    out.append(f"    collectives over {tp.axis!r}: known once the step is traced")
+    return out
+  if not rep.counts:
+    out.append(f"    collectives over {tp.axis!r} per step: none")
+  for kind, (count, nbytes) in sorted(rep.counts.items()):
+    out.append(f"    {tp.axis!r} per step: {count} {kind} ({nbytes:,} bytes/device)")
+  for why, count in sorted(rep.gathered.items()):
+    out.append(f"    gathered over {tp.axis!r} (runs unsplit): {why} x{count}")
+  return out
+
+
 def _lora_lines(plan) -> list:
   lora = plan.config.lora
   if lora is None:
@@ -115,6 +168,14 @@ def _lora_lines(plan) -> list:
   return out
 
 
+def _split_text(lead: tuple, leaf, plan) -> str:
+  """``(None, 'tensor')``: the leaf's sharding over the tensor axis."""
+  axis = plan.axes.tensor_axes[0]
+  dims = ["None"] * len(leaf.layer_shape)
+  dims[leaf.tensor_dim] = repr(axis)
+  return "(" + ", ".join(["None"] * len(lead) + dims) + ")"
+
+
 def describe(plan) -> str:
   cfg = plan.config
   mp = cfg.mixed_precision
@@ -132,6 +193,7 @@ def describe(plan) -> str:
     lines.append(f"  ignored (a full copy per device, never gathered, gradients not "
                  f"reduced): {', '.join(ignored)}")
   lines.extend(_lora_lines(plan))
+  lines.extend(_tensor_lines(plan))
   frozen = sum(l.frozen for l in plan.leaves)
   if frozen:
     lines.append(f"  frozen parameters: {frozen} of {len(plan.leaves)} (no gradient, no optimizer state)")
@@ -142,10 +204,12 @@ def describe(plan) -> str:
     numel = plan.unit_numel(u)
     padded = plan.padded_numel(u)
     itemsize = max(np.dtype(plan.leaves[i].dtype).itemsize for i in u.leaf_ids)
-    per_dev = padded // plan.n * itemsize
+    per_dev = padded // (plan.n * plan.tensor_size(u)) * itemsize
     total_numel += numel
     total_bytes += per_dev
     tag = " [stacked x%d]" % u.num_layers if u.stacked else ""
+    if u.tensor:
+      tag += f" [{plan.axes.tensor_axes[0]} x{plan.t}]"
     if "mixed_precision" in u.override_dict:
       mpu = u.override_dict["mixed_precision"]
       tag += " [fp32]" if mpu is None else f" [{mpu.param_dtype}]"
@@ -153,8 +217,12 @@ def describe(plan) -> str:
                  f"{padded - numel:>8,} {per_dev:>13,}")
     for i in u.leaf_ids:
       leaf = plan.leaves[i]
+      split = ""
+      if leaf.tensor_dim is not None:
+        lead = (None,) if u.stacked else ()
+        split = " split " + _split_text(lead, leaf, plan)
       lines.append(f"      {leaf.name:<40} {str(leaf.shape):<18} {np.dtype(leaf.dtype).name}"
-                   + (" frozen" if leaf.frozen else ""))
+                   + (" frozen" if leaf.frozen else "") + split)
   lines.append(f"  {'total':<32} {len(plan.leaves):>6} {total_numel:>12,} "
                f"{'':>8} {total_bytes:>13,}")
   for name, layers in plan.stacked_hints:
@@ -163,6 +231,9 @@ def describe(plan) -> str:
                  f"FSDPConfig(stacked_layers=({name!r},))")
   coll = collectives_per_step(plan)
   lines.append("  collectives per step: " + ", ".join(f"{v} {k}" for k, v in coll.items() if v))
+  for axis, kinds in bytes_per_step(plan).items():
+    lines.append(f"    over {axis!r}: " + ", ".join(f"{k} {v:,} bytes/device"
+                                              for k, v in kinds.items()))
   lines.extend(_zeropp_lines(plan))
   if plan.opt_layout is not None:
     lines.append(f"  optimizer state: {plan.opt_layout.describe(plan)}")

@@ -15,7 +15,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fsdp_jax._src import frameworks, layout, lora as lora_lib, naming, offload, optim
-from fsdp_jax._src import unit_init, wrap
+from fsdp_jax._src import tensor as tensor_lib, tensor_eval, unit_init, wrap
 from fsdp_jax._src.config import FSDPConfig, is_float_dtype, is_key_dtype
 from fsdp_jax._src.mesh import mesh_axes
 from fsdp_jax._src.plan import (LeafSpec, Plan, UnitSpec, hook_key, hook_state_spec,
@@ -194,6 +194,11 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
   _check_trainable_dtypes(paths, flat, frozen, requires_grad)
   if config.lora is not None and not config.use_orig_params:
     choices = _split_lora_units(choices, flat, frozen, [".".join(p) for p in paths])
+  tensor_dims = {}
+  root_parts = {len(choices) - 1} if choices and choices[-1].name == "" else set()
+  if config.tensor_parallel is not None:
+    tensor_dims = _tensor_dims(config, axes, choices, paths, flat, ignored)
+    choices, root_parts = _split_tensor_units(choices, tensor_dims)
   leaf_unit = {}
   units = []
   for idx, c in enumerate(choices):
@@ -209,8 +214,9 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
     for i in c.leaf_ids:
       leaf_unit[i] = idx
     units.append(UnitSpec(idx, c.name, c.leaf_ids, c.stacked, num_layers,
-                          is_root=(c.name == "" and idx == len(choices) - 1),
-                          overrides=c.overrides))
+                          is_root=idx in root_parts,
+                          overrides=c.overrides,
+                          tensor=c.leaf_ids[0] in tensor_dims))
   leaves = []
   for i, (p, x) in enumerate(zip(paths, flat)):
     if i in ignored:
@@ -219,8 +225,11 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
       continue
     u = units[leaf_unit[i]]
     layer_shape = tuple(x.shape[1:]) if u.stacked else tuple(x.shape)
+    d = tensor_dims.get(i)
+    if d is not None:  # this device's slice
+      layer_shape = layer_shape[:d] + (layer_shape[d] // axes.tensor_size,) + layer_shape[d + 1:]
     leaves.append(LeafSpec(i, ".".join(p), tuple(x.shape), jnp.dtype(x.dtype),
-                           leaf_unit[i], layer_shape, frozen[i]))
+                           leaf_unit[i], layer_shape, frozen[i], tensor_dim=d))
   layout.check_flat_dtypes(leaves, units, config.use_orig_params)
   for u in units:
     unknown = set(u.override_dict) - {"mixed_precision"}
@@ -240,7 +249,8 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
                                    stacked_ids | ignored)
   return Plan(treedef, tuple(leaves), tuple(units), config, mesh, axes, ms_dtypes,
               stacked_hints=hints, lora_targets=lora_targets,
-              lora_report=None if config.lora is None else lora_lib.Report())
+              lora_report=None if config.lora is None else lora_lib.Report(),
+              tensor_report=None if config.tensor_parallel is None else tensor_eval.Report())
 
 
 def _lora_requires_grad(abstract_params, config: FSDPConfig, requires_grad):
@@ -305,6 +315,51 @@ def _split_lora_units(choices, flat, frozen, names):
       out.append(dataclasses.replace(c, name=name, leaf_ids=tuple(ids)))
     out.append(dataclasses.replace(c, leaf_ids=tuple(groups[main])))
   return out
+
+
+def _tensor_dims(config: FSDPConfig, axes, choices, paths, flat, ignored) -> dict:
+  """``{leaf index: per-layer dimension}`` the tensor-parallel rules split."""
+  tp = config.tensor_parallel
+  if config.lora is not None:
+    raise NotImplementedError(
+        "FSDPConfig(lora=...) with tensor_parallel=...: LoRA's adapter path does not run "
+        "on tensor-parallel slices yet. Fix: drop one of them (LoRA with FSDP alone, or "
+        "tensor parallelism for full fine-tuning).")
+  stacked = {i for c in choices if c.stacked for i in c.leaf_ids}
+  leads = [int(i in stacked) for i in range(len(flat))]
+  dims = tensor_lib.leaf_dims(paths, [tuple(x.shape) for x in flat], leads, tp,
+                              axes.tensor_size)
+  bad = sorted(set(dims) & set(ignored))
+  if bad:
+    name = ".".join(paths[bad[0]])
+    raise ValueError(
+        f"Parameter {name!r} (shape {tuple(flat[bad[0]].shape)}) is in ignored_states and "
+        "named by a TensorParallel rule; an ignored leaf keeps a full copy per device. "
+        "Fix: drop it from one of them.")
+  return dims
+
+
+def _split_tensor_units(choices, dims: dict):
+  """A unit's tensor-parallel leaves become a unit of their own
+  (``<unit>.tensor_parallel``): a unit's stored arrays are either stacked
+  tensor slices or replicated over the tensor axis. Returns the units and
+  the indices of the root's parts (both kept gathered, as the root is)."""
+  out = []
+  root_parts = set()
+  for k, c in enumerate(choices):
+    is_root = c.name == "" and k == len(choices) - 1
+    split = tuple(i for i in c.leaf_ids if i in dims)
+    rest = tuple(i for i in c.leaf_ids if i not in dims)
+    if split and rest:
+      name = f"{c.name}.tensor_parallel" if c.name else "tensor_parallel"
+      parts = [dataclasses.replace(c, name=name, leaf_ids=split),
+               dataclasses.replace(c, leaf_ids=rest)]
+    else:
+      parts = [c]
+    if is_root:
+      root_parts |= set(range(len(out), len(out) + len(parts)))
+    out.extend(parts)
+  return out, root_parts
 
 
 # --------------------------------------------------------------------------

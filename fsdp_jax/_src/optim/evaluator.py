@@ -72,7 +72,7 @@ class Geometry:
   def local_shape(self, i) -> tuple:
     leaf = self.leaf(i)
     if leaf.ignored:
-      return leaf.shape
+      return self.plan.gathered_shape(leaf)
     p = self.prefix(i)
     if self.flat():
       return p + (self.plan.flat_chunk(self.plan.units[leaf.unit]),)
@@ -159,19 +159,19 @@ class Geometry:
       full = self._gathers[key][1]
       o = self.offset(i)
       x = lax.slice_in_dim(full, o, o + leaf.layer_numel, axis=p)
-      return x.reshape(leaf.shape)
+      return x.reshape(self.plan.gathered_shape(leaf))
     full = local
     if self.axes:
       full = lax.all_gather(local, self._axis_name(), axis=p, tiled=True)
     if full.shape[p] != leaf.dim0:
       full = lax.slice_in_dim(full, 0, leaf.dim0, axis=p)
-    return full.reshape(leaf.shape)
+    return full.reshape(self.plan.gathered_shape(leaf))
 
   def shard_of(self, i, full):
     """Leaf ``i``'s full logical value -> this device's local array."""
     leaf = self.leaf(i)
     if leaf.ignored:
-      return jnp.reshape(full, leaf.shape)
+      return jnp.reshape(full, self.plan.gathered_shape(leaf))
     prefix = self.prefix(i)
     p = len(prefix)
     if self.flat():
@@ -365,13 +365,13 @@ class ShardedEvaluator:
       return self._broadcast(v.value, self.geo.local_shape(i))
     leaf = self.plan.leaves[i]
     x = v.value
-    if tuple(np.shape(x)) != leaf.shape:
+    if tuple(np.shape(x)) != self.plan.gathered_shape(leaf):
       if leaf.ignored:
         return x
       p = len(self.geo.prefix(i))
       if not self.geo.flat() and np.shape(x)[p] == 1:
         return x  # constant along the sharded dimension: the primitive broadcasts it
-      x = jnp.broadcast_to(x, leaf.shape)
+      x = jnp.broadcast_to(x, self.plan.gathered_shape(leaf))
     return self.geo.shard_of(i, x)
 
   def _broadcast(self, scalar, shape):
@@ -660,7 +660,7 @@ class Assembler:
     leaf = self.plan.leaves[i]
     if leaf.ignored:
       x = self.ev.to_rep(v).value
-      return jnp.asarray(x).astype(dtype).reshape(leaf.shape)[None]
+      return jnp.asarray(x).astype(dtype).reshape(self.plan.gathered_shape(leaf))[None]
     return self.ev.to_local(v, i).astype(dtype)
 
   def store(self, values: dict, dtypes: dict) -> dict:

@@ -1,0 +1,561 @@
+"""Tensor parallelism inside the step: ``loss_fn`` re-evaluated on each
+device's slices of the split leaves, with Megatron's collectives over the
+tensor axis.
+
+``loss_fn`` is traced on the user's tree (full shapes) and its jaxpr
+evaluated again with every split leaf bound to this device's slice. Each
+value is one of:
+
+* replicated: the same full array on every device of the tensor group (every
+  value the split leaves do not reach);
+* :class:`Split`: this device's ``1/T`` slice along one dimension;
+* :class:`Partial`: this device's addend of a sum over the tensor axis (a
+  matmul that contracted a split dimension).
+
+A ``dot_general`` with a split operand computes on the slices: a kernel split
+along its output axis gives a split output (column parallel), a split
+contracted dimension gives partial sums (row parallel), a split batch
+dimension (attention heads) a split output. Elementwise operations, casts,
+broadcasts, reshapes that keep the split dimension whole, transposes and
+reductions follow the split; a replicated operand meeting a split one is cut
+to this device's slice. A partial value is summed over the tensor axis
+(``psum``, Megatron's ``g``) where something other than a linear operation
+reads it, and a split value is all-gathered where an operation cannot run on
+slices (a softmax over a split vocabulary, a ``while`` loop). The loss's
+outputs are replicated.
+
+Gradients follow from the same functions: each collective is a
+``jax.custom_vjp`` with Megatron's backward (``psum`` <-> identity,
+all-gather <-> slice, and a replicated value read by split computations gets
+its cotangent summed over the tensor axis, Megatron's ``f``), so every
+replicated value's cotangent is the same on all devices of a group and each
+split leaf's gradient is its slice's.
+
+What the evaluation did (collectives by kind, bytes, where it gathered) is
+recorded in a :class:`Report` that ``print(state.plan)`` shows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fsdp_jax._src import _compat
+from fsdp_jax._src import loss as loss_lib
+
+
+@dataclasses.dataclass(eq=False)
+class Report:
+  """Tensor-axis collectives of the traced loss (forward pass), by kind:
+  ``{kind: [count, bytes per device]}``, and why values were gathered."""
+
+  counts: dict = dataclasses.field(default_factory=dict)
+  gathered: dict = dataclasses.field(default_factory=dict)
+  traced: bool = False
+
+  def add(self, kind: str, x) -> None:
+    c = self.counts.setdefault(kind, [0, 0])
+    c[0] += 1
+    c[1] += int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+
+  def gather(self, why: str) -> None:
+    self.gathered[why] = self.gathered.get(why, 0) + 1
+
+  def reset(self) -> None:
+    self.counts.clear()
+    self.gathered.clear()
+
+
+class Split:
+  """This device's slice of a value split along ``dim`` over the tensor axis."""
+
+  __slots__ = ("x", "dim")
+
+  def __init__(self, x, dim: int):
+    self.x, self.dim = x, dim
+
+
+class Partial:
+  """This device's addend of a value summed over the tensor axis."""
+
+  __slots__ = ("x",)
+
+  def __init__(self, x):
+    self.x = x
+
+
+def _kind(v):
+  return "split" if isinstance(v, Split) else "partial" if isinstance(v, Partial) else "full"
+
+
+# --------------------------------------------------------------------------
+# The collectives, with Megatron's backward passes
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _enter(x, axis):
+  """Identity; the cotangent is summed over ``axis`` (Megatron's ``f``): a
+  replicated value read by split or partial computations."""
+  return x
+
+
+def _enter_fwd(x, axis):
+  return x, None
+
+
+def _enter_bwd(axis, _, ct):
+  return (lax.psum(ct, axis),)
+
+
+_enter.defvjp(_enter_fwd, _enter_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _sum(x, axis):
+  """``psum`` over ``axis``; identity backward (Megatron's ``g``)."""
+  return lax.psum(x, axis)
+
+
+def _sum_fwd(x, axis):
+  return lax.psum(x, axis), None
+
+
+def _sum_bwd(axis, _, ct):
+  return (ct,)
+
+
+_sum.defvjp(_sum_fwd, _sum_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather(x, axis, dim):
+  """All-gather of a split value along ``dim``; backward: this device's
+  slice of the (replicated) cotangent."""
+  return lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
+def _gather_fwd(x, axis, dim):
+  return _gather(x, axis, dim), None
+
+
+def _gather_bwd(axis, dim, _, ct):
+  return (_own_slice(ct, axis, dim, ct.shape[dim] // _axis_size(axis)),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _cut(x, axis, dim, size):
+  """This device's slice of a replicated value; backward: the slices'
+  cotangents all-gathered (the replicated value's whole cotangent)."""
+  return _own_slice(x, axis, dim, size)
+
+
+def _cut_fwd(x, axis, dim, size):
+  return _own_slice(x, axis, dim, size), None
+
+
+def _cut_bwd(axis, dim, size, _, ct):
+  return (lax.all_gather(ct, axis, axis=dim, tiled=True),)
+
+
+_cut.defvjp(_cut_fwd, _cut_bwd)
+
+
+def _axis_size(axis) -> int:
+  return lax.axis_size(axis)
+
+
+def _own_slice(x, axis, dim: int, size: int):
+  start = lax.axis_index(axis) * size
+  return lax.dynamic_slice_in_dim(x, start, size, axis=dim)
+
+
+# --------------------------------------------------------------------------
+# The evaluator
+
+
+class _Ctx:
+  def __init__(self, axis: str, size: int, report: Report):
+    self.axis, self.t, self.report = axis, size, report
+    # One collective per value (and dimension): the q, k and v projections
+    # of one input share its backward all-reduce, as in Megatron. Keyed by
+    # id, holding the value so the id stays its own.
+    self._memo: dict = {}
+
+  def _once(self, key, v, make):
+    hit = self._memo.get(key)
+    if hit is not None and hit[0] is v:
+      return hit[1]
+    out = make()
+    self._memo[key] = (v, out)
+    return out
+
+  # values -> replicated / partial / split forms
+  def full(self, v, why: str):
+    """The replicated value of ``v``."""
+    if isinstance(v, Split) and not _differentiable(v.x):
+      return lax.all_gather(v.x, self.axis, axis=v.dim, tiled=True)
+    if isinstance(v, Partial):
+      def reduce():
+        self.report.add("forward all-reduce", v.x)
+        return _sum(v.x, self.axis)
+      return self._once(("full", id(v)), v, reduce)
+    if isinstance(v, Split):
+      def gather():
+        self.report.gather(why)
+        out = _gather(v.x, self.axis, v.dim)
+        self.report.add("forward all-gather", out)
+        return out
+      return self._once(("full", id(v)), v, gather)
+    return v
+
+  def split(self, v, dim: int):
+    """``v`` (replicated or split along ``dim``) as this device's slice."""
+    if isinstance(v, Split):
+      assert v.dim == dim
+      return v.x
+    if np.ndim(v) == 0 or np.shape(v)[dim] == 1:
+      # Broadcast by the primitive: its cotangent adds up over the slices.
+      return self.enter(v)
+    if not _differentiable(v):
+      return _own_slice(v, self.axis, dim, np.shape(v)[dim] // self.t)
+
+    def make():
+      self.report.add("backward all-gather", v)
+      return _cut(v, self.axis, dim, np.shape(v)[dim] // self.t)
+    return self._once(("cut", id(v), dim), v, make)
+
+  def enter(self, v):
+    """A replicated operand of a computation whose result is split or partial."""
+    if (isinstance(v, (Split, Partial, int, float, bool, np.ndarray, np.generic))
+        or not _differentiable(v)):
+      return v
+    def make():
+      self.report.add("backward all-reduce", v)
+      return _enter(v, self.axis)
+    return self._once(("enter", id(v)), v, make)
+
+
+def _differentiable(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def evaluate(jaxpr, consts, args, ctx: _Ctx) -> list:
+  """Evaluates ``jaxpr`` with :class:`Split` / :class:`Partial` values
+  among ``args``; returns the outputs in their forms."""
+  env: dict = {}
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    invals = [v.val if isinstance(v, _compat.Literal) else env[v] for v in eqn.invars]
+    if not any(isinstance(x, (Split, Partial)) for x in invals):
+      outs = _compat.bind_eqn(eqn, invals)
+    else:
+      outs = _rule(eqn, invals, ctx)
+    for v, x in zip(eqn.outvars, outs):
+      if not isinstance(v, _compat.DropVar):
+        env[v] = x
+  return [v.val if isinstance(v, _compat.Literal) else env[v] for v in jaxpr.outvars]
+
+
+def _out_shape(eqn, k=0) -> tuple:
+  return tuple(eqn.outvars[k].aval.shape)
+
+
+def _in_shape(eqn, k=0) -> tuple:
+  return tuple(np.shape(eqn.invars[k].aval)) if hasattr(eqn.invars[k], "aval") else ()
+
+
+def _rule(eqn, invals, ctx: _Ctx) -> list:
+  name = eqn.primitive.name
+  if name == "dot_general":
+    return [_dot(eqn, invals, ctx)]
+  if name in _compat.ELEMENTWISE_PRIMITIVES:
+    return [_elementwise(eqn, invals, ctx)]
+  if name in _compat.PASSTHROUGH_PRIMITIVES and len(invals) == 1:
+    return [invals[0]]
+  if len(invals) == 1 and isinstance(invals[0], Split):
+    out = _layout(eqn, invals[0], ctx)
+    if out is not None:
+      return [out]
+  if name in _LINEAR_LAYOUT and all(isinstance(x, Partial) for x in invals):
+    return [Partial(_compat.bind_eqn(eqn, [_payload(x) for x in invals])[0])]
+  if _compat.is_remat(eqn):
+    return _remat(eqn, invals, ctx)
+  if _compat.is_scan(eqn):
+    return _scan(eqn, invals, ctx)
+  if name in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call"):
+    body = _compat.inlinable_body(eqn)
+    if body is not None:
+      return evaluate(body[0], body[1], invals, ctx)
+  site = _compat.user_site(eqn)
+  why = f"{name} at {site}" if site and site != "?" else name
+  return _compat.bind_eqn(eqn, [ctx.full(x, why) for x in invals])
+
+
+# Layout operations that are linear and keep a partial sum partial (a
+# partial value has the full shape: the equation runs as it is).
+_LINEAR_LAYOUT = frozenset({"transpose", "reshape", "broadcast_in_dim", "reduce_sum",
+                            "squeeze", "expand_dims", "copy", "copy_p", "slice",
+                            "concatenate", "rev"})
+
+
+def _elementwise(eqn, invals, ctx: _Ctx):
+  name = eqn.primitive.name
+  parts = [x for x in invals if isinstance(x, Partial)]
+  if parts:
+    linear = _linear_in_partial(name, invals)
+    if linear:
+      vals = [x.x if isinstance(x, Partial) else ctx.enter(x) for x in invals]
+      return Partial(_compat.bind_eqn(eqn, vals)[0])
+    invals = [ctx.full(x, "a non-linear use of a partial sum") if isinstance(x, Partial) else x
+              for x in invals]
+    if not any(isinstance(x, Split) for x in invals):
+      return _compat.bind_eqn(eqn, invals)[0]
+  dims = {x.dim for x in invals if isinstance(x, Split)}
+  if len(dims) > 1:
+    site = _compat.user_site(eqn)
+    return _compat.bind_eqn(eqn, [ctx.full(x, f"{name} of values split differently at {site}")
+                                  for x in invals])[0]
+  (dim,) = dims
+  vals = [ctx.split(x, dim) for x in invals]
+  return Split(_compat.bind_eqn(eqn, vals)[0], dim)
+
+
+def _linear_in_partial(name: str, invals) -> bool:
+  """Whether the op is linear in its partial operands (so it can run on
+  each device's addend)."""
+  kinds = [_kind(x) for x in invals]
+  if "split" in kinds:
+    return False
+  if name in ("add", "sub", "add_any"):
+    return all(k == "partial" for k in kinds)
+  if name in ("neg", "convert_element_type", "copy", "copy_p", "reduce_precision"):
+    return True
+  if name == "mul":
+    return kinds.count("partial") == 1
+  if name == "div":
+    return kinds[0] == "partial" and kinds[1] == "full"
+  return False
+
+
+def _layout(eqn, v: Split, ctx: _Ctx):
+  """Layout and reduction operations on a split value; None when the split
+  dimension does not survive whole."""
+  name = eqn.primitive.name
+  x, d = v.x, v.dim
+  if name == "transpose":
+    perm = _compat.transpose_permutation(eqn)
+    return Split(lax.transpose(x, perm), perm.index(d))
+  if name == "convert_element_type":
+    return Split(_compat.bind_eqn(eqn, [x])[0], d)
+  if name == "broadcast_in_dim":
+    bdims = _compat.broadcast_dimensions(eqn)
+    out = list(_out_shape(eqn))
+    nd = bdims[d]
+    out[nd] //= ctx.t
+    return Split(lax.broadcast_in_dim(x, tuple(out), bdims), nd)
+  if name in ("reshape", "squeeze", "expand_dims"):
+    k = _reshaped_dim(_in_shape(eqn), _out_shape(eqn), d, ctx.t)
+    if k is None:
+      return None
+    out = list(_out_shape(eqn))
+    out[k] //= ctx.t
+    return Split(lax.reshape(x, tuple(out)), k)
+  if name in _compat.REDUCTION_PRIMITIVES:
+    axes = _compat.reduction_axes(eqn)
+    if d in axes:
+      if name == "reduce_sum":
+        return Partial(_compat.bind_eqn(eqn, [x])[0])
+      return None
+    return Split(_compat.bind_eqn(eqn, [x])[0], d - sum(a < d for a in axes))
+  return None
+
+
+def _reshaped_dim(in_shape: tuple, out_shape: tuple, d: int, t: int):
+  """The output dimension a reshape carries split dimension ``d`` to, whole
+  (the same elements before it, its size a multiple of ``t``), or None."""
+  before = math.prod(in_shape[:d])
+  for k, size in enumerate(out_shape):
+    if math.prod(out_shape[:k]) == before and size % t == 0 and size > 1:
+      # d's major part must be k's: k holds at least d's whole extent, or d
+      # spans k and more dimensions with k major.
+      return k
+  return None
+
+
+def _dot(eqn, invals, ctx: _Ctx):
+  (lc, rc), (lb, rb) = _compat.dot_dimension_numbers(eqn)
+  lhs, rhs = invals
+  opts = _compat.dot_options(eqn)
+  dn = ((lc, rc), (lb, rb))
+  kl, kr = _kind(lhs), _kind(rhs)
+  site = _compat.user_site(eqn)
+  if "partial" in (kl, kr):
+    if {kl, kr} == {"partial", "full"}:
+      a = lhs.x if kl == "partial" else ctx.enter(lhs)
+      b = rhs.x if kr == "partial" else ctx.enter(rhs)
+      return Partial(lax.dot_general(a, b, dn, **opts))
+    lhs, rhs = (ctx.full(x, f"a matmul of a partial sum at {site}") if isinstance(x, Partial)
+                else x for x in (lhs, rhs))
+    kl, kr = _kind(lhs), _kind(rhs)
+    if kl == kr == "full":
+      return lax.dot_general(lhs, rhs, dn, **opts)
+  lfree = [i for i in range(len(_in_shape(eqn, 0))) if i not in lc and i not in lb]
+  rfree = [i for i in range(len(_in_shape(eqn, 1))) if i not in rc and i not in rb]
+
+  def role(dim, contract, batch, free):
+    if dim in contract:
+      return ("contract", contract.index(dim))
+    if dim in batch:
+      return ("batch", batch.index(dim))
+    return ("free", free.index(dim))
+
+  rl = role(lhs.dim, lc, lb, lfree) if kl == "split" else None
+  rr = role(rhs.dim, rc, rb, rfree) if kr == "split" else None
+  # Both split: the same contracted or batch dimension works on the slices.
+  if rl is not None and rr is not None:
+    if rl == rr and rl[0] != "free":
+      out = lax.dot_general(lhs.x, rhs.x, dn, **opts)
+      return Partial(out) if rl[0] == "contract" else Split(out, rl[1])
+    # Otherwise gather the smaller operand.
+    small = 0 if np.size(lhs.x) <= np.size(rhs.x) else 1
+    if small == 0:
+      lhs, kl, rl = ctx.full(lhs, f"a matmul of differently split operands at {site}"), "full", None
+    else:
+      rhs, kr, rr = ctx.full(rhs, f"a matmul of differently split operands at {site}"), "full", None
+  if rl is not None:  # lhs split, rhs replicated
+    kind, j = rl
+    if kind == "free":
+      out = lax.dot_general(lhs.x, ctx.enter(rhs), dn, **opts)
+      return Split(out, len(lb) + j)
+    other = rc[j] if kind == "contract" else rb[j]
+    out = lax.dot_general(lhs.x, ctx.split(rhs, other), dn, **opts)
+    return Partial(out) if kind == "contract" else Split(out, j)
+  kind, j = rr
+  if kind == "free":
+    out = lax.dot_general(ctx.enter(lhs), rhs.x, dn, **opts)
+    return Split(out, len(lb) + len(lfree) + j)
+  other = lc[j] if kind == "contract" else lb[j]
+  out = lax.dot_general(ctx.split(lhs, other), rhs.x, dn, **opts)
+  return Partial(out) if kind == "contract" else Split(out, j)
+
+
+def _remat(eqn, invals, ctx: _Ctx) -> list:
+  p = _compat.remat_params(eqn)
+  forms: list = []
+
+  def body(*xs):
+    outs = evaluate(p.jaxpr, [], list(_rebuild(invals, xs)), ctx)
+    forms[:] = [_form(o) for o in outs]
+    return [_payload(o) for o in outs]
+
+  prevent_cse = bool(p.prevent_cse) if isinstance(p.prevent_cse, bool) else any(p.prevent_cse)
+  outs = jax.checkpoint(body, policy=p.policy, prevent_cse=prevent_cse)(
+      *[_payload(x) for x in invals])
+  return [_apply_form(f, o) for f, o in zip(forms, outs)]
+
+
+def _payload(v):
+  return v.x if isinstance(v, (Split, Partial)) else v
+
+
+def _form(v):
+  return ("split", v.dim) if isinstance(v, Split) else ("partial",) if isinstance(v, Partial) \
+      else ("full",)
+
+
+def _apply_form(form, x):
+  if form[0] == "split":
+    return Split(x, form[1])
+  if form[0] == "partial":
+    return Partial(x)
+  return x
+
+
+def _rebuild(templates, xs):
+  return [_apply_form(_form(t), x) for t, x in zip(templates, xs)]
+
+
+def _scan(eqn, invals, ctx: _Ctx) -> list:
+  """A scan over stacked layers: the consts and the per-layer slices keep
+  their forms (a split leaf's layer is split along the same dimension less
+  the layer axis); the carry is replicated, and so are the outputs."""
+  p = _compat.scan_params(eqn)
+  nc, ncar = p.num_consts, p.num_carry
+  consts = invals[:nc]
+  carry = [ctx.full(x, "a scan carry") for x in invals[nc:nc + ncar]]
+  xs = invals[nc + ncar:]
+  for x in xs:
+    if isinstance(x, Split) and x.dim == 0:
+      raise ValueError("A scan runs over a dimension split over the tensor axis. Fix: split "
+                       "a per-layer dimension (the rules' layouts are per layer).")
+    if isinstance(x, Partial):
+      raise ValueError("A scan runs over a partial sum")
+  x_forms = [_form(x) for x in xs]
+  c_forms = [_form(x) for x in consts]
+
+  def body(c, x):
+    layer = [_apply_form(("split", f[1] - 1) if f[0] == "split" else f, v)
+             for f, v in zip(x_forms, x)]
+    cs = [_apply_form(f, v) for f, v in zip(c_forms, consts_payload)]
+    outs = evaluate(p.body, list(p.body_consts), cs + list(c) + layer, ctx)
+    outs = [ctx.full(o, "a scan output") for o in outs]
+    return outs[:ncar], outs[ncar:]
+
+  consts_payload = [_payload(x) for x in consts]
+  c, ys = lax.scan(body, carry, [_payload(x) for x in xs], length=p.length,
+                   reverse=p.reverse, unroll=p.unroll)
+  return list(c) + list(ys)
+
+
+# --------------------------------------------------------------------------
+# The loss on the slices
+
+
+def wrap_loss(loss_fn: Callable, *, full_shapes: tuple, split_dims: tuple, axis: str,
+              size: int, axis_env: tuple, report: Report) -> Callable:
+  """``loss_fn`` over the user's tree -> the same loss over each device's
+  slices (the gathered tree of a tensor-parallel step). ``full_shapes`` and
+  ``split_dims`` (None: replicated) are per leaf, in tree order."""
+  user_rng = loss_lib.takes_rng(loss_fn)
+
+  def run(params, args, rng):
+    flat, treedef = jax.tree.flatten(params)
+    structs = [jax.ShapeDtypeStruct(s, x.dtype) for s, x in zip(full_shapes, flat)]
+    kw = {"rng": rng} if user_rng else {}
+    call = lambda p, *a: loss_fn(p, *a, **kw)
+    closed, out_shape = jax.make_jaxpr(call, return_shape=True, axis_env=list(axis_env))(
+        jax.tree.unflatten(treedef, structs), *args)
+    jaxpr, consts = _compat.split_closed(closed)
+    ctx = _Ctx(axis, size, report)
+    report.reset()
+    values = [x if d is None else Split(x, d) for x, d in zip(flat, split_dims)]
+    outs = evaluate(jaxpr, consts, values + jax.tree.leaves(args), ctx)
+    outs = [ctx.full(o, "an output of the loss") for o in outs]
+    report.traced = True
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  if user_rng:
+    @functools.wraps(loss_fn)
+    def with_rng(params, *args, rng):
+      return run(params, args, rng)
+    del with_rng.__wrapped__
+    return with_rng
+
+  @functools.wraps(loss_fn)
+  def without_rng(params, *args):
+    return run(params, args, None)
+  del without_rng.__wrapped__
+  return without_rng
