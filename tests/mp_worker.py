@@ -141,6 +141,29 @@ def train_lora(strategy: str, steps: int = STEPS):
   return losses, flat(fsdp_jax.summon_full_params(state))
 
 
+def train_tensor(steps: int = STEPS):
+  """Tensor parallelism within a process (``tensor=4``), FSDP across
+  processes (``shard=2``), on the helpers' MLP with 8-wide layers: (losses,
+  params, layout)."""
+  import jax
+  import optax
+
+  import fsdp_jax
+  from helpers import mlp_loss
+
+  rules = [("inp.w", "colwise"), ("blocks.0.w", "rowwise"), ("blocks.1.w", "colwise"),
+           ("blocks.1.b", ("tensor",)), ("blocks.2.w", "rowwise")]
+  config = fsdp_jax.FSDPConfig(tensor_parallel=fsdp_jax.TensorParallel(rules=rules))
+  mesh = fsdp_jax.make_mesh(shard=2, tensor=jax.device_count() // 2)
+  opt = optax.adam(1e-2)
+  state = fsdp_jax.init_train_state(params=np_params(d=8), optimizer=opt, mesh=mesh,
+                                    config=config)
+  step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config)
+  layout = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices).tolist()
+  state, losses = run_steps(state, step, 0, steps)
+  return losses, flat(fsdp_jax.summon_full_params(state)), layout
+
+
 def train_skipping(strategy: str, steps: int = STEPS, bad_step: int = 2):
   """``train`` with ``FSDPConfig(nonfinite="skip")`` and a NaN in the last
   process's rows at ``bad_step``: returns (flags per step, skipped steps,
@@ -197,6 +220,9 @@ def main_train(args, info):
     losses, params = train_lora(strategy, args.steps)
     out[strategy]["lora"] = {"losses": losses,
                              "params": {k: v.tolist() for k, v in params.items()}}
+  losses, params, layout = train_tensor(args.steps)
+  out["tensor"] = {"losses": losses, "params": {k: v.tolist() for k, v in params.items()},
+                   "layout": layout}
   if info.rank == 0:
     with open(args.out, "w") as f:
       json.dump(out, f)

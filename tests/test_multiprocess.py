@@ -124,6 +124,21 @@ def test_two_processes_train_like_one(two_process_run, strategy):
         f"losses {np.round(run['losses'], 6).tolist()}")
 
 
+def test_tensor_parallel_within_processes_fsdp_across(two_process_run):
+  """make_mesh(shard=2, tensor=4) on 2 processes x 4 devices: each tensor
+  group is one process's devices, FSDP's shard axis runs across the
+  processes; the numbers are one process's."""
+  ref_losses, ref_params, _ = mp_worker.train_tensor()
+  run = two_process_run()["tensor"]
+  assert run["layout"] == [[0, 0, 0, 0], [1, 1, 1, 1]]
+  np.testing.assert_allclose(run["losses"], ref_losses, rtol=0, atol=1e-5)
+  assert ref_losses[-1] < ref_losses[0]
+  assert set(run["params"]) == set(ref_params)
+  for name, ref in ref_params.items():
+    np.testing.assert_allclose(np.asarray(run["params"][name], np.float32), ref,
+                               rtol=2e-4, atol=1e-6, err_msg=name)
+
+
 # --------------------------------------------------------------------------
 # Checkpoints and full state dicts across process counts
 

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import fsdp_jax
-from fsdp_jax import hlo
+from fsdp_jax import hlo, pretrained
 from helpers import assert_trees_close, jit_reference_run, plain, train_steps
 
 S = fsdp_jax.ShardingStrategy
@@ -470,3 +470,46 @@ def test_errors_name_leaf_shape_axis_and_fix():
   with pytest.raises(NotImplementedError, match="Adafactor.*not supported with tensor"):
     fsdp_jax.init_train_state(params=params, optimizer=optax.adafactor(1e-2), mesh=mesh(4, 2),
                               config=tp(RULES))
+
+
+# --------------------------------------------------------------------------
+# Pretrained weights
+
+
+def _weight_map(params):
+
+  rules = []
+  for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]:
+    name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    if name.endswith(".kernel"):  # PyTorch's [out, in] weight
+      rules.append((name[:-len("kernel")] + "weight", name, pretrained.transpose()))
+    else:
+      rules.append((name, name))
+  return pretrained.WeightMap(rules)
+
+
+@pytest.mark.parametrize("orig", [False, True])
+def test_pretrained_loader_reads_each_devices_2d_slice(tmp_path, orig):
+  """A Hugging Face-layout checkpoint (PyTorch [out, in] weights) loads into
+  the tensor-parallel layout: each device's shard is read from its tensor
+  slice of the file (a transposed column range for a row-parallel kernel),
+  and saving writes the same tensors back."""
+
+  params = model_params()
+  wm = _weight_map(params)
+  src = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1),
+                                  mesh=fsdp_jax.make_mesh(shard=8), config=fsdp_jax.FSDPConfig())
+  pretrained.save(src, tmp_path / "in", wm)
+  cfg = tp_config(use_orig_params=orig, auto_wrap_policy=fsdp_jax.ModuleWrapPolicy(["layers.*"]))
+  for m in (mesh(4, 2), mesh(3, 2), mesh(1, 8)):
+    state = fsdp_jax.init_train_state(
+        init_fn=lambda rng: model_params(seed=5), rng=jax.random.key(0),
+        optimizer=optax.sgd(0.1), mesh=m, config=cfg,
+        pretrained=pretrained.load(tmp_path / "in", wm))
+    assert_trees_close(fsdp_jax.summon_full_params(state), params, rtol=0, atol=0)
+  pretrained.save(state, tmp_path / "out", wm)
+  back = fsdp_jax.init_train_state(
+      init_fn=lambda rng: model_params(seed=5), rng=jax.random.key(0),
+      optimizer=optax.sgd(0.1), mesh=fsdp_jax.make_mesh(shard=8), config=fsdp_jax.FSDPConfig(),
+      pretrained=pretrained.load(tmp_path / "out", wm))
+  assert_trees_close(fsdp_jax.summon_full_params(back), params, rtol=0, atol=0)

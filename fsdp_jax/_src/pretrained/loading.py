@@ -347,14 +347,22 @@ def _listing(names) -> str:
 # Stored arrays, device by device
 
 
-def _rows(plan: Plan, unit: UnitSpec, leaf_id: int, rows) -> tuple:
+def _rows(plan: Plan, unit: UnitSpec, leaf_id: int, rows, t: int = 0) -> tuple:
   """A leaf index: every layer of a stacked unit, ``rows`` along the leaf's
-  first per-layer axis, the rest whole."""
+  first per-layer axis, the rest whole; of a tensor-parallel unit, ``rows``
+  of tensor slice ``t`` (its ``tensor_dim`` cut in equal parts)."""
   leaf = plan.leaves[leaf_id]
   layers = (slice(None),) if unit.stacked else ()
   if not leaf.layer_shape:  # a scalar: one row
     return layers
-  return layers + (rows,) + (slice(None),) * len(leaf.rest)
+  index = [rows] + [slice(None)] * len(leaf.rest)
+  if unit.tensor:
+    d, size = leaf.tensor_dim, leaf.layer_shape[leaf.tensor_dim]
+    if d == 0:
+      index[0] = slice(rows.start + t * size, rows.stop + t * size)
+    else:
+      index[d] = slice(t * size, (t + 1) * size)
+  return layers + tuple(index)
 
 
 def _local(sharding, shape) -> list:
@@ -404,22 +412,24 @@ class _LeafRows:
   def __init__(self, plan: Plan, unit: UnitSpec, source: PretrainedSource, sources: dict,
                hulls: dict):
     self.plan, self.unit, self.source, self.sources = plan, unit, source, sources
-    self.hulls = hulls
+    self.hulls = hulls  # {leaf id or (leaf id, tensor slice): (first row, end)}
     self.leaf, self.block = None, None
 
-  def __call__(self, i: int, r0: int, r1: int) -> np.ndarray:
+  def __call__(self, i: int, r0: int, r1: int, t: Optional[int] = None) -> np.ndarray:
     """Rows ``r0:r1`` of leaf ``i`` (of every layer of a stacked unit; a
-    scalar has one row), in the checkpoint's dtype, possibly a view."""
+    scalar has one row; of tensor slice ``t`` in a tensor-parallel unit), in
+    the checkpoint's dtype, possibly a view."""
     leaf = self.plan.leaves[i]
-    h0, h1 = self.hulls[i]
+    key = i if t is None else (i, t)
+    h0, h1 = self.hulls[key]
     q = 1 if self.unit.stacked else 0
-    if self.leaf != i:
+    if self.leaf != key:
       self.leaf, self.block = None, None  # drop the last leaf before reading
       block = self.source.read_leaf(self.sources[i],
-                                    _rows(self.plan, self.unit, i, slice(h0, h1)))
+                                    _rows(self.plan, self.unit, i, slice(h0, h1), t or 0))
       if not leaf.layer_shape:
         block = block.reshape(block.shape[:q] + (1,))
-      self.leaf, self.block = i, block
+      self.leaf, self.block = key, block
     return self.block[(slice(None),) * q + (slice(r0 - h0, r1 - h0),)]
 
 
@@ -462,6 +472,16 @@ def unit_arrays(plan: Plan, unit: UnitSpec, source: PretrainedSource, sources: d
   rows."""
   sharding = plan.sharding(plan.spec_for(unit))
   p = len(plan.prefix(unit))  # the sharded axis: after a stacked unit's layer axis
+  tensor = plan.tensor_size(unit)
+
+  def within(ranges, shape):
+    """``(tensor slice, start, stop)`` of a shard along the sharded axis,
+    within its tensor slice's layout (a tensor-parallel unit stacks T)."""
+    size = shape[p] // tensor
+    t = ranges[p][0] // size
+    key = t if unit.tensor else None
+    return key, ranges[p][0] - t * size, ranges[p][1] - t * size
+
   if plan.use_orig_params:
     out = {}
     for i in unit.leaf_ids:
@@ -469,17 +489,19 @@ def unit_arrays(plan: Plan, unit: UnitSpec, source: PretrainedSource, sources: d
       shape = plan.storage_shape_of_leaf(leaf)
       spans = {}
       for ranges, _ in _groups(sharding, shape):
-        a, b = ranges[p][0], min(ranges[p][1], leaf.dim0)
+        t, a, b = within(ranges, shape)
+        b = min(b, leaf.dim0)
         if src is not None and b > a:
-          _hull(spans, i, a, b)
+          _hull(spans, i if t is None else (i, t), a, b)
       rows = _LeafRows(plan, unit, source, sources, spans)
 
-      def fill(ranges, lshape, leaf=leaf, i=i, rows=rows):
+      def fill(ranges, lshape, leaf=leaf, i=i, rows=rows, shape=shape):
         part = np.zeros(lshape, np.dtype(leaf.dtype))
-        a, b = ranges[p][0], min(ranges[p][1], leaf.dim0)
-        if i in rows.hulls and b > a:
+        t, a, b = within(ranges, shape)
+        b = min(b, leaf.dim0)
+        if (i if t is None else (i, t)) in rows.hulls and b > a:
           files.copy_into(part[(slice(None),) * p + (slice(0, b - a),)],
-                rows(i, a, b).reshape(lshape[:p] + (b - a,) + lshape[p + 1:]))
+                rows(i, a, b, t).reshape(lshape[:p] + (b - a,) + lshape[p + 1:]))
         return part
 
       out[i] = _build(shape, sharding, fill)
@@ -494,10 +516,10 @@ def unit_arrays(plan: Plan, unit: UnitSpec, source: PretrainedSource, sources: d
     spans.append((i, start, leaf.layer_numel, max(1, leaf.row_numel)))
     start += leaf.layer_numel
 
-  def pieces(ranges):
+  def pieces(a, b):
     """``(leaf id, lo, hi, r0, r1)``: the shard's elements ``lo:hi`` of the
-    unit's flat axis are rows ``r0:r1`` of the leaf (trimmed)."""
-    a, b = ranges[p]
+    unit's flat axis (of its tensor slice's layout) are rows ``r0:r1`` of the
+    leaf (trimmed)."""
     for i, s, n, row in spans:
       lo, hi = max(a, s), min(b, s + n)
       if i in sources and hi > lo:
@@ -505,17 +527,18 @@ def unit_arrays(plan: Plan, unit: UnitSpec, source: PretrainedSource, sources: d
 
   hulls: dict = {}
   for ranges, _ in _groups(sharding, shape):
-    for i, _, _, _, r0, r1, _ in pieces(ranges):
-      _hull(hulls, i, r0, r1)
+    t, a, b = within(ranges, shape)
+    for i, _, _, _, r0, r1, _ in pieces(a, b):
+      _hull(hulls, i if t is None else (i, t), r0, r1)
   rows = _LeafRows(plan, unit, source, sources, hulls)
 
   def fill(ranges, lshape):
     part = np.empty(lshape, dtype)
-    a, b = ranges[p]
+    t, a, b = within(ranges, shape)
     done = a  # elements before it are written; the gaps (no source, padding) are zeros
-    for i, s, lo, hi, r0, r1, row in pieces(ranges):
+    for i, s, lo, hi, r0, r1, row in pieces(a, b):
       part[..., done - a:lo - a] = 0
-      _put(part, a, s, lo, hi, row, rows(i, r0, r1), r0, r1)
+      _put(part, a, s, lo, hi, row, rows(i, r0, r1, t), r0, r1)
       done = hi
     part[..., done - a:] = 0
     return part
@@ -534,12 +557,14 @@ def covered_mask(plan: Plan, unit: UnitSpec, sources: dict) -> dict:
     return out
   shape = plan.storage_shape_of_unit(unit)
   p = len(plan.prefix(unit))
-  flags = np.zeros(shape[p], bool)
+  tensor = plan.tensor_size(unit)
+  flags = np.zeros(shape[p] // tensor, bool)
   s = 0
   for i in unit.leaf_ids:
     n = plan.leaves[i].layer_numel
     flags[s:s + n] = i in sources
     s += n
+  flags = np.tile(flags, tensor)  # the same leaves in every tensor slice
   return {"flat": _build(shape, sharding, lambda ranges, lshape: np.broadcast_to(
       flags[ranges[p][0]:ranges[p][1]], lshape).copy())}
 
