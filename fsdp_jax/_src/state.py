@@ -197,7 +197,7 @@ def build_plan(abstract_params, *, mesh: Mesh, config: FSDPConfig,
   tensor_dims = {}
   root_parts = {len(choices) - 1} if choices and choices[-1].name == "" else set()
   if config.tensor_parallel is not None:
-    tensor_dims = _tensor_dims(config, axes, choices, paths, flat, ignored)
+    tensor_dims = _tensor_dims(config, axes, choices, paths, flat, ignored, abstract_params)
     choices, root_parts = _split_tensor_units(choices, tensor_dims)
   leaf_unit = {}
   units = []
@@ -317,18 +317,22 @@ def _split_lora_units(choices, flat, frozen, names):
   return out
 
 
-def _tensor_dims(config: FSDPConfig, axes, choices, paths, flat, ignored) -> dict:
-  """``{leaf index: per-layer dimension}`` the tensor-parallel rules split."""
+def _tensor_dims(config: FSDPConfig, axes, choices, paths, flat, ignored,
+                 abstract_params) -> dict:
+  """``{leaf index: per-layer dimension}`` the tensor-parallel rules split.
+
+  With LoRA the rules name the user's kernels; a target's stored leaves
+  split with it: a column-parallel kernel's base and ``lora_B`` along the
+  output axis (``lora_A`` replicated), a row-parallel kernel's base and
+  ``lora_A`` along the input axis (``lora_B`` replicated)."""
   tp = config.tensor_parallel
-  if config.lora is not None:
-    raise NotImplementedError(
-        "FSDPConfig(lora=...) with tensor_parallel=...: LoRA's adapter path does not run "
-        "on tensor-parallel slices yet. Fix: drop one of them (LoRA with FSDP alone, or "
-        "tensor parallelism for full fine-tuning).")
   stacked = {i for c in choices if c.stacked for i in c.leaf_ids}
-  leads = [int(i in stacked) for i in range(len(flat))]
-  dims = tensor_lib.leaf_dims(paths, [tuple(x.shape) for x in flat], leads, tp,
-                              axes.tensor_size)
+  if config.lora is None:
+    leads = [int(i in stacked) for i in range(len(flat))]
+    dims = tensor_lib.leaf_dims(paths, [tuple(x.shape) for x in flat], leads, tp,
+                                axes.tensor_size)
+  else:
+    dims = _lora_tensor_dims(config, axes, abstract_params, stacked)
   bad = sorted(set(dims) & set(ignored))
   if bad:
     name = ".".join(paths[bad[0]])
@@ -336,6 +340,46 @@ def _tensor_dims(config: FSDPConfig, axes, choices, paths, flat, ignored) -> dic
         f"Parameter {name!r} (shape {tuple(flat[bad[0]].shape)}) is in ignored_states and "
         "named by a TensorParallel rule; an ignored leaf keeps a full copy per device. "
         "Fix: drop it from one of them.")
+  return dims
+
+
+def _lora_tensor_dims(config: FSDPConfig, axes, abstract_params, stacked: set) -> dict:
+  is_node = lora_lib.is_lora_weight
+  items = jax.tree_util.tree_flatten_with_path(abstract_params, is_leaf=is_node)[0]
+  user_paths, shapes, leads, stored = [], [], [], []
+  k = 0  # the stored leaf index
+  for path, x in items:
+    user_paths.append(naming.path_parts(path))
+    if is_node(x):
+      lead = tuple(x.lora_A.shape[:-2])
+      shapes.append(lead + (x.lora_A.shape[-2], x.width))
+      stored.append((k, x))
+      k += 3
+    else:
+      shapes.append(tuple(x.shape))
+      stored.append((k, None))
+      k += 1
+    leads.append(int(stored[-1][0] in stacked))
+  user_dims = tensor_lib.leaf_dims(user_paths, shapes, leads, config.tensor_parallel,
+                                   axes.tensor_size)
+  dims = {}
+  for j, d in user_dims.items():
+    first, node = stored[j]
+    if node is None:
+      dims[first] = d
+      continue
+    name = ".".join(user_paths[j])
+    if node.quantization is not None and d != 0:
+      raise NotImplementedError(
+          f"LoRA target {name!r} (shape {shapes[j]}) is quantized "
+          "(LoRA(base_quantization=...)) and split column-wise over the tensor axis; a "
+          "quantized base is stored in row blocks and splits by rows only. Fix: make the "
+          "rule 'rowwise', drop base_quantization, or leave this kernel replicated.")
+    dims[first] = d  # the base
+    if d == 0:
+      dims[first + 1] = 0  # lora_A [m, r]: rows with the kernel's
+    else:
+      dims[first + 2] = 1  # lora_B [r, n]: columns with the kernel's
   return dims
 
 
