@@ -190,6 +190,12 @@ class _Ctx:
     # of one input share its backward all-reduce, as in Megatron. Keyed by
     # id, holding the value so the id stays its own.
     self._memo: dict = {}
+    # Replicated broadcasts (a mask's fill value, a bias): cut to a slice by
+    # broadcasting their operand's slice, not by slicing the broadcast.
+    self._broadcasts: dict = {}
+
+  def note_broadcast(self, out, operand, dims) -> None:
+    self._broadcasts[id(out)] = (out, operand, dims)
 
   def _once(self, key, v, make):
     hit = self._memo.get(key)
@@ -226,6 +232,16 @@ class _Ctx:
     if np.ndim(v) == 0 or np.shape(v)[dim] == 1:
       # Broadcast by the primitive: its cotangent adds up over the slices.
       return self.enter(v)
+    src = self._broadcasts.get(id(v))
+    if src is not None and src[0] is v:
+      _, operand, dims = src
+      shape = list(np.shape(v))
+      shape[dim] //= self.t
+      if dim in dims and np.shape(operand)[dims.index(dim)] != 1:
+        operand = self.split(operand, dims.index(dim))
+      else:
+        operand = self.enter(operand)
+      return lax.broadcast_in_dim(operand, tuple(shape), dims)
     if not _differentiable(v):
       return _own_slice(v, self.axis, dim, np.shape(v)[dim] // self.t)
 
@@ -261,6 +277,8 @@ def evaluate(jaxpr, consts, args, ctx: _Ctx) -> list:
     invals = [v.val if isinstance(v, _compat.Literal) else env[v] for v in eqn.invars]
     if not any(isinstance(x, (Split, Partial)) for x in invals):
       outs = _compat.bind_eqn(eqn, invals)
+      if eqn.primitive.name == "broadcast_in_dim":
+        ctx.note_broadcast(outs[0], invals[0], _compat.broadcast_dimensions(eqn))
     else:
       outs = _rule(eqn, invals, ctx)
     for v, x in zip(eqn.outvars, outs):
