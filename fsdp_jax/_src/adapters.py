@@ -18,7 +18,6 @@ which needs the adapter path's input, is refused there.
 
 from __future__ import annotations
 
-import functools
 import warnings
 import zlib
 from typing import Callable
@@ -300,18 +299,7 @@ def wrap_loss(loss_fn: Callable, *, lora: lora_lib.LoRA, target_names: tuple,
     outs = evaluate(jaxpr, consts, flat + rest, report, [0])
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
-  if user_rng or lora.dropout:
-    @functools.wraps(loss_fn)
-    def with_rng(params, *args, rng):
-      return run(params, args, rng)
-    del with_rng.__wrapped__  # its signature is its own: it takes rng
-    return with_rng
-
-  @functools.wraps(loss_fn)
-  def without_rng(params, *args):
-    return run(params, args, None)
-  del without_rng.__wrapped__
-  return without_rng
+  return loss_lib.rewrapped(loss_fn, run, with_rng=user_rng or bool(lora.dropout))
 
 
 def warn_fallbacks(report: Report) -> None:

@@ -21,6 +21,7 @@ on, and the evaluation of selected outputs only (the weight of a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 from typing import Any, Callable, Optional
@@ -98,6 +99,24 @@ def takes_rng(loss_fn: Callable) -> bool:
   p = sig.parameters.get("rng")
   return p is not None and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                       inspect.Parameter.KEYWORD_ONLY)
+
+
+def rewrapped(loss_fn: Callable, run: Callable, *, with_rng: bool) -> Callable:
+  """A loss with ``loss_fn``'s name and docstring that calls ``run(params,
+  args, rng)``: it takes ``rng=`` (a keyword) when ``with_rng``, else
+  ``rng`` is None. Its signature is its own (what :func:`takes_rng` reads)."""
+  if with_rng:
+    @functools.wraps(loss_fn)
+    def with_key(params, *args, rng):
+      return run(params, args, rng)
+    del with_key.__wrapped__
+    return with_key
+
+  @functools.wraps(loss_fn)
+  def without_key(params, *args):
+    return run(params, args, None)
+  del without_key.__wrapped__
+  return without_key
 
 
 def device_index(data_axes) -> jax.Array:

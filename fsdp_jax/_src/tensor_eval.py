@@ -394,9 +394,16 @@ def _layout(eqn, v: Split, ctx: _Ctx):
   if name in _compat.REDUCTION_PRIMITIVES:
     axes = _compat.reduction_axes(eqn)
     if d in axes:
-      if name == "reduce_sum":
-        return Partial(_compat.bind_eqn(eqn, [x])[0])
-      return None
+      if name != "reduce_sum":
+        return None
+      if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
+        # A 16-bit sum (a softmax's denominator over a split vocabulary):
+        # added up in float32, as one device's reduction accumulates,
+        # and rounded once.
+        local = jnp.sum(x.astype(jnp.float32), axis=tuple(axes))
+        ctx.report.add("forward all-reduce", local)
+        return _sum(local, ctx.axis).astype(x.dtype)
+      return Partial(_compat.bind_eqn(eqn, [x])[0])
     return Split(_compat.bind_eqn(eqn, [x])[0], d - sum(a < d for a in axes))
   return None
 
@@ -565,15 +572,4 @@ def wrap_loss(loss_fn: Callable, *, full_shapes: tuple, split_dims: tuple, axis:
     report.traced = True
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
-  if user_rng:
-    @functools.wraps(loss_fn)
-    def with_rng(params, *args, rng):
-      return run(params, args, rng)
-    del with_rng.__wrapped__
-    return with_rng
-
-  @functools.wraps(loss_fn)
-  def without_rng(params, *args):
-    return run(params, args, None)
-  del without_rng.__wrapped__
-  return without_rng
+  return loss_lib.rewrapped(loss_fn, run, with_rng=user_rng)
