@@ -18,6 +18,8 @@
     python -m benchmarks pretrained     # loading and saving pretrained weights (PRETRAINED.md)
     python -m benchmarks pretrained_copy  # the loader's host copies on this CPU
     python -m benchmarks lora           # LoRA and QLoRA against full fine-tuning (LORA.md)
+    python -m benchmarks tensor_parallel  # FSDP x tensor parallelism (TENSOR_PARALLEL.md)
+    python -m benchmarks tp_routes      # tensor parallelism left to the compiler vs explicit collectives
 
 ``python -m benchmarks <name> --help`` lists a measurement's options.
 """
@@ -51,6 +53,8 @@ MEASUREMENTS = {
     "pretrained": ("benchmarks.pretrained", "main"),
     "pretrained_copy": ("benchmarks.pretrained_copy", "main"),
     "lora": ("benchmarks.lora", "main"),
+    "tensor_parallel": ("benchmarks.tensor_parallel", "main"),
+    "tp_routes": ("benchmarks.tp_routes", "main"),
 }
 
 

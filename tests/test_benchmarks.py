@@ -95,3 +95,15 @@ def test_op_breakdown_counts_what_moves():
   assert out["slices (unpacking)"] == {"ops": 1, "bytes": 2 * 8 * 4}, out
   assert hlo_stats.dot_types(jax.jit(lambda a, b: a @ b).lower(
       jnp.ones((4, 4), jnp.bfloat16), jnp.ones((4, 4), jnp.bfloat16)).compile().as_text())
+
+
+def test_tensor_parallel_routes_are_measured(tmp_path):
+  """Both ways of running the tensor axis compile, agree with one device,
+  and are counted per axis."""
+  import json
+  out = tmp_path / "routes.json"
+  _run("tp_routes", "--d", "16", "--f", "32", "--tokens", "16", "--out", str(out))
+  routes = json.loads(out.read_text())["routes"]
+  assert len(routes) == 2
+  for r in routes.values():
+    assert r["grad_rel_err"] < 1e-3 and "shard all-gather" in r["collectives"]

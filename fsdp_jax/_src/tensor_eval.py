@@ -83,12 +83,19 @@ class Split:
 
 
 class Partial:
-  """This device's addend of a value summed over the tensor axis."""
+  """This device's addend of a value summed over the tensor axis. ``x`` may
+  be wider than the value's ``dtype``: a 16-bit matmul's partial sums are
+  kept in float32 and rounded once, after the all-reduce."""
 
-  __slots__ = ("x",)
+  __slots__ = ("x", "dtype")
 
-  def __init__(self, x):
+  def __init__(self, x, dtype=None):
     self.x = x
+    self.dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+
+  @property
+  def wide(self) -> bool:
+    return self.dtype != self.x.dtype
 
 
 def _kind(v):
@@ -213,7 +220,7 @@ class _Ctx:
     if isinstance(v, Partial):
       def reduce():
         self.report.add("forward all-reduce", v.x)
-        return _sum(v.x, self.axis)
+        return _sum(v.x, self.axis).astype(v.dtype)
       return self._once(("full", id(v)), v, reduce)
     if isinstance(v, Split):
       def gather():
@@ -307,8 +314,9 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
     out = _layout(eqn, invals[0], ctx)
     if out is not None:
       return [out]
-  if name in _LINEAR_LAYOUT and all(isinstance(x, Partial) for x in invals):
-    return [Partial(_compat.bind_eqn(eqn, [_payload(x) for x in invals])[0])]
+  if (name in _LINEAR_LAYOUT and all(isinstance(x, Partial) for x in invals)
+      and len({(x.x.dtype, x.dtype) for x in invals}) == 1):
+    return [Partial(_compat.bind_eqn(eqn, [_payload(x) for x in invals])[0], invals[0].dtype)]
   if _compat.is_remat(eqn):
     return _remat(eqn, invals, ctx)
   if _compat.is_scan(eqn):
@@ -333,10 +341,21 @@ def _elementwise(eqn, invals, ctx: _Ctx):
   name = eqn.primitive.name
   parts = [x for x in invals if isinstance(x, Partial)]
   if parts:
-    linear = _linear_in_partial(name, invals)
+    if name == "convert_element_type" and len(invals) == 1:
+      # A cast of a float32 partial sum keeps it float32 until its all-reduce.
+      x = invals[0]
+      out = _compat.converted_dtype(eqn)
+      if x.wide and jnp.issubdtype(out, jnp.floating) and jnp.finfo(out).bits >= 32:
+        return Partial(x.x.astype(out), out)
+      if not x.wide:
+        return Partial(_compat.bind_eqn(eqn, [x.x])[0])
+    linear = _linear_in_partial(name, invals) and (
+        not any(p.wide for p in parts) or (
+            name in ("add", "sub", "add_any", "neg")
+            and len({(p.x.dtype, p.dtype) for p in parts}) == 1))
     if linear:
       vals = [x.x if isinstance(x, Partial) else ctx.enter(x) for x in invals]
-      return Partial(_compat.bind_eqn(eqn, vals)[0])
+      return Partial(_compat.bind_eqn(eqn, vals)[0], parts[0].dtype)
     invals = [ctx.full(x, "a non-linear use of a partial sum") if isinstance(x, Partial) else x
               for x in invals]
     if not any(isinstance(x, Split) for x in invals):
@@ -428,7 +447,8 @@ def _dot(eqn, invals, ctx: _Ctx):
   kl, kr = _kind(lhs), _kind(rhs)
   site = _compat.user_site(eqn)
   if "partial" in (kl, kr):
-    if {kl, kr} == {"partial", "full"}:
+    if {kl, kr} == {"partial", "full"} and not any(
+        isinstance(x, Partial) and x.wide for x in (lhs, rhs)):
       a = lhs.x if kl == "partial" else ctx.enter(lhs)
       b = rhs.x if kr == "partial" else ctx.enter(rhs)
       return Partial(lax.dot_general(a, b, dn, **opts))
@@ -452,8 +472,9 @@ def _dot(eqn, invals, ctx: _Ctx):
   # Both split: the same contracted or batch dimension works on the slices.
   if rl is not None and rr is not None:
     if rl == rr and rl[0] != "free":
-      out = lax.dot_general(lhs.x, rhs.x, dn, **opts)
-      return Partial(out) if rl[0] == "contract" else Split(out, rl[1])
+      if rl[0] == "contract":
+        return _partial_dot(lhs.x, rhs.x, dn, opts, eqn)
+      return Split(lax.dot_general(lhs.x, rhs.x, dn, **opts), rl[1])
     # Otherwise gather the smaller operand.
     small = 0 if np.size(lhs.x) <= np.size(rhs.x) else 1
     if small == 0:
@@ -466,15 +487,29 @@ def _dot(eqn, invals, ctx: _Ctx):
       out = lax.dot_general(lhs.x, ctx.enter(rhs), dn, **opts)
       return Split(out, len(lb) + j)
     other = rc[j] if kind == "contract" else rb[j]
-    out = lax.dot_general(lhs.x, ctx.split(rhs, other), dn, **opts)
-    return Partial(out) if kind == "contract" else Split(out, j)
+    if kind == "contract":
+      return _partial_dot(lhs.x, ctx.split(rhs, other), dn, opts, eqn)
+    return Split(lax.dot_general(lhs.x, ctx.split(rhs, other), dn, **opts), j)
   kind, j = rr
   if kind == "free":
     out = lax.dot_general(ctx.enter(lhs), rhs.x, dn, **opts)
     return Split(out, len(lb) + len(lfree) + j)
   other = lc[j] if kind == "contract" else lb[j]
-  out = lax.dot_general(ctx.split(lhs, other), rhs.x, dn, **opts)
-  return Partial(out) if kind == "contract" else Split(out, j)
+  if kind == "contract":
+    return _partial_dot(ctx.split(lhs, other), rhs.x, dn, opts, eqn)
+  return Split(lax.dot_general(ctx.split(lhs, other), rhs.x, dn, **opts), j)
+
+
+def _partial_dot(a, b, dn, opts, eqn) -> Partial:
+  """A matmul contracting a split dimension: this device's partial sums, in
+  float32 when the matmul's result is 16-bit (each output element is then
+  rounded once, after the all-reduce, as one device's matmul rounds it)."""
+  out_dtype = jnp.dtype(eqn.outvars[0].aval.dtype)
+  if jnp.issubdtype(out_dtype, jnp.floating) and jnp.finfo(out_dtype).bits < 32:
+    wide = lax.dot_general(a, b, dn, precision=opts["precision"],
+                           preferred_element_type=jnp.float32)
+    return Partial(wide, out_dtype)
+  return Partial(lax.dot_general(a, b, dn, **opts))
 
 
 def _remat(eqn, invals, ctx: _Ctx) -> list:
@@ -497,15 +532,15 @@ def _payload(v):
 
 
 def _form(v):
-  return ("split", v.dim) if isinstance(v, Split) else ("partial",) if isinstance(v, Partial) \
-      else ("full",)
+  return ("split", v.dim) if isinstance(v, Split) else ("partial", v.dtype) \
+      if isinstance(v, Partial) else ("full",)
 
 
 def _apply_form(form, x):
   if form[0] == "split":
     return Split(x, form[1])
   if form[0] == "partial":
-    return Partial(x)
+    return Partial(x, form[1])
   return x
 
 
