@@ -591,3 +591,49 @@ def test_pretrained_into_lora_tensor_parallel(tmp_path, quantized):
   assert_trees_close(full, alone, rtol=0, atol=0)
   tol = 0.02 if quantized else 0
   assert_trees_close(full, params, rtol=tol, atol=tol)
+
+
+# --------------------------------------------------------------------------
+# Rotary embeddings: slices, concatenations and pads of head-split values
+
+
+def _rope(x):
+  t, dh = x.shape[1], x.shape[-1]
+  angle = jnp.arange(t)[:, None] / (100.0 ** (jnp.arange(dh // 2) / (dh // 2)))[None]
+  cos = jnp.concatenate([jnp.cos(angle)] * 2, -1)[None, :, None, :]
+  sin = jnp.concatenate([jnp.sin(angle)] * 2, -1)[None, :, None, :]
+  rotated = jnp.concatenate([-x[..., dh // 2:], x[..., :dh // 2]], -1)  # rotate_half
+  return x * cos + rotated * sin
+
+
+def test_rotary_attention_keeps_heads_split():
+  """Llama's rotate_half (slices and a concatenation along head_dim) and a
+  pad along another axis run on the head slices: nothing of the attention
+  is gathered over 'tensor'."""
+  def rope_block(x, p):
+    b, t, _ = x.shape
+    h = rms(x, p["attn_norm"])
+    q, k, v = (jnp.reshape(h @ p[n]["kernel"], (b, t, -1, HEAD_DIM)) for n in ("wq", "wk", "wv"))
+    q, k = _rope(q), _rope(jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, 0))))
+    s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(HEAD_DIM)
+    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
+    a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v).reshape(b, t, -1)
+    x = x + a @ p["wo"]["kernel"]
+    h = rms(x, p["mlp_norm"])
+    m = jax.nn.silu(h @ p["gate"]["kernel"]) * (h @ p["up"]["kernel"] + p["up"]["bias"])
+    return x + m @ p["down"]["kernel"] + p["down"]["bias"]
+
+  def rope_loss(params, batch):
+    x = params["embed"]["embedding"][batch["tokens"]]
+    for p in params["layers"]:
+      x = rope_block(x, p)
+    logp = jax.nn.log_softmax(rms(x, params["norm"]) @ params["head"]["kernel"]
+                              + params["head"]["bias"])
+    return -jnp.mean(jnp.take_along_axis(logp, batch["labels"][..., None], -1))
+
+  state, _ = check(model_params(), rope_loss, tp_config(use_orig_params=True), mesh(2, 4),
+                   optimizer=optax.sgd(0.3))
+  gathered = " ".join(state.plan.tensor_report.gathered)
+  # Only the embedding lookup and the loss over the split vocabulary gather.
+  assert not any(op in gathered for op in ("slice", "concatenate", "pad", "dot_general")), gathered
+  assert "reduce_max" in gathered

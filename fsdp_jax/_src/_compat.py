@@ -647,6 +647,21 @@ def broadcast_dimensions(eqn) -> tuple:
   return tuple(eqn.params["broadcast_dimensions"])
 
 
+def slice_params(eqn) -> tuple:
+  """``(start_indices, limit_indices, strides or None)`` of a ``slice``
+  equation."""
+  p = eqn.params
+  return tuple(p["start_indices"]), tuple(p["limit_indices"]), (
+      None if p.get("strides") is None else tuple(p["strides"]))
+
+
+def layout_params(eqn) -> dict:
+  """The dimension parameters of ``concatenate`` (``dimension``), ``rev``
+  (``dimensions``) and ``pad`` (``padding_config``) equations."""
+  return {k: eqn.params[k] for k in ("dimension", "dimensions", "padding_config")
+          if k in eqn.params}
+
+
 def transpose_permutation(eqn) -> tuple:
   """The permutation of a ``transpose`` equation (``params["permutation"]``)."""
   return tuple(eqn.params["permutation"])

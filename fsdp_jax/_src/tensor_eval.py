@@ -317,6 +317,10 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
   if (name in _LINEAR_LAYOUT and all(isinstance(x, Partial) for x in invals)
       and len({(x.x.dtype, x.dtype) for x in invals}) == 1):
     return [Partial(_compat.bind_eqn(eqn, [_payload(x) for x in invals])[0], invals[0].dtype)]
+  if name in ("concatenate", "pad"):
+    out = _join(eqn, invals, ctx)
+    if out is not None:
+      return [out]
   if _compat.is_remat(eqn):
     return _remat(eqn, invals, ctx)
   if _compat.is_scan(eqn):
@@ -410,6 +414,18 @@ def _layout(eqn, v: Split, ctx: _Ctx):
     out = list(_out_shape(eqn))
     out[k] //= ctx.t
     return Split(lax.reshape(x, tuple(out)), k)
+  if name == "slice":
+    start, limit, strides = _compat.slice_params(eqn)
+    whole = start[d] == 0 and limit[d] == _in_shape(eqn)[d] and (
+        strides is None or strides[d] == 1)
+    if not whole:
+      return None
+    limit = limit[:d] + (x.shape[d],) + limit[d + 1:]
+    return Split(lax.slice(x, start, limit, strides), d)
+  if name == "rev":
+    if d in _compat.layout_params(eqn)["dimensions"]:
+      return None
+    return Split(_compat.bind_eqn(eqn, [x])[0], d)
   if name in _compat.REDUCTION_PRIMITIVES:
     axes = _compat.reduction_axes(eqn)
     if d in axes:
@@ -425,6 +441,26 @@ def _layout(eqn, v: Split, ctx: _Ctx):
       return Partial(_compat.bind_eqn(eqn, [x])[0])
     return Split(_compat.bind_eqn(eqn, [x])[0], d - sum(a < d for a in axes))
   return None
+
+
+def _join(eqn, invals, ctx: _Ctx):
+  """``concatenate`` along, or ``pad`` of, dimensions other than the split
+  one: on the slices (replicated operands cut to theirs); else None."""
+  if any(isinstance(x, Partial) for x in invals):
+    return None
+  params = _compat.layout_params(eqn)
+  if eqn.primitive.name == "pad":
+    operand, value = invals
+    if not isinstance(operand, Split) or isinstance(value, Split):
+      return None
+    if tuple(params["padding_config"][operand.dim]) != (0, 0, 0):
+      return None
+    return Split(lax.pad(operand.x, ctx.enter(value), params["padding_config"]), operand.dim)
+  dims = {x.dim for x in invals if isinstance(x, Split)}
+  if len(dims) != 1 or params["dimension"] in dims:
+    return None
+  (d,) = dims
+  return Split(lax.concatenate([ctx.split(x, d) for x in invals], params["dimension"]), d)
 
 
 def _reshaped_dim(in_shape: tuple, out_shape: tuple, d: int, t: int):
