@@ -50,11 +50,14 @@ def rms(x, g):
   return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * g
 
 
-def block(x, p):
+def block(x, p, position=None):
+  """``position``: applied to the queries and keys (rotary embeddings)."""
   b, t, _ = x.shape
   h = rms(x, p["attn_norm"])
   split = lambda y: y.reshape(b, t, -1, HEAD_DIM)
   q, k, v = (split(h @ p[n]["kernel"]) for n in ("wq", "wk", "wv"))
+  if position is not None:
+    q, k = position(q), position(k)
   s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(HEAD_DIM)
   s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
   a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v).reshape(b, t, -1)
@@ -610,23 +613,10 @@ def test_rotary_attention_keeps_heads_split():
   """Llama's rotate_half (slices and a concatenation along head_dim) and a
   pad along another axis run on the head slices: nothing of the attention
   is gathered over 'tensor'."""
-  def rope_block(x, p):
-    b, t, _ = x.shape
-    h = rms(x, p["attn_norm"])
-    q, k, v = (jnp.reshape(h @ p[n]["kernel"], (b, t, -1, HEAD_DIM)) for n in ("wq", "wk", "wv"))
-    q, k = _rope(q), _rope(jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, 0))))
-    s = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(HEAD_DIM)
-    s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -1e9)
-    a = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v).reshape(b, t, -1)
-    x = x + a @ p["wo"]["kernel"]
-    h = rms(x, p["mlp_norm"])
-    m = jax.nn.silu(h @ p["gate"]["kernel"]) * (h @ p["up"]["kernel"] + p["up"]["bias"])
-    return x + m @ p["down"]["kernel"] + p["down"]["bias"]
-
   def rope_loss(params, batch):
     x = params["embed"]["embedding"][batch["tokens"]]
     for p in params["layers"]:
-      x = rope_block(x, p)
+      x = block(x, p, position=lambda y: _rope(jnp.pad(y, ((0, 0),) * 4)))
     logp = jax.nn.log_softmax(rms(x, params["norm"]) @ params["head"]["kernel"]
                               + params["head"]["bias"])
     return -jnp.mean(jnp.take_along_axis(logp, batch["labels"][..., None], -1))
