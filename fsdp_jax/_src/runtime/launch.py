@@ -215,7 +215,8 @@ class WorkerGroup:
       workers' output through pipes and forward it to this process's
       ``sys.stdout`` / ``sys.stderr`` as it comes, less the lines that start
       with one of these byte strings (the launcher hides gloo's ``[Gloo]``
-      connection messages); :meth:`hidden_lines` counts them and
+      connection messages), and the rest of a message such a line cut
+      when two threads wrote at once; :meth:`hidden_lines` counts them and
       :meth:`output` gives a worker's whole output. The workers then run
       with ``PYTHONUNBUFFERED=1`` (unless set), so that their prints still
       come as they happen.

@@ -6,12 +6,20 @@ that start with one of the hidden prefixes: gloo's connection messages
 (``[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected
 peer ranks is : 7``), one per process and collective group, which a CPU run
 of a few processes prints by the dozen before its first line of output.
-Each worker's whole output (hidden lines included, both streams in the order
-they arrived) is kept in a temporary file, so that the launcher can show a
-failed worker's output in full.
+A worker's threads may write such messages at once, piece by piece
+(``[Gloo] Rank [Gloo] Rank 3 is connected ...`` then ``2 is connected ...``
+on the next line): a hidden line that holds the prefix k times began k
+messages and ended one, so the next k - 1 lines of that stream, the rest of
+the messages it cut, are hidden too. Each worker's whole output (hidden
+lines included, both streams in the order they arrived) is kept in a
+temporary file, so that the launcher can show a failed worker's output in
+full.
 
-Text that does not end a line yet (a prompt, a progress bar redrawn with
-``\\r``) is forwarded at once unless it may still become a hidden line.
+Text that does not end a line yet is held until its line ends, so that the
+lines of several workers reach the launcher's output whole (Python writes a
+print's text and its newline apart); a prompt or a progress bar redrawn
+with ``\\r`` that stays unfinished for ``HOLD`` seconds is forwarded then,
+unless it may still become a hidden line.
 """
 
 from __future__ import annotations
@@ -21,10 +29,14 @@ import selectors
 import subprocess
 import tempfile
 import threading
+import time
 from typing import Optional, Sequence, TextIO
 
 # gloo's "[Gloo] Rank N is connected to M peer ranks. ..." (its std::cout).
 GLOO_CHATTER = (b"[Gloo]",)
+
+# How long the start of a line waits for its end before it is forwarded.
+HOLD = 0.25
 
 # The most of a failed worker's output the launcher prints again (its end).
 REPLAY_LIMIT = 1 << 20
@@ -45,19 +57,32 @@ def write_bytes(stream: TextIO, data: bytes) -> None:
 
 class LineFilter:
   """One stream of one worker: forwards what ``feed`` gets to ``stream``,
-  less the lines that start with one of ``hide``; counts those."""
+  less the lines that start with one of ``hide`` (and the rest of the
+  messages such a line cut: see the module's docstring); counts those."""
 
   def __init__(self, stream: TextIO, hide: Sequence[bytes]):
     self.stream = stream
     self.hide = tuple(hide)
     self.hidden = 0
-    self._pending = b""  # the start of a line that may still be hidden
+    self._pending = b""  # the start of a line, held until it ends
+    self._since = 0.0  # when the pending text began
     self._at_line_start = True
+    self._cut = 0  # hidden messages begun whose line has not ended yet
 
   def _may_hide(self, start: bytes) -> bool:
     return any(start.startswith(p) or p.startswith(start) for p in self.hide)
 
+  def _hides(self, line: bytes) -> bool:
+    """Whether a whole line is hidden; counts it. Each line ends one message
+    and begins as many as it holds prefixes."""
+    if not self._cut and not any(line.startswith(p) for p in self.hide):
+      return False
+    self._cut = max(self._cut + sum(line.count(p) for p in self.hide) - 1, 0)
+    self.hidden += 1
+    return True
+
   def feed(self, data: bytes) -> None:
+    held = bool(self._pending)
     buf, self._pending = self._pending + data, b""
     out = []
     while buf:
@@ -68,28 +93,30 @@ class LineFilter:
           break
         out.append(buf[:end])
         buf, self._at_line_start = buf[end:], True
-      elif not end:  # an unfinished line
-        if self._may_hide(buf):
-          self._pending = buf
-        else:
-          out.append(buf)
-          self._at_line_start = False
+      elif not end:  # an unfinished line: held
+        self._pending = buf
+        if not held:
+          self._since = time.monotonic()
         break
       else:
-        line, buf = buf[:end], buf[end:]
-        if any(line.startswith(p) for p in self.hide):
-          self.hidden += 1
-        else:
+        line, buf, held = buf[:end], buf[end:], False
+        if not self._hides(line):
           out.append(line)
     if out:
       write_bytes(self.stream, b"".join(out))
 
+  def forward_held(self, now: float) -> None:
+    """Forwards a line start held since before ``now - HOLD`` (a prompt, a
+    progress bar), unless it may still become a hidden line."""
+    if self._pending and now - self._since >= HOLD and not self._may_hide(self._pending):
+      pending, self._pending = self._pending, b""
+      self._at_line_start, self._cut = False, 0  # not the rest of a cut message
+      write_bytes(self.stream, pending)
+
   def close(self) -> None:
     """At the end of the stream: what is left is a whole last line."""
     pending, self._pending = self._pending, b""
-    if any(pending.startswith(p) for p in self.hide):
-      self.hidden += 1
-    elif pending:
+    if pending and not self._hides(pending):
       write_bytes(self.stream, pending)
 
 
@@ -123,7 +150,7 @@ class OutputForwarder:
 
   def _run(self) -> None:
     while self._selector.get_map():
-      for key, _ in self._selector.select():
+      for key, _ in self._selector.select(timeout=HOLD / 2):
         line_filter, spool = key.data
         try:
           data = os.read(key.fd, 1 << 16)
@@ -142,6 +169,12 @@ class OutputForwarder:
             line_filter.close()
         except (OSError, ValueError):  # our own output is gone (a closed pipe):
           pass  # keep reading, so that no worker blocks on a full pipe
+      now = time.monotonic()
+      for line_filter in (f for pair in self._filters for f in pair):
+        try:
+          line_filter.forward_held(now)
+        except (OSError, ValueError):
+          pass
 
   def join(self, timeout: float = 10.0) -> None:
     """Waits until every stream has ended (the workers have exited), for at
