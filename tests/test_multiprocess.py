@@ -811,7 +811,7 @@ def test_launcher_refuses_busy_master_port(capsys):
       launch.main(["--nproc", "2", "--master-port", str(port), WORKER])
   assert e.value.code == 2
   err = capsys.readouterr().err
-  assert f"error: Fix: pass another --master-port, or leave it out to get a free port" in err
+  assert "error: Fix: pass another --master-port, or leave it out to get a free port" in err
   assert f"--master-port {port}: the coordinator cannot listen on 127.0.0.1:{port}: " \
          "address already in use" in err, err
 
