@@ -266,6 +266,61 @@ def test_clip_grad_norm_counts_every_axis():
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_params, rtol=1e-4, atol=1e-6)
 
 
+def _stacked(params):
+  return dict(params, layers=jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"]))
+
+
+def scan_loss_fn(p, b):
+  x = p["embed"]["embedding"][b["tokens"]]
+  x, _ = jax.lax.scan(lambda x, lp: (block(x, lp), None), x, p["layers"])
+  logits = rms(x, p["norm"]) @ p["head"]["kernel"] + p["head"]["bias"]
+  logp = jax.nn.log_softmax(logits)
+  return -jnp.mean(jnp.take_along_axis(logp, b["labels"][..., None], -1))
+
+
+WHOLE_TENSOR = {
+    "clip_by_global_norm": lambda: optax.chain(optax.clip_by_global_norm(0.05),
+                                               optax.adamw(3e-2)),
+    "adafactor": lambda: optax.adafactor(3e-2),
+    "muon": lambda: optax.contrib.muon(3e-2),
+    "lamb": lambda: optax.lamb(3e-2),
+}
+
+
+@pytest.mark.parametrize("name,mode,shape,orig,stacked", [
+    ("clip_by_global_norm", "sharded", (4, 2, None), False, False),
+    ("clip_by_global_norm", "sharded", (3, 2, None), True, True),
+    ("clip_by_global_norm", "global", (2, 2, 2), False, False),
+    ("adafactor", "sharded", (2, 4, None), True, False),
+    ("adafactor", "global", (4, 2, None), False, True),
+    ("adafactor", "sharded", (1, 8, None), False, True),
+    ("muon", "sharded", (4, 2, None), False, False),
+    ("muon", "global", (2, 4, None), True, False),
+    ("lamb", "sharded", (2, 2, 2), True, False),
+])
+def test_whole_tensor_optimizers(name, mode, shape, orig, stacked):
+  """Optimizers that reduce or transform whole parameters see each split
+  leaf whole: a global norm sums the slices over the tensor axis too,
+  Adafactor's row and column moments and Muon's orthogonalisation read the
+  whole matrix (on the shards, or in the global view)."""
+  params, loss = (_stacked(model_params()), scan_loss_fn) if stacked else (model_params(),
+                                                                          loss_fn)
+  cfg = tp_config(optimizer_update=mode, use_orig_params=orig,
+                  stacked_layers=("layers",) if stacked else ())
+  state, _ = check(params, loss, cfg, mesh(*shape), optimizer=WHOLE_TENSOR[name]())
+  assert state.plan.opt_update.mode == mode, state.plan.opt_update
+  if name == "adafactor":
+    # The optimizer state is the whole leaves' (factored statistics over
+    # whole rows and columns), as FSDP alone keeps it.
+    alone = run(params, loss, fsdp_jax.FSDPConfig(use_orig_params=orig,
+                                                  stacked_layers=cfg.stacked_layers),
+                fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4]), WHOLE_TENSOR[name](),
+                batches())[0]
+    osd, ref = fsdp_jax.optim_state_dict(state), fsdp_jax.optim_state_dict(alone)
+    assert sorted(osd["state"]) == sorted(ref["state"])
+    assert_close_relative(osd["state"], ref["state"], 1e-4)
+
+
 def test_zeropp_quantized_gathers_and_hpz():
   """ZeRO++ over the shard axis: hpZ's secondary groups and int8 gathers
   run within each tensor slice; against one device with the same
@@ -473,9 +528,6 @@ def test_errors_name_leaf_shape_axis_and_fix():
     fsdp_jax.TensorParallel(rules=[("head", ("tensor", "tensor"))])
   with pytest.raises(ValueError, match="is not 'colwise', 'rowwise'"):
     fsdp_jax.TensorParallel(rules=[("head", "columnwise")])
-  with pytest.raises(NotImplementedError, match="Adafactor.*not supported with tensor"):
-    fsdp_jax.init_train_state(params=params, optimizer=optax.adafactor(1e-2), mesh=mesh(4, 2),
-                              config=tp(RULES))
 
 
 # --------------------------------------------------------------------------

@@ -24,14 +24,21 @@ from fsdp_jax._src.optim.stored import OptLayout, ShardedOptState, storage_key
 
 
 class Geometry:
-  """Where parameter leaves live in this device's local storage arrays."""
+  """Where parameter leaves live in this device's local storage arrays.
+
+  Under tensor parallelism a split leaf's local array is this device's FSDP
+  shard of its tensor slice: :meth:`gather` returns the whole logical leaf
+  (gathered over the shard axes, then over the tensor axis) and
+  :meth:`shard_of` cuts this device's slice, then its shard."""
 
   def __init__(self, plan: Plan, index=None, place=None):
     self.plan = plan
     self.place = place or (lambda x: x)
     self.axes = plan.axes.shard_axes
     self.n = plan.n if self.axes else 1
+    self.tensor = plan.axes.tensor_axes[0] if plan.t > 1 else None
     self._index = index
+    self._tensor_index = None
     self._masks: dict = {}
     self._gathers: dict = {}
 
@@ -47,6 +54,26 @@ class Geometry:
 
   def _axis_name(self):
     return self.axes[0] if len(self.axes) == 1 else self.axes
+
+  def reduce_axes(self, split: bool) -> tuple:
+    """The mesh axes a whole-leaf reduction combines this device's part
+    over: the shard axes, and the tensor axis for a split leaf."""
+    return ((self.axes if self.n > 1 else ())
+            + ((self.tensor,) if split and self.tensor is not None else ()))
+
+  def split(self, i) -> bool:
+    """Whether leaf ``i`` is split over the tensor axis."""
+    leaf = self.leaf(i)
+    return self.tensor is not None and not leaf.ignored and leaf.tensor_dim is not None
+
+  def _tensor_dim(self, i) -> int:
+    """The dimension of leaf ``i``'s logical value split over the tensor axis."""
+    return len(self.prefix(i)) + self.leaf(i).tensor_dim
+
+  def _tensor_gather(self, i, x):
+    if not self.split(i):
+      return x
+    return lax.all_gather(x, self.tensor, axis=self._tensor_dim(i), tiled=True)
 
   def leaf(self, i):
     return self.plan.leaves[i]
@@ -159,13 +186,13 @@ class Geometry:
       full = self._gathers[key][1]
       o = self.offset(i)
       x = lax.slice_in_dim(full, o, o + leaf.layer_numel, axis=p)
-      return x.reshape(self.plan.gathered_shape(leaf))
+      return self._tensor_gather(i, x.reshape(self.plan.gathered_shape(leaf)))
     full = local
     if self.axes:
       full = lax.all_gather(local, self._axis_name(), axis=p, tiled=True)
     if full.shape[p] != leaf.dim0:
       full = lax.slice_in_dim(full, 0, leaf.dim0, axis=p)
-    return full.reshape(self.plan.gathered_shape(leaf))
+    return self._tensor_gather(i, full.reshape(self.plan.gathered_shape(leaf)))
 
   def shard_of(self, i, full):
     """Leaf ``i``'s full logical value -> this device's local array."""
@@ -174,6 +201,12 @@ class Geometry:
       return jnp.reshape(full, self.plan.gathered_shape(leaf))
     prefix = self.prefix(i)
     p = len(prefix)
+    if self.split(i):
+      if self._tensor_index is None:
+        self._tensor_index = lax.axis_index(self.tensor)
+      size = leaf.layer_shape[leaf.tensor_dim]
+      full = lax.dynamic_slice_in_dim(jnp.reshape(full, leaf.shape),
+                                      self._tensor_index * size, size, self._tensor_dim(i))
     if self.flat():
       c = self.plan.flat_chunk(self.plan.units[leaf.unit])
       x = jnp.reshape(full, prefix + (leaf.layer_numel,))
@@ -304,31 +337,46 @@ class ShardedEvaluator:
 
   # -- conversions ---------------------------------------------------------
   def force(self, v):
-    """A Partial -> its full value (one collective over the shard axes)."""
+    """A Partial -> its full value (one collective over the shard axes; for
+    the leaves split over the tensor axis, over it as well: a sum of split
+    and replicated leaves adds two all-reduces, a max or min takes one over
+    all those axes, the replicated parts being equal along the tensor axis)."""
     if not isinstance(v, Partial):
       return v
-    x = self._partial_local(v)
-    axes = self.geo.axes
-    if not axes or self.geo.n == 1:
-      return Rep(x)
-    name = self.geo._axis_name()  # pylint: disable=protected-access
-    self.report.psums += 1
+    parts = [(x, self.geo.reduce_axes(split)) for split in (False, True)
+             for x in [self._partial_local(v, split)] if x is not None]
     if v.op == "sum":
-      return Rep(lax.psum(x, name))
+      total = None
+      for x, axes in parts:
+        if axes:
+          self.report.psums += 1
+          x = lax.psum(x, axes)
+        total = x if total is None else total + x
+      return Rep(total)
+    combine = {"max": jnp.maximum, "min": jnp.minimum,
+               "and": jnp.logical_and, "or": jnp.logical_or}[v.op]
+    x = parts[0][0] if len(parts) == 1 else combine(parts[0][0], parts[1][0])
+    axes = tuple(dict.fromkeys(a for _, ax in parts for a in ax))
+    if not axes:
+      return Rep(x)
+    self.report.psums += 1
     if v.op in ("max", "min"):
-      return Rep((lax.pmax if v.op == "max" else lax.pmin)(x, name))
+      return Rep((lax.pmax if v.op == "max" else lax.pmin)(x, axes))
     as_int = x.astype(jnp.int32)
-    r = lax.pmin(as_int, name) if v.op == "and" else lax.pmax(as_int, name)
+    r = lax.pmin(as_int, axes) if v.op == "and" else lax.pmax(as_int, axes)
     return Rep(r.astype(x.dtype))
 
-  def _partial_local(self, v: Partial):
-    """This device's part of a Partial, reducing each term's array once over
-    the union of its leaves' positions."""
+  def _partial_local(self, v: Partial, split: bool):
+    """This device's part of a Partial over the terms of leaves split over
+    the tensor axis (``split``) or not, reducing each term's array once over
+    the union of its leaves' positions; None without such terms."""
     fn = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min, "and": jnp.all, "or": jnp.any}[v.op]
     combine = {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum,
                "and": jnp.logical_and, "or": jnp.logical_or}[v.op]
     total = None
     for arr, counts in v.terms.values():
+      if self.geo.split(next(iter(counts))) != split:
+        continue  # the leaves of one array are all split or all not
       idempotent = v.op != "sum"
       if idempotent or all(c == 1 for c in counts.values()):
         groups = [sorted(counts)]
@@ -365,13 +413,13 @@ class ShardedEvaluator:
       return self._broadcast(v.value, self.geo.local_shape(i))
     leaf = self.plan.leaves[i]
     x = v.value
-    if tuple(np.shape(x)) != self.plan.gathered_shape(leaf):
+    if tuple(np.shape(x)) != leaf.shape:
       if leaf.ignored:
         return x
       p = len(self.geo.prefix(i))
-      if not self.geo.flat() and np.shape(x)[p] == 1:
+      if not self.geo.flat() and not self.geo.split(i) and np.shape(x)[p] == 1:
         return x  # constant along the sharded dimension: the primitive broadcasts it
-      x = jnp.broadcast_to(x, self.plan.gathered_shape(leaf))
+      x = jnp.broadcast_to(x, leaf.shape)
     return self.geo.shard_of(i, x)
 
   def _broadcast(self, scalar, shape):
@@ -388,11 +436,12 @@ class ShardedEvaluator:
 
   def _compatible(self, a, b) -> bool:
     """Two leaves whose local arrays have the same layout (original layout,
-    same logical shape)."""
+    same logical shape, split alike over the tensor axis)."""
     la, lb = self.plan.leaves[a], self.plan.leaves[b]
     if self.geo.flat() or la.ignored != lb.ignored:
       return False
-    return la.shape == lb.shape and self.geo.prefix(a) == self.geo.prefix(b)
+    return (la.shape == lb.shape and self.geo.prefix(a) == self.geo.prefix(b)
+            and self.geo.split(a) == self.geo.split(b) and la.tensor_dim == lb.tensor_dim)
 
   # -- evaluation ----------------------------------------------------------
   def run(self, jaxpr, consts, args):

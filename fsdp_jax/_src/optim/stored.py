@@ -156,13 +156,12 @@ def user_tree(plan: Plan, values: dict):
 
 
 def logical_params(plan: Plan):
-  return user_tree(plan, {l.index: jax.ShapeDtypeStruct(plan.gathered_shape(l), l.dtype)
+  return user_tree(plan, {l.index: jax.ShapeDtypeStruct(l.shape, l.dtype)
                           for l in plan.leaves if not l.frozen})
 
 
 def logical_grads(plan: Plan):
-  return user_tree(plan, {l.index: jax.ShapeDtypeStruct(plan.gathered_shape(l),
-                                                        grad_dtype(plan, l))
+  return user_tree(plan, {l.index: jax.ShapeDtypeStruct(l.shape, grad_dtype(plan, l))
                           for l in plan.leaves if not l.frozen})
 
 
@@ -232,7 +231,7 @@ def build_layout(plan: Plan, abstract_state) -> OptLayout:
       continue
     prefix, i = match
     slot = naming.path_name(prefix)
-    kind = "slot" if shape == plan.gathered_shape(plan.leaves[i]) else "param"
+    kind = "slot" if shape == plan.leaves[i].shape else "param"
     entries.append(OptEntry(kind, name, slot, i, shape, dtype))
   lay = OptLayout(treedef, tuple(entries))
   _check_flat_slots(plan, lay)

@@ -365,17 +365,6 @@ def choose_mode(plan: Plan, optimizer) -> UpdateMode:
         "host, where collectives are not available. Fix: keep whole-tensor steps out of the "
         "optimizer (e.g. clip with shard_train_step(max_norm=...) instead of "
         "optax.clip_by_global_norm), or drop cpu_offload.")
-  if plan.t > 1 and not report.elementwise:
-    raise NotImplementedError(
-        f"The optimizer's update ({_name(optimizer)}) needs collectives on the shards "
-        f"({report.summary()}); with tensor_parallel the update runs on each device's "
-        "shards only, which holds for elementwise optimizers (SGD, Adam, AdamW, Lion, "
-        "...). Fix: clip with shard_train_step(max_norm=...) instead of "
-        "optax.clip_by_global_norm, or use an elementwise optimizer; whole-tensor "
-        "updates (Adafactor's factored moments, Muon) are not supported with tensor "
-        "parallelism yet.")
-  if plan.t > 1:
-    requested = "sharded"
   if requested == "auto":
     # Measured (benchmarks/OPTIMIZERS.md): an update that needs no gather is
     # fastest on the shards in both layouts; one that gathers whole matrices
