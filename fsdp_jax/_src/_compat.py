@@ -655,6 +655,16 @@ def slice_params(eqn) -> tuple:
       None if p.get("strides") is None else tuple(p["strides"]))
 
 
+def gather_params(eqn) -> tuple:
+  """``(dimension_numbers, slice_sizes, mode name, fill_value)`` of a
+  ``gather`` equation; the mode's name is ``"clip"``, ``"fill"``,
+  ``"promise_in_bounds"`` or another (``"one_hot"``)."""
+  p = eqn.params
+  mode = str(p.get("mode", "")).rsplit(".", 1)[-1].lower()
+  mode = {"fill_or_drop": "fill"}.get(mode, mode)
+  return p["dimension_numbers"], tuple(p["slice_sizes"]), mode, p.get("fill_value")
+
+
 def layout_params(eqn) -> dict:
   """The dimension parameters of ``concatenate`` (``dimension``), ``rev``
   (``dimensions``) and ``pad`` (``padding_config``) equations."""

@@ -177,6 +177,32 @@ def _cut_bwd(axis, dim, size, _, ct):
 _cut.defvjp(_cut_fwd, _cut_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _extreme(x, axis, axes, is_max):
+  """``reduce_max`` (``reduce_min``) of a split value over ``axes``, one of
+  them split: this device's, then ``pmax`` (``pmin``) over ``axis``.
+  Backward as one device's reduction: the cotangent shared equally among
+  the positions that attain the extreme, on every device."""
+  local = (jnp.max if is_max else jnp.min)(x, axis=axes)
+  return (lax.pmax if is_max else lax.pmin)(local, axis)
+
+
+def _extreme_fwd(x, axis, axes, is_max):
+  out = _extreme(x, axis, axes, is_max)
+  return out, (x, out)
+
+
+def _extreme_bwd(axis, axes, is_max, res, ct):
+  x, out = res
+  kept = tuple(d for d in range(x.ndim) if d not in axes)
+  hit = (x == lax.broadcast_in_dim(out, x.shape, kept)).astype(ct.dtype)
+  count = lax.psum(jnp.sum(hit, axis=axes), axis)
+  return (hit * lax.broadcast_in_dim(ct / count, x.shape, kept),)
+
+
+_extreme.defvjp(_extreme_fwd, _extreme_bwd)
+
+
 def _axis_size(axis) -> int:
   return lax.axis_size(axis)
 
@@ -317,6 +343,10 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
   if (name in _LINEAR_LAYOUT and all(isinstance(x, Partial) for x in invals)
       and len({(x.x.dtype, x.dtype) for x in invals}) == 1):
     return [Partial(_compat.bind_eqn(eqn, [_payload(x) for x in invals])[0], invals[0].dtype)]
+  if name == "gather":
+    out = _take(eqn, invals, ctx)
+    if out is not None:
+      return [out]
   if name in ("concatenate", "pad"):
     out = _join(eqn, invals, ctx)
     if out is not None:
@@ -429,6 +459,12 @@ def _layout(eqn, v: Split, ctx: _Ctx):
   if name in _compat.REDUCTION_PRIMITIVES:
     axes = _compat.reduction_axes(eqn)
     if d in axes:
+      if name in ("reduce_max", "reduce_min") and _differentiable(x):
+        # A maximum over a split vocabulary (a softmax's shift): this
+        # device's, then the maximum of those over the tensor axis.
+        out = _extreme(x, ctx.axis, tuple(axes), name == "reduce_max")
+        ctx.report.add("forward all-reduce", out)
+        return out
       if name != "reduce_sum":
         return None
       if jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32:
@@ -441,6 +477,45 @@ def _layout(eqn, v: Split, ctx: _Ctx):
       return Partial(_compat.bind_eqn(eqn, [x])[0])
     return Split(_compat.bind_eqn(eqn, [x])[0], d - sum(a < d for a in axes))
   return None
+
+
+def _take(eqn, invals, ctx: _Ctx):
+  """A ``gather`` of one element along a split dimension (``take_along_axis``
+  of the labels' logits from a split vocabulary): each device gathers at
+  the indices that fall in its slice and gives zero elsewhere, a partial
+  sum the one holder's value adds up to. Indices out of the whole range
+  follow the gather's mode (clipped, or the fill value); None when the
+  gather is not of that form."""
+  operand, indices = invals
+  if not isinstance(operand, Split) or not _differentiable(operand.x) or isinstance(
+      indices, (Split, Partial)):
+    return None
+  dn, slice_sizes, mode, fill = _compat.gather_params(eqn)
+  d = operand.dim
+  if (d not in dn.start_index_map or d not in dn.collapsed_slice_dims or slice_sizes[d] != 1
+      or mode not in ("clip", "fill", "promise_in_bounds")):
+    return None
+  size = operand.x.shape[d]
+  k = dn.start_index_map.index(d)
+  indices = jnp.asarray(indices)
+  col = indices[..., k]
+  if mode != "fill":
+    col = jnp.clip(col, 0, size * ctx.t - 1)
+  local = col - (lax.axis_index(ctx.axis) * size).astype(col.dtype)
+  mine = (local >= 0) & (local < size)
+  local = jnp.clip(local, 0, size - 1)
+  out = _compat.bind_eqn(eqn, [operand.x, indices.at[..., k].set(local)])[0]
+  batch = [i for i in range(out.ndim) if i not in dn.offset_dims]
+  keep = lambda m: lax.broadcast_in_dim(m, out.shape, tuple(batch))
+  part = jnp.where(keep(mine), out, jnp.zeros((), out.dtype))
+  if mode == "fill":
+    # Out of the whole range: the fill value, added by the first device.
+    outside = (col < 0) | (col >= size * ctx.t)
+    if fill is None:
+      fill = np.nan  # the gather's default for a floating-point operand
+    first = lax.axis_index(ctx.axis) == 0
+    part = jnp.where(keep(outside & first), jnp.asarray(fill, out.dtype), part)
+  return Partial(part)
 
 
 def _join(eqn, invals, ctx: _Ctx):
