@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Tensor parallelism composed with FSDP: stored bytes, bytes per mesh axis, step time.
 
-    python -m benchmarks tensor_parallel     # TENSOR_PARALLEL.md, tensor_parallel.json (~5 min)
+    python -m benchmarks tensor_parallel     # TENSOR_PARALLEL.md, tensor_parallel.json (~11 min)
     python -m benchmarks tensor_parallel --d-model 64 --layers 2 --heads 4 --rounds 1 \\
-        --warmup 1 --out /tmp/TP.md --json /tmp/tp.json                        # smoke
+        --warmup 1 --loss-vocab 1024 --loss-seq-len 32 --out /tmp/TP.md --json /tmp/tp.json  # smoke
     python -m benchmarks tensor_parallel --render     # TENSOR_PARALLEL.md from --json
 
 The benchmark GPT on 8 simulated CPU devices: FSDP alone on make_mesh(shard=8)
@@ -44,7 +44,8 @@ _TP_LINE = re.compile(r"^\s*('tensor' per step: .*|gathered over 'tensor'.*)$", 
 def _parse(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   for name, default in (("d-model", 512), ("layers", 8), ("heads", 8), ("vocab", 256),
-                        ("seq-len", 64), ("rounds", 15), ("warmup", 2)):
+                        ("seq-len", 64), ("rounds", 15), ("warmup", 2),
+                        ("loss-vocab", 16384), ("loss-seq-len", 256)):
     p.add_argument(f"--{name}", type=int, default=default)
   p.add_argument("--tensor", type=int, nargs="+", default=[2, 4], help="tensor axis sizes")
   p.add_argument("--render", action="store_true", help="only rewrite --out from --json")
@@ -53,13 +54,14 @@ def _parse(argv=None):
   return p.parse_args(argv)
 
 
-def rules(cfg, t: int) -> list:
+def rules(cfg, t: int, head: bool = True) -> list:
   """Megatron's layout of the benchmark GPT: the (fused) q/k/v projection and
   the MLP's fc column-parallel, the attention output and the MLP's proj
-  row-parallel; the head column-parallel when T divides the vocabulary."""
+  row-parallel; the head column-parallel when T divides the vocabulary
+  (and ``head``)."""
   out = [("*.attn.qkv", "colwise"), ("*.attn.proj", "rowwise"),
          ("*.mlp.fc", "colwise"), ("*.mlp.proj", "rowwise")]
-  return out + ([("lm_head", "colwise")] if cfg.vocab_size % t == 0 else [])
+  return out + ([("lm_head", "colwise")] if head and cfg.vocab_size % t == 0 else [])
 
 
 def axis_collectives(text: str, mesh) -> dict:
@@ -118,9 +120,11 @@ class Runs:
     self.num_params = models.count_params(self.params)
     self.opt = optax.adam(1e-3)
 
-  def build(self, s: int, t: int, batch: int, strategy: str, orig: bool) -> dict:
+  def build(self, s: int, t: int, batch: int, strategy: str, orig: bool,
+            head: bool = True) -> dict:
     config = fsdp_jax.FSDPConfig(
-        tensor_parallel=fsdp_jax.TensorParallel(rules=rules(self.cfg, t)) if t > 1 else None,
+        tensor_parallel=(fsdp_jax.TensorParallel(rules=rules(self.cfg, t, head)) if t > 1
+                         else None),
         use_orig_params=orig, sharding_strategy=fsdp_jax.ShardingStrategy[strategy],
         auto_wrap_policy=fsdp_jax.ModuleWrapPolicy({models.Block}))
     mesh = fsdp_jax.make_mesh(shard=s, tensor=t if t > 1 else None,
@@ -162,6 +166,22 @@ def gathered_part(args, runs: Runs) -> list:
       r["first_loss"] = float(compiled(state, data)[1]["loss"])
     rows.append({"S": 8 // t, "T": t, "alone": pair[0][0], "tp": pair[1][0]})
   return rows
+
+
+def vocab_part(args, log) -> dict:
+  """Part 4: a large vocabulary, FULL_SHARD at 1 sequence per data-parallel
+  group; the head column-parallel (the loss over the split vocabulary) or
+  replicated over 'tensor' (every device computes the whole logits)."""
+  big = argparse.Namespace(**dict(vars(args), vocab=args.loss_vocab, seq_len=args.loss_seq_len,
+                                  d_model=128, layers=2, heads=4))
+  runs = Runs(big, log)
+  rows = []
+  for t in args.tensor:
+    for head in (True, False):
+      r, (compiled, state, data, _, _) = runs.build(8 // t, t, 8 // t, "FULL_SHARD", False, head)
+      r.update(head_split=head, first_loss=float(compiled(state, data)[1]["loss"]))
+      rows.append(r)
+  return {"model": dataclasses.asdict(runs.cfg), "num_params": runs.num_params, "rows": rows}
 
 
 def step_part(args, runs: Runs, log) -> list:
@@ -333,15 +353,14 @@ sharded S ways, the other {(1 - f) * 100:.2f}% of the elements at 1/S: {j(lambda
 {j(lambda r: f"{r['name']} {_tensor_mib(r)} MiB", stored[1:])} per device per step, growing with
 the sequences a group computes on (batch 8: {j(lambda r: f"{r['name']} {_tensor_mib(r)} MiB",
 equal)}). The forward all-reduces are Megatron's two per block (after `attn.proj` and `mlp.proj`)
-and one of the loss's sum over the split vocabulary.
+and three of the loss over the split vocabulary (part 4).
 * **The attention core is not split in this model.** The fused `attn.qkv` output is separated
 into q, k and v by `jnp.split` along the dimension colwise splits, and a device's contiguous slice
 of those 3 x d_model columns holds no whole q, k and v heads: the step all-gathers each block's
 qkv activation over 'tensor', runs scores, softmax and weighted sum whole on each of the T devices
 of a group (T times the same work), then cuts the result to the slice for the row-parallel
 `attn.proj`. The plan: `{qkv[0] if qkv else '(no such line)'}`. That is one forward all-gather
-per block; the remaining one gathers the logits where the loss reads them whole (the plan's
-`gather x1`). Separate q, k and v projections, or a fused kernel ordered head by head, would keep
+per block. Separate q, k and v projections, or a fused kernel ordered head by head, would keep
 attention split by heads as in Megatron; the benchmark model is measured as it is.
 * **Step time.** On simulated devices 8 threads of one process share 2 cores and a collective is a
 copy in the same RAM; nothing models NVLink: the ratios reflect dispatch and compute on shared
@@ -360,7 +379,37 @@ FSDP8 computes {base['flops'] / 1e9:.2f} GFLOP and moves {shard(base)} MiB over 
 its size and the activations of the sequences a device computes on (1 at batch S, 8/S at batch 8).
 * **Losses:** every first-step loss equals FSDP alone's on the same batch within {max(dloss):.1e}.
 """)
+  L += _vocab_section(res["vocab"])
   return re.sub(r"(?<=[^\n|])\n(?=[^\n|*# ])", " ", "\n".join(L)).rstrip() + "\n"
+
+
+def _vocab_section(v: dict) -> list:
+  cfg, rows = v["model"], v["rows"]
+  logits = cfg["seq_len"] * cfg["vocab_size"] * 4
+  pairs = [(a, b) for a, b in zip(rows[::2], rows[1::2])]
+  L = [f"""## 4. The loss over a split vocabulary
+
+The benchmark GPT with a large vocabulary ({cfg['vocab_size']:,} tokens, context {cfg['seq_len']},
+d_model {cfg['d_model']}, {cfg['num_layers']} blocks, {v['num_params']:,} parameters; the loss
+`optax.softmax_cross_entropy_with_integer_labels`), FULL_SHARD, flat parameters, 1 sequence per
+data-parallel group; one sequence's fp32 logits are {_mib(logits)} MiB. With the head
+column-parallel (`("lm_head", "colwise")`) the loss runs on each device's slice of the vocabulary,
+as Megatron's vocabulary-parallel cross-entropy: the maximum, the sum of `exp` and the labels'
+logits are each a per-slice result all-reduced over 'tensor' ([batch, seq] values). Without that
+rule the head is replicated over 'tensor' and every device computes the whole logits. Memory from
+`memory_analysis()` per device, collectives as in part 2.
+""", "| | " + " | ".join(f"{r['name']}, head {'split' if r['head_split'] else 'replicated'}"
+                         for r in rows) + " |", "|---|" + "---:|" * len(rows),
+       _row("**peak MiB/device**", rows, lambda r: f"**{_mib(r['memory']['total'])}**"),
+       _row("temporaries MiB/device", rows, lambda r: _mib(r["memory"]["temp"]))]
+  L += _axes_rows(rows) + [_row("first-step loss", rows, lambda r: f"{r['first_loss']:.6f}")]
+  L.append("\n" + " ".join(
+      f"FSDP{a['S']}xTP{a['T']}: the split vocabulary takes the peak from "
+      f"{_mib(b['memory']['total'])} to {_mib(a['memory']['total'])} MiB per device "
+      f"({a['memory']['total'] / b['memory']['total']:.2f}x; temporaries "
+      f"{a['memory']['temp'] / b['memory']['temp']:.2f}x), the same first-step loss within "
+      f"{abs(a['first_loss'] - b['first_loss']):.1e}." for a, b in pairs) + "\n")
+  return L
 
 
 def main(argv=None):
@@ -382,6 +431,7 @@ def main(argv=None):
            "warmup": args.warmup, "rounds": args.rounds}
     res["gathered"] = gathered_part(args, runs)
     res["step"] = step_part(args, runs, log)
+    res["vocab"] = vocab_part(args, log)
     ref = {g["S"]: g["alone"]["first_loss"] for g in res["gathered"]}
     for r in res["step"]:
       r["ref_loss"] = res["step"][0]["first_loss"] if r["global_batch"] == 8 else ref[r["S"]]
