@@ -1,13 +1,28 @@
 """The benchmarks run: each measurement at a tiny size (2 layers, d_model 64)
-on the simulated CPU devices, in a fresh process. Nothing about speed or
-memory is asserted here (benchmarks/ reports those); only that every
-measurement runs and prints or writes its table."""
+on the simulated CPU devices. Nothing about speed or memory is asserted here
+(benchmarks/ reports those); only that every measurement runs and prints or
+writes its table.
 
+The measurements run in this process, through ``python -m benchmarks``'s own
+dispatch (``benchmarks.__main__.main``), on the test session's 8 devices and
+compilation cache; one test runs the command in a fresh process. The
+measurements that start a fresh process per setting (``flags`` and
+``causes``: each setting is a set of process-wide XLA flags or an allocator;
+``init_time``: a cold process per model) run their children here too: a
+child's code is the same whatever its process's flags, and a child whose
+arguments repeat one already run returns that run's result, as the parent
+would read it (through JSON).
+"""
+
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from benchmarks import __main__ as bench_main
+from benchmarks import fresh
 from tests.helpers import REPO, subprocess_env
 
 pytestmark = pytest.mark.slow
@@ -16,12 +31,31 @@ TINY = ["--only", "fsdp/FULL_SHARD/fp32,jax_native/fp32", "--layers", "2",
         "--d-model", "64", "--rounds", "1", "--no-torch"]
 
 
-def _run(*args, timeout=300):
-  out = subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO,
-                       capture_output=True, text=True, timeout=timeout,
-                       env=subprocess_env(JAX_PLATFORMS="cpu"))
-  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  return out.stdout
+@pytest.fixture
+def children_here(monkeypatch):
+  """``fresh.run_child`` runs the child's ``main(args + ["--child"])`` in this
+  process and returns what it reports, once per distinct argument list."""
+  done = {}
+
+  def run_child(script, args, *, label, xla_flags="", extra_env=None):  # pylint: disable=unused-argument
+    key = (Path(script).stem, tuple(args))
+    if key not in done:
+      module = __import__(f"benchmarks.{key[0]}", fromlist=["main"])
+      reported = []
+      with monkeypatch.context() as m:
+        m.setattr(fresh, "report", reported.append)
+        module.main([*args, "--child"])
+      assert len(reported) == 1, (label, reported)
+      done[key] = json.dumps(reported[0])
+    return json.loads(done[key])
+
+  monkeypatch.setattr(fresh, "run_child", run_child)
+  return done
+
+
+def _run(capsys, *args):
+  assert bench_main.main(list(args)) == 0
+  return capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name,header", [
@@ -30,38 +64,44 @@ def _run(*args, timeout=300):
     ("compile_time", "| setting | lower s | compile s |"),
     ("step_time", "| setting | best step ms |"),
 ])
-def test_single_measurement_prints_its_table(name, header):
-  out = _run(name, *TINY)
+def test_single_measurement_prints_its_table(capsys, name, header):
+  out = _run(capsys, name, *TINY)
   assert header in out, out[-3000:]
   assert "| fsdp/FULL_SHARD/fp32 |" in out and "| jax_native/fp32 |" in out, out[-3000:]
 
 
 def test_full_run_writes_the_report(tmp_path):
   md, js = tmp_path / "RESULTS.md", tmp_path / "results.json"
-  _run("all", *TINY, "--quick", "--no-state-scaling", "--out", str(md), "--json", str(js))
+  out = subprocess.run(
+      [sys.executable, "-m", "benchmarks", "all", *TINY, "--quick", "--no-state-scaling",
+       "--out", str(md), "--json", str(js)], cwd=REPO, capture_output=True, text=True,
+      timeout=300, env=subprocess_env(JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   text = md.read_text()
   assert text.startswith("# fsdp_jax benchmark results"), text[:300]
   assert "fsdp/FULL_SHARD/fp32" in text and js.stat().st_size > 0
 
 
-@pytest.mark.parametrize("name,args,header", [
+@pytest.mark.parametrize("name,args,header,children", [
     ("flags", ["--d-model", "64", "--layers", "2", "--steps", "1", "--warmup", "1",
-               "--repeats", "1"], "| XLA_FLAGS | step compiled with |"),
+               "--repeats", "1"], "| XLA_FLAGS | step compiled with |", 1),
     ("init_time", ["--depths", "2", "--d-model", "64", "--repeats", "1"],
-     "| blocks | parameters | units |"),
+     "| blocks | parameters | units |", 2),
     ("causes", ["--d-model", "64", "--layers", "2", "--steps", "1", "--warmup", "1",
-                "--repeats", "1"], "| allocator | setting | step ms |"),
+                "--repeats", "1"], "| allocator | setting | step ms |", 1),
     ("handwritten", ["--d-model", "64", "--layers", "2", "--heads", "2",
                      "--batch-per-device", "1", "--rounds", "1", "--warmup", "1"],
-     "| sequences per device | operations |"),
+     "| sequences per device | operations |", 0),
     ("scan", ["--depths", "2", "3", "--d-model", "64", "--heads", "2", "--rounds", "1",
-              "--time-depth", "2"], "| layers | one layer MiB |"),
+              "--time-depth", "2"], "| layers | one layer MiB |", 0),
 ])
-def test_measurement_writes_its_table(tmp_path, name, args, header):
+def test_measurement_writes_its_table(tmp_path, capsys, children_here, name, args, header,
+                                      children):
   out = tmp_path / "table.md"
-  _run(name, *args, "--out", str(out), timeout=600)
+  _run(capsys, name, *args, "--out", str(out))
   text = out.read_text()
   assert header in text, text[-3000:]
+  assert len(children_here) == children, sorted(children_here)
 
 
 def test_unknown_measurement_lists_the_names():
@@ -97,12 +137,11 @@ def test_op_breakdown_counts_what_moves():
       jnp.ones((4, 4), jnp.bfloat16), jnp.ones((4, 4), jnp.bfloat16)).compile().as_text())
 
 
-def test_tensor_parallel_routes_are_measured(tmp_path):
+def test_tensor_parallel_routes_are_measured(tmp_path, capsys):
   """Both ways of running the tensor axis compile, agree with one device,
   and are counted per axis."""
-  import json
   out = tmp_path / "routes.json"
-  _run("tp_routes", "--d", "16", "--f", "32", "--tokens", "16", "--out", str(out))
+  _run(capsys, "tp_routes", "--d", "16", "--f", "32", "--tokens", "16", "--out", str(out))
   routes = json.loads(out.read_text())["routes"]
   assert len(routes) == 2
   for r in routes.values():
