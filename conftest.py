@@ -24,19 +24,11 @@ import jax
 import pytest
 
 import fsdp_jax
+from tests.helpers import TEST_XLA_FLAGS
 
 _NATIVE = os.environ.get("FSDP_JAX_TEST_DEVICES", "") == "native"
-# The simulated devices' programs are compiled with LLVM's optimisations
-# off. The tests compile hundreds of small programs and run each a few
-# times, so compiling is most of their time: this takes about 30% off the
-# suite's CPU time. It changes no HLO (the schedules, buffer sizes and
-# collectives the tests count) and no floating-point result beyond
-# rounding (XLA's CPU code is compiled without fast-math either way). The
-# processes the tests launch inherit it.
-_TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
-if not _NATIVE:
-  os.environ["XLA_FLAGS"] = " ".join(
-      [os.environ.get("XLA_FLAGS", ""), *_TEST_XLA_FLAGS]).strip()
+if not _NATIVE:  # tests/helpers.py: TEST_XLA_FLAGS (LLVM optimisations off)
+  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS]).strip()
   fsdp_jax.simulate_cpu_devices(8)
 elif fsdp_jax.distributed.detect_platform() == "cpu":
   fsdp_jax.simulate_cpu_devices(1)  # the CPU flags, on the one CPU device

@@ -2,7 +2,8 @@
 
 For every Markdown file, its fenced ```` ```python ```` and ```` ```pycon ````
 blocks run in order, in one namespace (like a notebook), in a fresh Python
-process with an environment stripped of the pytest process's JAX/XLA settings:
+process with an environment stripped of the pytest process's JAX/XLA settings
+(``XLA_FLAGS`` holds only the tests' compile-time flag, ``TEST_XLA_FLAGS``):
 
 * a block with ``>>>`` prompts is a doctest: its printed output must match
   (``ELLIPSIS`` and ``NORMALIZE_WHITESPACE`` on);
@@ -40,6 +41,8 @@ import sys
 import textwrap
 
 import pytest
+
+from helpers import TEST_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -152,6 +155,7 @@ def _env() -> dict:
   env["PYTHONPATH"] = os.pathsep.join(
       [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
   env["MPLBACKEND"] = "Agg"
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS  # compile faster; no device set-up (helpers.py)
   return env
 
 

@@ -2,7 +2,8 @@
 
 Each notebook executes with nbclient in its own ``python3`` kernel (ipykernel,
 from the ``test`` extra), started with an environment stripped of the pytest
-process's JAX/XLA settings (``XLA_FLAGS``, ``JAX_*``): a notebook has to set
+process's JAX/XLA settings (``JAX_*``; ``XLA_FLAGS`` holds only the tests'
+compile-time flag, ``TEST_XLA_FLAGS``): a notebook has to set
 up its devices itself in its first code cell, as a user's fresh kernel would.
 Cells run under a timeout; any error fails the test, and each notebook's key
 outputs are checked (the plan printout, the plots, the equality checks).
@@ -21,6 +22,8 @@ import time
 import nbclient  # from the test extra, with nbformat and ipykernel
 import nbformat
 import pytest
+
+from helpers import TEST_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -42,6 +45,7 @@ def _kernel_env() -> dict:
   env["PYTHONPATH"] = os.pathsep.join(
       [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
   env.setdefault("PYTHONHASHSEED", "0")
+  env["XLA_FLAGS"] = TEST_XLA_FLAGS  # compile faster; no device set-up (helpers.py)
   return env
 
 
