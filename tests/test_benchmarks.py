@@ -110,6 +110,15 @@ def test_unknown_measurement_lists_the_names():
   assert out.returncode == 2 and "memory" in out.stdout and "nope" in out.stderr
 
 
+def test_every_mutant_still_matches_the_code(capsys):
+  """Each mutation check (benchmarks/MUTANTS.md) names a line that the code
+  still holds exactly once, so ``python -m benchmarks mutants`` mutates what
+  it says it does."""
+  from benchmarks import mutants  # pylint: disable=import-outside-toplevel
+  out = _run(capsys, "mutants", "--list")
+  assert out.count(": fsdp_jax/") == len(mutants.MUTANTS) >= 12, out
+
+
 def test_op_breakdown_counts_what_moves():
   """In-place updates move their update, slices what they keep, a loop body
   counts its trip count times, and barriers are counted, not sized."""
