@@ -79,7 +79,7 @@ def summon_full_params(state: ShardedTrainState, *, rank0_only: bool = False,
         "state holds no gradients between steps.")
   plan = state.plan
   replicated = NamedSharding(plan.mesh, P())
-  unpack = lambda s: unpack_all(plan, offload.to_device(s))
+  unpack = lambda s: unpack_all(plan, offload.to_device(s), replicate=True)
   lora = plan.config.lora
   merged_view = unpack if lora is None else (
       lambda s: lora_lib.merged_tree(unpack(s), lora.scaling))
@@ -187,7 +187,8 @@ def apply(state: ShardedTrainState, fn: Callable[[str, Any], Any]) -> ShardedTra
     out_sh = ({i: sh for i in unit.leaf_ids} if plan.use_orig_params else {"flat": sh})
 
     def run(arrays, unit=unit):
-      full = layout.unpack_storage_full(plan, unit, offload.to_device(arrays))
+      full = layout.unpack_storage_full(plan, unit, offload.to_device(arrays),
+                                        replicate=True)
       new = {}
       for i, x in full.items():
         y = fn(plan.leaves[i].name, x)
@@ -197,7 +198,7 @@ def apply(state: ShardedTrainState, fn: Callable[[str, Any], Any]) -> ShardedTra
               f"{plan.leaves[i].name!r} of shape {x.shape} {x.dtype}; return "
               "the same shape and dtype.")
         new[i] = y
-      return layout.pack_unit(plan, unit, new)
+      return layout.pack_unit(plan, unit, new, replicate=True)
 
     per_unit[unit.index] = jax.jit(run, out_shardings=out_sh)(arrays)
   ignored = {}

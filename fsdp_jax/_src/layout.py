@@ -27,21 +27,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fsdp_jax._src.plan import Plan, UnitSpec
 
 
-def pack_unit(plan: Plan, unit: UnitSpec, full_leaves: dict):
+def pack_unit(plan: Plan, unit: UnitSpec, full_leaves: dict, *, replicate: bool = False):
   """Full leaves of ``unit`` -> its stored arrays (global view, zero padded).
 
   Returns ``{leaf_id: array}`` (original layout) or ``{"flat": array}``.
+
+  ``replicate``: the full leaves are replicated (a user's tree, or a unit
+  unpacked with ``unpack_storage_full(..., replicate=True)``). A
+  tensor-parallel unit is then packed on every device and each keeps its
+  slice, rather than left to the compiler to partition (see
+  :func:`unpack_storage_full`).
   """
   if unit.tensor:
     parts = [_pack_slices(plan, unit, {i: _tensor_slice(plan, i, x, t)
                                        for i, x in full_leaves.items()})
              for t in range(plan.t)]
     p = len(plan.prefix(unit))
-    return {k: _concat([part[k] for part in parts], p) for k in parts[0]}
+    packed = {k: _concat([part[k] for part in parts], p) for k in parts[0]}
+    if replicate and not all(isinstance(x, np.ndarray) for x in packed.values()):
+      everywhere = NamedSharding(plan.mesh, P())
+      packed = {k: lax.with_sharding_constraint(x, everywhere) for k, x in packed.items()}
+    return packed
   return _pack_slices(plan, unit, full_leaves)
 
 
@@ -75,11 +86,24 @@ def unit_storage(plan: Plan, unit: UnitSpec, storage) -> list:
   return [storage[unit.flat_key]]
 
 
-def unpack_storage_full(plan: Plan, unit: UnitSpec, arrays: list) -> dict:
+def unpack_storage_full(plan: Plan, unit: UnitSpec, arrays: list, *,
+                        replicate: bool = False) -> dict:
   """Stored (global) arrays of a unit -> its full leaves, without collectives
   (used outside the step, where arrays are global). On numpy arrays (a
-  host copy) the leaves are views (copies for a tensor-parallel unit)."""
+  host copy) the leaves are views (copies for a tensor-parallel unit).
+
+  ``replicate``: the leaves are wanted replicated (or the unit is unpacked
+  and packed again, one unit at a time). A tensor-parallel unit's stored
+  arrays, sharded over ``(tensor, shard)``, are then replicated first (one
+  all-gather each) and cut into leaves on every device: left to the
+  compiler, cutting the slices out of the sharded arrays partitions into
+  thousands of operations (seconds to compile for a two-layer model) and
+  holds more temporaries than the unit itself.
+  """
   if unit.tensor:
+    if replicate and not isinstance(arrays[0], np.ndarray):
+      everywhere = NamedSharding(plan.mesh, P())
+      arrays = [lax.with_sharding_constraint(x, everywhere) for x in arrays]
     p = len(plan.prefix(unit))
     parts = []
     for t in range(plan.t):

@@ -612,7 +612,7 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
       out_sharding = _unit_out_shardings(plan, unit, shardings)
       flat = jax.tree_util.tree_leaves(params)
       storage_leaves[unit.index] = jax.jit(
-          lambda xs, unit=unit: layout.pack_unit(plan, unit, xs),
+          lambda xs, unit=unit: layout.pack_unit(plan, unit, xs, replicate=True),
           out_shardings=out_sharding)({i: flat[i] for i in unit.leaf_ids})
   ignored = {}
   if plan.ignored_leaves:
@@ -830,12 +830,13 @@ def _init_opt_state(plan: Plan, optimizer, storage, closed=None):
 # Full parameters
 
 
-def unpack_all(plan: Plan, storage):
-  """Stored global arrays -> the original tree (global view)."""
+def unpack_all(plan: Plan, storage, *, replicate: bool = False):
+  """Stored global arrays -> the original tree (global view; ``replicate``:
+  see :func:`layout.unpack_storage_full`)."""
   leaves = [None] * len(plan.leaves)
   for u in plan.units:
     arrays = layout.unit_storage(plan, u, storage)
-    for i, x in layout.unpack_storage_full(plan, u, arrays).items():
+    for i, x in layout.unpack_storage_full(plan, u, arrays, replicate=replicate).items():
       leaves[i] = x
   for i, x in ignored_storage(plan, storage).items():
     leaves[i] = x[0]  # the first device's copy (PyTorch: rank 0's)

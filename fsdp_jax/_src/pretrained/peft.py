@@ -506,9 +506,10 @@ def _replace_leaves(plan, storage, new: dict):
     values = {i: new[i] for i in unit.leaf_ids if i in new}
 
     def run(arrays, values, unit=unit):
-      full = layout.unpack_storage_full(plan, unit, offload.to_device(arrays))
+      full = layout.unpack_storage_full(plan, unit, offload.to_device(arrays),
+                                        replicate=True)
       full.update({i: v.astype(full[i].dtype) for i, v in values.items()})
-      return layout.pack_unit(plan, unit, full)
+      return layout.pack_unit(plan, unit, full, replicate=True)
 
     packed = jax.jit(run, out_shardings=out_sh)(arrays, values)
     if plan.use_orig_params:

@@ -224,7 +224,8 @@ def _unpack_fn(plan: Plan, unit_index: int, ids: tuple, replicated: bool):
   unit = _sub_unit(plan, plan.units[unit_index], ids)
   out = {i: (replicated_sharding(plan) if replicated else canonical_sharding(plan, plan.leaves[i]))
          for i in ids}
-  return jax.jit(lambda arrays: layout.unpack_storage_full(plan, unit, offload.to_device(arrays)),
+  return jax.jit(lambda arrays: layout.unpack_storage_full(plan, unit, offload.to_device(arrays),
+                                                        replicate=replicated),
                  out_shardings=out)
 
 
