@@ -13,11 +13,24 @@ fresh closures, which JAX's in-memory caches key by function identity and
 recompile. The cache is keyed by the compiled program itself, so a hit is
 the same executable; it lives in a temporary directory removed at the end
 of the session. Processes the tests launch do not use it.
+
+Test files are handed to the xdist workers whole (``--dist loadfile``, set in
+pyproject.toml), so a module's fixtures (a trained reference, background
+processes started once for the module) are set up once, and the files go out
+longest first, by the seconds recorded in ``tests/durations.json``: the
+longest files start at once instead of ending the run alone. Refresh that
+record with ``python -m pytest --record-durations tests/durations.json``
+(tests/README.md).
 """
 
+import collections
+import json
 import os
+import pathlib
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import jax
@@ -27,8 +40,13 @@ import fsdp_jax
 from tests.helpers import TEST_XLA_FLAGS
 
 _NATIVE = os.environ.get("FSDP_JAX_TEST_DEVICES", "") == "native"
+# Set in the process that runs an ``llvm_optimized`` test (see
+# pytest_pyfunc_call below): XLA's default LLVM optimisations there.
+_LLVM_ENV = "FSDP_JAX_TEST_LLVM_OPTIMIZED"
+_LLVM_OPTIMIZED = os.environ.get(_LLVM_ENV) == "1"
 if not _NATIVE:  # tests/helpers.py: TEST_XLA_FLAGS (LLVM optimisations off)
-  os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS]).strip()
+  if not _LLVM_OPTIMIZED:
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS]).strip()
   fsdp_jax.simulate_cpu_devices(8)
 elif fsdp_jax.distributed.detect_platform() == "cpu":
   fsdp_jax.simulate_cpu_devices(1)  # the CPU flags, on the one CPU device
@@ -63,6 +81,27 @@ def _skip_when_too_few_devices():
     raise
 
 
+def pytest_pyfunc_call(pyfuncitem):
+  """A test marked ``llvm_optimized`` runs in a fresh pytest process without
+  TEST_XLA_FLAGS: it compares, bit for bit, programs whose loops differ in
+  shape (a unit's shards against the whole leaf), and without LLVM's
+  optimisations XLA's CPU code for ``log1p``, ``tanh`` and ``erf_inv``
+  rounds the last iterations of a loop differently from the others."""
+  if _NATIVE or _LLVM_OPTIMIZED or pyfuncitem.get_closest_marker("llvm_optimized") is None:
+    return None
+  env = dict(os.environ, **{_LLVM_ENV: "1"})
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if f not in TEST_XLA_FLAGS.split())
+  proc = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+       "-o", "addopts=", pyfuncitem.nodeid],
+      cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True, timeout=600)
+  if proc.returncode != 0:
+    pytest.fail(f"{pyfuncitem.nodeid} failed in its own process (XLA's default LLVM "
+                f"optimisations):\n{(proc.stdout + proc.stderr)[-6000:]}", pytrace=False)
+  return True
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):  # pylint: disable=unused-argument
   return (yield from _skip_when_too_few_devices())
@@ -71,3 +110,46 @@ def pytest_runtest_setup(item):  # pylint: disable=unused-argument
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):  # pylint: disable=unused-argument
   return (yield from _skip_when_too_few_devices())
+
+
+# --------------------------------------------------------------------------
+# Longest files first (see the module docstring)
+
+_DURATIONS = pathlib.Path(__file__).parent / "tests" / "durations.json"
+
+
+def pytest_addoption(parser):
+  parser.addoption("--record-durations", metavar="PATH", default=None,
+                   help="write each test file's seconds (setup, call and teardown of its "
+                        "tests) to PATH as JSON, longest first (tests/durations.json orders "
+                        "the files of a run)")
+
+
+def _file_of(nodeid: str) -> str:
+  return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
+  """Files in descending recorded seconds (unrecorded files after them, in
+  their order); each file's tests stay together and in their order."""
+  try:
+    seconds = json.loads(_DURATIONS.read_text())
+  except (OSError, ValueError):
+    return
+  files = list(dict.fromkeys(_file_of(item.nodeid) for item in items))
+  rank = {f: (-seconds.get(f, 0.0), k) for k, f in enumerate(files)}
+  items.sort(key=lambda item: rank[_file_of(item.nodeid)])
+
+
+_recorded = collections.Counter()
+
+
+def pytest_runtest_logreport(report):
+  _recorded[_file_of(report.nodeid)] += report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
+  path = session.config.getoption("--record-durations")
+  if path and not hasattr(session.config, "workerinput") and _recorded:
+    pathlib.Path(path).write_text(json.dumps(
+        {f: round(t, 1) for f, t in _recorded.most_common()}, indent=1) + "\n")

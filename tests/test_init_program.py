@@ -100,7 +100,9 @@ def _state_and_program(init_fn, rng, mesh, policy, use_orig=False):
   return state, program
 
 
-@pytest.mark.parametrize("n,use_orig", [(4, False), (3, False), (3, True)],
+@pytest.mark.parametrize("n,use_orig", [(4, False),
+                                        pytest.param(3, False, marks=pytest.mark.llvm_optimized),
+                                        (3, True)],
                          ids=["full-4", "full-3", "full-3-orig"])
 def test_repeated_blocks_share_one_compiled_program(n, use_orig):
   """Six identical blocks (Flax folds each block's path into its key) share
@@ -139,6 +141,7 @@ class Varied(nn.Module):
 
 
 @pytest.mark.slow
+@pytest.mark.llvm_optimized
 def test_blocks_that_differ_in_a_float_constant_or_a_shape_get_their_own_program():
   model = Varied()
   rng = jax.random.key(5)
@@ -180,6 +183,7 @@ def test_a_hand_written_init_with_fold_in_and_a_raw_key():
 
 
 @pytest.mark.slow
+@pytest.mark.llvm_optimized
 def test_nnx_blocks_counted_keys_share_one_program():
   """NNX draws each parameter's key as ``fold_in(key, count)`` with a count
   it increments: the counts are worked out once, and the blocks share a

@@ -377,6 +377,7 @@ def test_stateless_hook_runs_under_no_sync_accumulation(use_orig_params):
                fsdp_jax.summon_full_params(new), params)
 
 
+@pytest.mark.llvm_optimized
 def test_error_feedback_hook_carries_its_state():
   params, batch = mlp_params(), mlp_batch()
   world = 4

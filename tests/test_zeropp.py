@@ -129,6 +129,7 @@ def test_backward_gathers_run_within_groups_of_k(strategy, n, replicate, k, grou
 
 
 @pytest.mark.slow
+@pytest.mark.llvm_optimized
 def test_stacked_unit_regathers_within_groups_inside_the_loop():
   """A scan over stacked layers: the backward loop gathers each layer within
   groups of k; training is FULL_SHARD's: the same losses, the parameters to
