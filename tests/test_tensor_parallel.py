@@ -691,20 +691,52 @@ def _rope(x):
   return x * cos + rotated * sin
 
 
+def _rope_halves(x):
+  """rotate_half with jnp.split (a primitive from jax 0.10)."""
+  t, dh = x.shape[1], x.shape[-1]
+  angle = jnp.arange(t)[:, None] / (100.0 ** (jnp.arange(dh // 2) / (dh // 2)))[None]
+  cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def _rope_pairs(x):
+  """Interleaved pairs (Meta's layout): strided slices and jnp.stack."""
+  t, dh = x.shape[1], x.shape[-1]
+  angle = jnp.arange(t)[:, None] / (100.0 ** (jnp.arange(dh // 2) / (dh // 2)))[None]
+  cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+  x1, x2 = x[..., ::2], x[..., 1::2]
+  return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).reshape(x.shape)
+
+
+def _tensor_groups(m) -> set:
+  """The device groups of the mesh's tensor axis, as HLO replica groups."""
+  devices = np.moveaxis(m.devices, m.axis_names.index("tensor"), -1)
+  return {tuple(sorted(d.id for d in row)) for row in devices.reshape(-1, devices.shape[-1])}
+
+
 def test_rotary_attention_keeps_heads_split():
-  """Llama's rotate_half (slices and a concatenation along head_dim) and a
-  pad along another axis run on the head slices: nothing of the attention
-  is gathered over 'tensor'."""
+  """Rotary variants run on the head slices: Llama's rotate_half by slices
+  and a concatenation (with a pad along another axis), by jnp.split, and
+  interleaved pairs by strided slices and jnp.stack. Nothing of the model
+  is gathered over 'tensor', in the report or in the compiled step."""
+  ropes = [lambda y: _rope(jnp.pad(y, ((0, 0),) * 4)), lambda y: _rope_pairs(_rope_halves(y))]
+
   def rope_loss(params, batch):
     x = params["embed"]["embedding"][batch["tokens"]]
-    for p in params["layers"]:
-      x = block(x, p, position=lambda y: _rope(jnp.pad(y, ((0, 0),) * 4)))
+    for p, rope in zip(params["layers"], ropes):
+      x = block(x, p, position=rope)
     logp = jax.nn.log_softmax(rms(x, params["norm"]) @ params["head"]["kernel"]
                               + params["head"]["bias"])
     return -jnp.mean(jnp.take_along_axis(logp, batch["labels"][..., None], -1))
 
-  state, _ = check(model_params(), rope_loss, tp_config(use_orig_params=True), mesh(2, 4),
-                   optimizer=optax.sgd(0.3))
-  gathered = state.plan.tensor_report.gathered
-  # Only the lookup in the feature-split embedding gathers.
-  assert len(gathered) == 1 and next(iter(gathered)).startswith("gather at "), gathered
+  m = mesh(2, 4)
+  cfg = fsdp_jax.FSDPConfig(use_orig_params=True, tensor_parallel=fsdp_jax.TensorParallel(
+      rules=[r for r in RULES if r[0] != "embed.embedding"]))  # a replicated embedding
+  state, step = check(model_params(), rope_loss, cfg, m, optimizer=optax.sgd(0.3))
+  assert not state.plan.tensor_report.gathered, state.plan.tensor_report.gathered
+  text = step.lower(state, batches(1)[0]).compile().as_text()
+  groups = _tensor_groups(m)
+  assert any(c.kind == "all-reduce" and set(c.groups) <= groups for c in hlo.collectives(text))
+  gathers = [c for c in hlo.collectives(text) if c.kind == "all-gather" and set(c.groups) <= groups]
+  assert not gathers, gathers
