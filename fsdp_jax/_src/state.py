@@ -277,7 +277,7 @@ def _lora_requires_grad(abstract_params, config: FSDPConfig, requires_grad):
       what = ("its base is quantized (LoRA(base_quantization=...)) and frozen"
               if node.quantization is not None else "it is adapted (frozen base + A @ B)")
       raise ValueError(
-          f"LoRA target {name!r} (shape {tuple(node.lora_A.shape[:-1]) + (node.width,)}) is "
+          f"LoRA target {name!r} (shape {node.kernel_shape}) is "
           f"also named by LoRA(trainable=...) {config.lora.trainable!r}, but {what}. Fix: "
           "narrow LoRA(trainable=...) to the other leaves, or drop the kernel from targets "
           "to train it fully.")
@@ -351,8 +351,7 @@ def _lora_tensor_dims(config: FSDPConfig, axes, abstract_params, stacked: set) -
   for path, x in items:
     user_paths.append(naming.path_parts(path))
     if is_node(x):
-      lead = tuple(x.lora_A.shape[:-2])
-      shapes.append(lead + (x.lora_A.shape[-2], x.width))
+      shapes.append(x.kernel_shape)
       stored.append((k, x))
       k += 3
     else:
@@ -369,17 +368,19 @@ def _lora_tensor_dims(config: FSDPConfig, axes, abstract_params, stacked: set) -
       dims[first] = d
       continue
     name = ".".join(user_paths[j])
-    if node.quantization is not None and d != 0:
+    k_in = len(shapes[j]) - leads[j] - node.out_dims  # the kernel's input dims
+    if node.quantization is not None and d >= k_in:
       raise NotImplementedError(
           f"LoRA target {name!r} (shape {shapes[j]}) is quantized "
-          "(LoRA(base_quantization=...)) and split column-wise over the tensor axis; a "
-          "quantized base is stored in row blocks and splits by rows only. Fix: make the "
-          "rule 'rowwise', drop base_quantization, or leave this kernel replicated.")
+          "(LoRA(base_quantization=...)) and split along an output dimension over the tensor "
+          "axis (column-wise); a quantized base is stored in row blocks and splits along its "
+          "input dimensions only. Fix: make the rule 'rowwise', drop base_quantization, or "
+          "leave this kernel replicated.")
     dims[first] = d  # the base
-    if d == 0:
-      dims[first + 1] = 0  # lora_A [m, r]: rows with the kernel's
+    if d < k_in:
+      dims[first + 1] = d  # lora_A [*in, r]: along the kernel's input dim
     else:
-      dims[first + 2] = 1  # lora_B [r, n]: columns with the kernel's
+      dims[first + 2] = 1 + d - k_in  # lora_B [r, *out]: along its output dim
   return dims
 
 

@@ -222,7 +222,8 @@ def merged(target, leaves: dict, scaling: float, layer=None) -> np.ndarray:
   pick = (lambda x: x) if layer is None else (lambda x: x[layer])
   node = lora_lib.LoRAWeight(pick(leaves[target.base]), pick(leaves[target.lora_A]),
                              pick(leaves[target.lora_B]), quantization=target.quantization,
-                             width=target.width, dtype=target.dtype)
+                             width=target.width, dtype=target.dtype,
+                             out_dims=target.out_dims)
   with jax.default_device(host_device()):
     return np.asarray(_merger(float(scaling))(node))
 
