@@ -14,6 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import frameworks, layout, lora as lora_lib, naming, offload, optim
 from fsdp_jax._src import tensor as tensor_lib, tensor_eval, unit_init, wrap
 from fsdp_jax._src.config import FSDPConfig, is_float_dtype, is_key_dtype
@@ -450,6 +451,7 @@ def _storage_specs(plan: Plan):
 # Building the state
 
 
+@mesh_lib.own_mesh
 def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
                      config: FSDPConfig, params: Any = None,
                      init_fn: Optional[Callable[..., Any]] = None,
@@ -550,6 +552,9 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
   optimizer = optim.as_transformation(optimizer)
   if offload.offloads(config):
     offload.check_backend(mesh)
+  # Inputs made on other devices (under a user's jax.set_mesh(other_mesh))
+  # are read to host; the state's programs place them on ``mesh``.
+  rng, model_state = _off_other_devices((rng, model_state), mesh)
   init_args = () if rng is None else (rng,)
   if config.sync_module_states and jax.process_count() > 1:
     # PyTorch's sync_module_states: every process starts from process 0's
@@ -730,8 +735,9 @@ def _broadcast_keys_too(broadcast, tree):
 
 def _off_other_devices(params, mesh: Mesh):
   """Arrays that live on devices outside ``mesh`` (e.g. the full params of
-  a state on another mesh) are read to host first; the packing programs put
-  each shard where it belongs."""
+  a state on another mesh, or arrays made under a user's
+  ``jax.set_mesh(other_mesh)``) are read to host first; the packing
+  programs put each shard where it belongs."""
   devices = set(mesh.devices.flat)
 
   def move(x):
@@ -741,7 +747,12 @@ def _off_other_devices(params, mesh: Mesh):
       elsewhere = x.committed and x.sharding.device_set != devices
     except Exception:  # pylint: disable=broad-except  # a tracer (abstract init)
       return x
-    return np.asarray(jax.device_get(x)) if elsewhere else x
+    if not elsewhere:
+      return x
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # a typed key: its data, wrapped again
+      return jax.random.wrap_key_data(np.asarray(jax.device_get(jax.random.key_data(x))),
+                                      impl=jax.random.key_impl(x))
+    return np.asarray(jax.device_get(x))
 
   return jax.tree.map(move, params)
 

@@ -27,6 +27,7 @@ from typing import Optional
 import jax
 import numpy as np
 
+from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import layout, offload
 from fsdp_jax._src.pretrained import files
 from fsdp_jax._src.pretrained.loading import Adapted, adapted_leaves
@@ -228,6 +229,7 @@ def _adapter_config(lora, modules: list, saved: list, task_type, base_model) -> 
   }
 
 
+@mesh_lib.own_mesh
 def save_adapter(state: ShardedTrainState, directory, weight_map: WeightMap, *,
                  task_type: Optional[str] = "CAUSAL_LM",
                  base_model_name_or_path: Optional[str] = None, dtype=None,
@@ -373,6 +375,7 @@ def _open(directory: str):
                    "save_pretrained) wrote.")
 
 
+@mesh_lib.own_mesh
 def load_adapter(state: ShardedTrainState, directory, weight_map: WeightMap
                  ) -> ShardedTrainState:
   """Reads a PEFT LoRA adapter (what :func:`save_adapter` or PEFT's

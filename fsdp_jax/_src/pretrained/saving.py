@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import layout
 from fsdp_jax._src import lora as lora_lib
 from fsdp_jax._src.pretrained import files
@@ -115,6 +116,7 @@ def _files(entries: list, max_bytes: int) -> list:
   return groups
 
 
+@mesh_lib.own_mesh
 def save(state: ShardedTrainState, directory, weight_map: WeightMap, *,
          max_shard_size="5GB", dtype=None, overwrite: bool = False,
          metadata: Optional[dict] = None) -> list[str]:
