@@ -293,6 +293,21 @@ def test_plan_printout():
   assert "7 all-gather" in text and "4 reduce-scatter" in text
 
 
+def test_state_repr_fits_a_screen():
+  """repr(state) stays a few lines for any model (here 32 layers, 129
+  parameters, one unit); print(state.plan) shows the plan whole."""
+  params = {"blocks": [{"w": jnp.ones((4, 4)), "b": jnp.zeros(4), "g": jnp.ones(4),
+                        "h": jnp.ones(4)} for _ in range(32)], "out": jnp.ones((4, 2))}
+  mesh = mesh_for(S.FULL_SHARD, 2)
+  state = fsdp_jax.init_train_state(params=params, optimizer=optax.adam(0.1), mesh=mesh,
+                                    config=fsdp_jax.FSDPConfig(), rng=jax.random.key(0))
+  text = repr(state)
+  assert len(text) < 2000 and text.count("\n") < 5, text
+  assert text.startswith("ShardedTrainState(step=0, params=<1 array, 904 elements>") and (
+      "129 parameters (904 elements), mesh {'shard': 2}" in text), text
+  assert repr(state.plan) in text and "blocks.31.w" in str(state.plan)
+
+
 def test_the_step_ignores_a_user_context_mesh():
   """init_train_state, the step, summon_full_params and state_dict run
   inside a user's jax.set_mesh(other_mesh) and ``with mesh:`` (the inputs

@@ -72,6 +72,30 @@ class ShardedTrainState:
   def replace(self, **changes) -> "ShardedTrainState":
     return dataclasses.replace(self, **changes)
 
+  def __repr__(self) -> str:
+    """A few lines whatever the model's size: the step, how many arrays
+    each part holds, and the plan's one line (``print(state.plan)`` shows
+    the plan whole)."""
+    try:
+      step = str(int(jax.device_get(self.step)))
+    except Exception:  # pylint: disable=broad-except  (traced, or not an array)
+      step = _arrays(self.step)
+    parts = [f"step={step}"] + [
+        f"{name}={_arrays(getattr(self, name))}"
+        for name in ("params", "opt_state", "model_state", "comm_hook_state",
+                     "nonfinite_steps", "rng") if getattr(self, name) is not None]
+    return "ShardedTrainState(" + ", ".join(parts) + f",\n  plan={self.plan!r})"
+
+
+def _arrays(tree) -> str:
+  """``"<3 arrays, 1,234 elements>"`` (a scalar: its dtype): a part of the state."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  if len(leaves) == 1 and not jnp.shape(leaves[0]):
+    x = leaves[0]
+    return f"{getattr(x, 'dtype', type(x).__name__)}[]"
+  numel = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in leaves)
+  return f"<{len(leaves)} array{'s' * (len(leaves) != 1)}, {numel:,} elements>"
+
 
 # --------------------------------------------------------------------------
 # Names and module classes
