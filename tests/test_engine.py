@@ -293,6 +293,48 @@ def test_plan_printout():
   assert "7 all-gather" in text and "4 reduce-scatter" in text
 
 
+def test_state_repr_fits_a_screen():
+  """repr(state) stays a few lines for any model (here 32 layers, 129
+  parameters, one unit); print(state.plan) shows the plan whole."""
+  params = {"blocks": [{"w": jnp.ones((4, 4)), "b": jnp.zeros(4), "g": jnp.ones(4),
+                        "h": jnp.ones(4)} for _ in range(32)], "out": jnp.ones((4, 2))}
+  mesh = mesh_for(S.FULL_SHARD, 2)
+  state = fsdp_jax.init_train_state(params=params, optimizer=optax.adam(0.1), mesh=mesh,
+                                    config=fsdp_jax.FSDPConfig(), rng=jax.random.key(0))
+  text = repr(state)
+  assert len(text) < 2000 and text.count("\n") < 5, text
+  assert text.startswith("ShardedTrainState(step=0, params=<1 array, 904 elements>") and (
+      "129 parameters (904 elements), mesh {'shard': 2}" in text), text
+  assert repr(state.plan) in text and "blocks.31.w" in str(state.plan)
+
+
+def test_the_step_ignores_a_user_context_mesh():
+  """init_train_state, the step, summon_full_params and state_dict run
+  inside a user's jax.set_mesh(other_mesh) and ``with mesh:`` (the inputs
+  made there too) as outside it: the same numbers, bitwise, and the same
+  compiled step."""
+  mesh = mesh_for(S.FULL_SHARD, 3)
+  other = jax.make_mesh((2, 4), ("data", "model"))  # Explicit axes, all 8 devices
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP_BLOCKS)
+  opt = optax.adam(1e-2)
+  step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config)
+
+  def train():
+    state = fsdp_jax.init_train_state(params=mlp_params(), optimizer=opt, mesh=mesh,
+                                      config=config, rng=jax.random.key(0))
+    state, metrics = step(state, jax.tree.map(jnp.asarray, mlp_batch()))
+    return float(metrics["loss"]), fsdp_jax.summon_full_params(state), fsdp_jax.state_dict(state)
+
+  expected = train()
+  with jax.set_mesh(other):
+    inside = train()
+  with pytest.warns(DeprecationWarning, match="with mesh"), other:
+    legacy = train()
+  for got in (inside, legacy):
+    assert got[0] == expected[0]
+    assert_trees_close(got[1:], expected[1:], rtol=0, atol=0)
+
+
 # NO_SHARD unpacks each unit from this device's replicated copy (no
 # communication). Pre-norm residual GELU blocks whose activations outweigh
 # their parameters.

@@ -4,6 +4,8 @@ and B (and LoRA(trainable=...)) train, everything else is frozen."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -491,6 +493,110 @@ def test_init_fn_gives_the_same_state_as_params():
 
 
 # --------------------------------------------------------------------------
+# N-D kernels: Flax DenseGeneral / einsum attention
+
+ND, HEADS, HEAD_DIM = 9, 3, 2
+
+
+class _Attention(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    q = nn.DenseGeneral((HEADS, HEAD_DIM), name="q")(x)          # [d, heads, head_dim]
+    v = nn.DenseGeneral((HEADS, HEAD_DIM), use_bias=False, name="v")(x)
+    s = jnp.einsum("btnh,bsnh->bnts", q, q) / np.sqrt(HEAD_DIM)
+    a = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s), v)
+    return x + nn.DenseGeneral(ND, axis=(-2, -1), name="o")(a)   # [heads, head_dim, d]
+
+
+class _NDModel(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4, name="head")(_Attention(name="blk_0")(x))
+
+
+ND_LORA = fsdp_jax.LoRA(targets=("q", "v", "o"), rank=2, alpha=4.0, trainable=("head",),
+                        input_dims={"*.o": 2})
+
+
+@pytest.fixture(scope="module")
+def nd_model():
+  model = _NDModel()
+  x = jax.random.normal(jax.random.key(0), (12, 3, ND))
+  y = jax.random.normal(jax.random.key(1), (12, 3, 4))
+  params = model.init(jax.random.key(2), x)["params"]
+  loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
+  return params, loss_fn, [{"x": x, "y": y}] * 2
+
+
+def test_nd_factors_and_their_merge():
+  """A [d, heads, head_dim] kernel gets A [d, r] and B [r, heads, head_dim];
+  input_dims=2 makes a [heads, head_dim, d] kernel's A [heads, head_dim, r]
+  and B [r, d]; the merged kernel is W + s * einsum over r."""
+  params = {"q": {"w": jnp.ones((ND, HEADS, HEAD_DIM))}, "o": {"w": jnp.ones((HEADS, HEAD_DIM, ND))}}
+  lora = fsdp_jax.LoRA(targets=("q", "o"), rank=2, input_dims={"o": 2})
+  stored = lora_lib.adapter_tree(params, lora, lora_lib.find_targets(params, lora), KEY)
+  q, o = stored["q"]["w"], stored["o"]["w"]
+  assert (q.lora_A.shape, q.lora_B.shape) == ((ND, 2), (2, HEADS, HEAD_DIM))
+  assert (o.lora_A.shape, o.lora_B.shape) == ((HEADS, HEAD_DIM, 2), (2, ND))
+  o = o.replace(lora_B=jnp.arange(2.0 * ND).reshape(2, ND))
+  np.testing.assert_allclose(lora_lib.merge(o, 0.5),
+                             1 + 0.5 * jnp.einsum("nhr,rd->nhd", o.lora_A, o.lora_B), rtol=1e-6)
+
+
+@pytest.mark.parametrize("n,use_orig_params", [(3, True), (4, False)])
+def test_dense_general_kernels_match_single_device_reference(nd_model, n, use_orig_params):
+  """LoRA on DenseGeneral projections [d, heads, head_dim] and an output
+  projection [heads, head_dim, d] (input_dims=2): each is a matmul operand of
+  its dot_general, computed through the adapter path."""
+  params, loss_fn, batches = nd_model
+  opt = optax.adam(1e-2)
+  ref_losses, ref_params = reference(params, loss_fn, ND_LORA, opt, batches)
+  state, losses = run(params, loss_fn, ND_LORA, opt, batches, mesh=_mesh(n),
+                      use_orig_params=use_orig_params, wrap=fsdp_jax.ModuleWrapPolicy(["blk_*"]))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert_close(fsdp_jax.summon_full_params(state), ref_params)
+  report = state.plan.lora_report
+  assert report.adapter_path == {f"blk_0.{m}.kernel" for m in "qvo"}
+  assert not report.merged
+  # The state dict holds the N-D factors by name, and loads back.
+  sd = fsdp_jax.state_dict(state)
+  assert sd["blk_0.o.kernel.lora_A"].shape == (HEADS, HEAD_DIM, 2)
+  assert sd["blk_0.q.kernel.lora_B"].shape == (2, HEADS, HEAD_DIM)
+  fresh = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=state.plan.mesh,
+                                    config=state.plan.config, rng=KEY)
+  assert_close(fsdp_jax.summon_full_params(fsdp_jax.load_state_dict(fresh, sd)),
+               ref_params)
+
+
+def test_nd_kernel_contracted_over_other_dims_falls_back_and_names_input_dims(nd_model):
+  params, loss_fn, batches = nd_model
+  lora = fsdp_jax.LoRA(targets=("o",), rank=2)  # input_dims=1: [heads] x [head_dim, d]
+  mesh = _mesh(2)
+  cfg = fsdp_jax.FSDPConfig(lora=lora, use_orig_params=True)
+  state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+                                    config=cfg, rng=KEY)
+  with pytest.warns(UserWarning, match=r"'blk_0.o.kernel' is used through a dot_general "
+                                       r"contracting kernel dims \(0, 1\).*input_dims"):
+    fsdp_jax.shard_train_step(loss_fn, mesh=mesh, config=cfg).lower(state, batches[0])
+
+
+def test_nd_quantized_base_matches_reference_on_decoded_weights(nd_model):
+  """QLoRA on N-D kernels: each kernel row (its output dims flattened) is
+  quantized; the loss sees the decoded base plus the adapter."""
+  params, loss_fn, batches = nd_model
+  q = fsdp_jax.Quantization(dtype=jnp.int8, block_size=4)
+  lora = dataclasses.replace(ND_LORA, base_quantization=q)
+  opt = optax.adam(1e-2)
+  ref_losses, ref_params = reference(params, loss_fn, lora, opt, batches)
+  state, losses = run(params, loss_fn, lora, opt, batches, mesh=_mesh(3))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert_close(fsdp_jax.summon_full_params(state), ref_params)
+  shapes = {l.name: l.shape for l in state.plan.leaves}
+  assert shapes["blk_0.q.kernel.base"] == (ND, q.payload_bytes(HEADS * HEAD_DIM))
+  assert shapes["blk_0.o.kernel.base"] == (HEADS, HEAD_DIM, q.payload_bytes(ND))
+
+
+# --------------------------------------------------------------------------
 # Bad input
 
 
@@ -499,6 +605,8 @@ def test_init_fn_gives_the_same_state_as_params():
      r"LoRA target '\*.wk' matches no parameter.*'layers.0.wq'.*Fix the pattern"),
     (fsdp_jax.LoRA(targets=("*.norm",)),
      r"'layers.0.norm' of shape \(10,\), which is not 2-D.*Fix: narrow the pattern"),
+    (fsdp_jax.LoRA(targets=("*.wq",), input_dims=2),
+     r"input_dims=...\) gives target 'layers.0.wq' \(shape \(10, 10\)\) 2 input.*Fix"),
     (fsdp_jax.LoRA(targets=("*.wq",), rank=11),
      r"rank=11\) is larger than a dimension of target 'layers.0.wq' \(shape \(10, 10\)\).*"
      r"rank<=10"),
@@ -521,6 +629,8 @@ def test_bad_options_are_refused():
     fsdp_jax.LoRA(targets=("a",), dropout=1.0)
   with pytest.raises(ValueError, match="targets"):
     fsdp_jax.LoRA(targets=())
+  with pytest.raises(ValueError, match=r"input_dims=...\) for '\*.o': 0 must be a positive"):
+    fsdp_jax.LoRA(targets=("a",), input_dims={"*.o": 0})
   with pytest.raises(ValueError, match="stochastic"):
     fsdp_jax.LoRA(targets=("a",), base_quantization=fsdp_jax.Quantization(rounding="stochastic"))
   with pytest.raises(TypeError, match="lora=.*fsdp_jax.LoRA"):

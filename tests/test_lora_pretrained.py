@@ -11,6 +11,7 @@ transformers. Then the factor layouts and the errors, on a plain tree.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -262,6 +263,21 @@ def test_factors_invert_the_map(transforms, shape):
   np.testing.assert_array_equal(b2, b)
 
 
+def test_nd_factors_invert_the_map():
+  """A [d, heads, head_dim] kernel from a [heads * head_dim, d] weight: PEFT's
+  factors are A [d, r] and B [r, heads, head_dim] flattened, and back."""
+  chain = pretrained.WeightMap([("w", "p", pretrained.transpose(), pretrained.reshape(
+      (4, 2, 3), checkpoint_shape=(4, 6)))]).rules[0].chain
+  rng = np.random.default_rng(0)
+  a, b = rng.normal(size=(4, 2)), rng.normal(size=(2, 6))
+  lay = factor_layout(chain, (4, 2, 3), (6, 4), "t", out_dims=2)
+  lora_a, lora_b = lay.to_peft(a, b)
+  np.testing.assert_allclose(lora_b @ lora_a, chain.to_checkpoint((a @ b).reshape(4, 2, 3),
+                                                                  (6, 4)), rtol=1e-12)
+  with pytest.raises(ValueError, match=r"mixes the kernel's axes.*LoRA\(input_dims=...\)"):
+    factor_layout(chain, (4, 2, 3), (6, 4), "t", out_dims=1)  # [4 * 2] x [3]: rows mix
+
+
 def test_a_map_that_mixes_axes_is_refused():
   chain = pretrained.WeightMap([("w", "p", pretrained.reshape(
       (3, 10), checkpoint_shape=(6, 5)))]).rules[0].chain
@@ -270,6 +286,92 @@ def test_a_map_that_mixes_axes_is_refused():
   scaled = pretrained.WeightMap([("w", "p", (lambda x: x * 2.0, lambda y: y / 2.0))])
   with pytest.raises(ValueError, match=r"not move the kernel's elements as a permutation"):
     factor_layout(scaled.rules[0].chain, (4, 4), (4, 4), "LoRA target 'p'")
+
+
+# --------------------------------------------------------------------------
+# N-D kernels: einsum projections of PyTorch Linear layers
+
+N_D, N_HEADS, N_HEAD = 8, 2, 3
+N_RULES = [("q_proj.weight", "q_proj.kernel", pretrained.transpose(),
+            pretrained.reshape((N_D, N_HEADS, N_HEAD), checkpoint_shape=(N_D, N_HEADS * N_HEAD))),
+           ("o_proj.weight", "o_proj.kernel", pretrained.transpose(),
+            pretrained.reshape((N_HEADS, N_HEAD, N_D), checkpoint_shape=(N_HEADS * N_HEAD, N_D)))]
+N_LORA = fsdp_jax.LoRA(targets=("q_proj", "o_proj"), rank=2, alpha=4.0,
+                       input_dims={"o_proj": 2})
+
+
+def _nd_forward(p, x):
+  h = jnp.tanh(jnp.einsum("bd,dnh->bnh", x, p["q_proj"]["kernel"]))
+  return jnp.einsum("bnh,nhd->bd", h, p["o_proj"]["kernel"])
+
+
+@needs_hf
+def test_nd_kernels_save_a_peft_adapter_for_linear_layers(tmp_path):
+  """[d, heads, head_dim] and [heads, head_dim, d] kernels of PyTorch Linear
+  weights: PEFT's model from the adapter gives our outputs, load_adapter
+  reads it back bitwise, a QLoRA base loads from the checkpoint as init
+  encodes it, and an input/output split the map cannot keep is refused."""
+  rng = np.random.default_rng(0)
+  params = {"q_proj": {"kernel": rng.normal(size=(N_D, N_HEADS, N_HEAD)).astype(np.float32)},
+            "o_proj": {"kernel": rng.normal(size=(N_HEADS, N_HEAD, N_D)).astype(np.float32)}}
+  wm = pretrained.WeightMap(N_RULES)
+  weights = {"q_proj.weight": params["q_proj"]["kernel"].reshape(N_D, -1).T.copy(),
+             "o_proj.weight": params["o_proj"]["kernel"].reshape(-1, N_D).T.copy()}
+  save_file(weights, str(tmp_path / "model.safetensors"))
+
+  class Torch(torch.nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.q_proj = torch.nn.Linear(N_D, N_HEADS * N_HEAD, bias=False)
+      self.o_proj = torch.nn.Linear(N_HEADS * N_HEAD, N_D, bias=False)
+
+    def forward(self, x):
+      return self.o_proj(torch.tanh(self.q_proj(x)))
+
+  model = Torch()
+  model.load_state_dict({k: torch.tensor(v) for k, v in weights.items()})
+  mesh = _mesh(3)
+  make = lambda lora, seed: fsdp_jax.init_train_state(
+      params=params, optimizer=optax.sgd(0.1), mesh=mesh, rng=jax.random.key(seed),
+      config=fsdp_jax.FSDPConfig(lora=lora))
+  bump = lambda w: w.replace(lora_B=w.lora_B + 0.1 * jnp.arange(w.lora_B.size).reshape(
+      w.lora_B.shape) / w.lora_B.size)
+  state = fsdp_jax.write_full_params(make(N_LORA, 0), lambda p: jax.tree.map(
+      bump, p, is_leaf=lambda x: hasattr(x, "lora_B")))
+  x = rng.normal(size=(5, N_D)).astype(np.float32)
+  ours = np.asarray(_nd_forward(fsdp_jax.summon_full_params(state), x))
+  pretrained.save_adapter(state, tmp_path / "adapter", wm, task_type=None)
+  tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+  assert {k: v.shape for k, v in tensors.items()} == {
+      "base_model.model.q_proj.lora_A.weight": (2, N_D),
+      "base_model.model.q_proj.lora_B.weight": (N_HEADS * N_HEAD, 2),
+      "base_model.model.o_proj.lora_A.weight": (2, N_HEADS * N_HEAD),
+      "base_model.model.o_proj.lora_B.weight": (N_D, 2)}
+  with torch.no_grad():
+    theirs = peft.PeftModel.from_pretrained(model, tmp_path / "adapter").eval()(
+        torch.tensor(x)).numpy()
+  np.testing.assert_allclose(theirs, ours, rtol=0, atol=1e-5)
+  assert not np.allclose(ours, np.asarray(_nd_forward(params, x)), atol=1e-3)
+  back = _stored(pretrained.load_adapter(make(N_LORA, 1), tmp_path / "adapter", wm))
+  for name, value in _stored(state).items():
+    np.testing.assert_array_equal(back[name], value, err_msg=name)
+
+  q = fsdp_jax.Quantization(dtype=jnp.int8, block_size=4)
+  qlora = dataclasses.replace(N_LORA, base_quantization=q)
+  loaded = fsdp_jax.init_train_state(
+      init_fn=lambda r: jax.tree.map(jnp.zeros_like, params), rng=jax.random.key(0),
+      optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig(lora=qlora),
+      pretrained=pretrained.load(tmp_path / "model.safetensors", wm))
+  stored, want = _stored(loaded), _stored(make(qlora, 0))
+  assert stored["q_proj.kernel.base"].shape == (N_D, q.payload_bytes(N_HEADS * N_HEAD))
+  for name in ("q_proj.kernel.base", "o_proj.kernel.base"):
+    np.testing.assert_array_equal(stored[name], want[name], err_msg=name)
+
+  split = fsdp_jax.LoRA(targets=("q_proj",), rank=2, input_dims=2)  # [d * heads] x [head_dim]
+  with pytest.raises(ValueError, match=r"'q_proj.kernel' -> 'q_proj.weight'.*mixes the kernel's "
+                                       r"axes.*LoRA\(input_dims=...\)"):
+    pretrained.save_adapter(make(split, 0), tmp_path / "bad", wm, task_type=None)
+  assert not (tmp_path / "bad").exists()
 
 
 # --------------------------------------------------------------------------

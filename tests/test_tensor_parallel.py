@@ -607,6 +607,23 @@ def test_pretrained_loader_reads_each_devices_2d_slice(tmp_path, orig):
 # LoRA: adapters split with their kernel
 
 
+def _lora_runs(params, loss, lora, rules, tp_mesh, data, orig=True) -> dict:
+  """``{1: (state, losses) of LoRA with FSDP alone on 4 devices, 2: ... with
+  tensor parallelism on tp_mesh}``, trained with Adam on ``data``."""
+  opt = optax.adam(1e-2)
+  runs = {}
+  for t in (1, 2):
+    cfg = fsdp_jax.FSDPConfig(
+        lora=lora, use_orig_params=orig,
+        tensor_parallel=fsdp_jax.TensorParallel(rules=rules) if t > 1 else None)
+    m = tp_mesh if t > 1 else fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4])
+    state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=m, config=cfg,
+                                      rng=jax.random.key(3))
+    step = fsdp_jax.shard_train_step(loss, opt, mesh=m, config=cfg)
+    runs[t] = train_steps(step, state, data)
+  return runs
+
+
 @pytest.mark.parametrize("orig,quantized", [(False, False), (True, False), (True, True)])
 def test_lora_adapters_split_with_their_kernel(orig, quantized):
   """LoRA on column- and row-parallel kernels: a colwise kernel's lora_B and
@@ -617,18 +634,7 @@ def test_lora_adapters_split_with_their_kernel(orig, quantized):
   targets = ("*.wo", "*.down") if quantized else ("*.wq", "*.wv", "*.wo", "*.down")
   lora = fsdp_jax.LoRA(targets=targets, rank=4, alpha=8.0, trainable=("head",),
                        base_quantization=q)
-  params, data, opt = model_params(), batches(3), optax.adam(1e-2)
-  runs = {}
-  for t in (1, 2):
-    cfg = fsdp_jax.FSDPConfig(
-        lora=lora, use_orig_params=orig,
-        tensor_parallel=fsdp_jax.TensorParallel(rules=RULES) if t > 1 else None)
-    m = mesh(4, 2) if t > 1 else fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4])
-    state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=m, config=cfg,
-                                      rng=jax.random.key(3))
-    step = fsdp_jax.shard_train_step(loss_fn, opt, mesh=m, config=cfg)
-    state, losses = train_steps(step, state, data)
-    runs[t] = (state, losses)
+  runs = _lora_runs(model_params(), loss_fn, lora, RULES, mesh(4, 2), batches(3), orig=orig)
   np.testing.assert_allclose(runs[2][1], runs[1][1], rtol=1e-5, atol=1e-5)
   assert runs[1][1][-1] < runs[1][1][0]
   assert_close_relative(fsdp_jax.summon_full_params(runs[2][0]),
@@ -691,20 +697,106 @@ def _rope(x):
   return x * cos + rotated * sin
 
 
+def _rope_halves(x):
+  """rotate_half with jnp.split (a primitive from jax 0.10)."""
+  t, dh = x.shape[1], x.shape[-1]
+  angle = jnp.arange(t)[:, None] / (100.0 ** (jnp.arange(dh // 2) / (dh // 2)))[None]
+  cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def _rope_pairs(x):
+  """Interleaved pairs (Meta's layout): strided slices and jnp.stack."""
+  t, dh = x.shape[1], x.shape[-1]
+  angle = jnp.arange(t)[:, None] / (100.0 ** (jnp.arange(dh // 2) / (dh // 2)))[None]
+  cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+  x1, x2 = x[..., ::2], x[..., 1::2]
+  return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).reshape(x.shape)
+
+
+def _tensor_groups(m) -> set:
+  """The device groups of the mesh's tensor axis, as HLO replica groups."""
+  devices = np.moveaxis(m.devices, m.axis_names.index("tensor"), -1)
+  return {tuple(sorted(d.id for d in row)) for row in devices.reshape(-1, devices.shape[-1])}
+
+
 def test_rotary_attention_keeps_heads_split():
-  """Llama's rotate_half (slices and a concatenation along head_dim) and a
-  pad along another axis run on the head slices: nothing of the attention
-  is gathered over 'tensor'."""
+  """Rotary variants run on the head slices: Llama's rotate_half by slices
+  and a concatenation (with a pad along another axis), by jnp.split, and
+  interleaved pairs by strided slices and jnp.stack. Nothing of the model
+  is gathered over 'tensor', in the report or in the compiled step."""
+  ropes = [lambda y: _rope(jnp.pad(y, ((0, 0),) * 4)), lambda y: _rope_pairs(_rope_halves(y))]
+
   def rope_loss(params, batch):
     x = params["embed"]["embedding"][batch["tokens"]]
-    for p in params["layers"]:
-      x = block(x, p, position=lambda y: _rope(jnp.pad(y, ((0, 0),) * 4)))
+    for p, rope in zip(params["layers"], ropes):
+      x = block(x, p, position=rope)
     logp = jax.nn.log_softmax(rms(x, params["norm"]) @ params["head"]["kernel"]
                               + params["head"]["bias"])
     return -jnp.mean(jnp.take_along_axis(logp, batch["labels"][..., None], -1))
 
-  state, _ = check(model_params(), rope_loss, tp_config(use_orig_params=True), mesh(2, 4),
-                   optimizer=optax.sgd(0.3))
-  gathered = state.plan.tensor_report.gathered
-  # Only the lookup in the feature-split embedding gathers.
-  assert len(gathered) == 1 and next(iter(gathered)).startswith("gather at "), gathered
+  m = mesh(2, 4)
+  cfg = fsdp_jax.FSDPConfig(use_orig_params=True, tensor_parallel=fsdp_jax.TensorParallel(
+      rules=[r for r in RULES if r[0] != "embed.embedding"]))  # a replicated embedding
+  state, step = check(model_params(), rope_loss, cfg, m, optimizer=optax.sgd(0.3))
+  assert not state.plan.tensor_report.gathered, state.plan.tensor_report.gathered
+  text = step.lower(state, batches(1)[0]).compile().as_text()
+  groups = _tensor_groups(m)
+  assert any(c.kind == "all-reduce" and set(c.groups) <= groups for c in hlo.collectives(text))
+  gathers = [c for c in hlo.collectives(text) if c.kind == "all-gather" and set(c.groups) <= groups]
+  assert not gathers, gathers
+
+
+# --------------------------------------------------------------------------
+# N-D (einsum) kernels: module patterns on 'w' leaves, LoRA split with them
+
+N_HEADS, N_DIM = 4, 2
+
+
+def nd_params(seed=0):
+  """An einsum model whose modules keep their weight in 'w' (Gemma-style
+  [d, heads, head_dim] projections, a [heads, head_dim, d] output)."""
+  keys = iter(jax.random.split(jax.random.key(seed), 16))
+  w = lambda *shape: jax.random.normal(next(keys), shape) * (0.5 / np.sqrt(shape[0]))
+  layer = lambda: {"q": {"w": w(D, N_HEADS, N_DIM)}, "k": {"w": w(D, N_HEADS, N_DIM)},
+                   "v": {"w": w(D, N_HEADS, N_DIM)}, "o": {"w": w(N_HEADS, N_DIM, D)},
+                   "norm": {"scale": jnp.ones((D,))}}
+  return {"embed": {"embedding": w(VOCAB, D) * 4}, "layers": [layer(), layer()],
+          "head": {"w": w(D, VOCAB)}}
+
+
+def nd_loss(p, batch):
+  x = p["embed"]["embedding"][batch["tokens"]]
+  for lp in p["layers"]:
+    h = rms(x, lp["norm"]["scale"])
+    q, k, v = (jnp.einsum("btd,dnh->btnh", h, lp[n]["w"]) for n in "qkv")
+    s = jnp.einsum("btnh,bsnh->bnts", _rope_halves(q), _rope_halves(k)) / np.sqrt(N_DIM)
+    a = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, -1), v)
+    x = x + jnp.einsum("btnh,nhd->btd", a, lp["o"]["w"])
+  logp = jax.nn.log_softmax(x @ p["head"]["w"])
+  return -jnp.mean(jnp.take_along_axis(logp, batch["labels"][..., None], -1))
+
+
+ND_RULES = [("*.q", (None, "tensor", None)), ("*.k", (None, "tensor", None)),
+            ("*.v", (None, "tensor", None)), ("*.o", ("tensor", None, None))]
+
+
+def test_lora_on_nd_kernels_splits_adapters_by_heads():
+  """Rules and LoRA targets name modules whose weight is 'w'; the heads
+  dimension splits each kernel, and with it lora_B of the [d, heads,
+  head_dim] projections and lora_A of the [heads, head_dim, d] output:
+  the numbers of LoRA with FSDP alone, nothing gathered over 'tensor'."""
+  lora = fsdp_jax.LoRA(targets=("q", "v", "o"), rank=2, alpha=4.0, input_dims={"o": 2})
+  runs = _lora_runs(nd_params(), nd_loss, lora, ND_RULES, mesh(3, 2), batches(2))
+  np.testing.assert_allclose(runs[2][1], runs[1][1], rtol=1e-5, atol=1e-5)
+  assert_close_relative(fsdp_jax.summon_full_params(runs[2][0]),
+                        fsdp_jax.summon_full_params(runs[1][0]), 1e-4)
+  plan = runs[2][0].plan
+  dims = {l.name: l.tensor_dim for l in plan.leaves}
+  assert (dims["layers.0.q.w.base"], dims["layers.0.q.w.lora_A"], dims["layers.0.q.w.lora_B"]
+          ) == (1, None, 1)
+  assert (dims["layers.0.o.w.base"], dims["layers.0.o.w.lora_A"], dims["layers.0.o.w.lora_B"]
+          ) == (0, 0, None)
+  assert dims["layers.0.k.w"] == 1 and not plan.tensor_report.gathered
+  assert plan.lora_report.adapter_path == {f"layers.{i}.{n}.w" for i in range(2) for n in "qvo"}

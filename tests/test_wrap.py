@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import fsdp_jax
+from fsdp_jax._src import lora as lora_lib
 from fsdp_jax._src.state import build_plan
 
 from helpers import mesh_for
@@ -241,3 +242,50 @@ def test_module_wrap_policy_string_that_is_neither_path_nor_class_name():
   with pytest.raises(ValueError, match=r"'Block' is neither.*no module classes are "
                                        r"known.*module_classes=fsdp_jax.module_classes"):
     _units(TREE, fsdp_jax.ModuleWrapPolicy({"Block"}))
+
+
+# --------------------------------------------------------------------------
+# A module pattern names the module's weight, whatever its leaf is called
+
+WEIGHTS = {
+    "embed": {"embedding": z(12, 8)},                        # Flax's nn.Embed
+    "attn": {"q": {"w": z(8, 2, 4), "b": z(2, 4)},           # einsum modules (Haiku, tunix)
+             "o": {"w": z(2, 4, 8)}},
+    "mlp": {"up": {"proj": z(8, 12), "b": z(12)}},           # one leaf of 2 or more dims
+    "norm": {"scale": z(8)},
+}
+
+
+def test_module_patterns_name_w_embedding_and_lone_matrix_leaves():
+  """LoRA targets and tensor-parallel rules name a module's weight: its
+  'kernel'/'weight'/'w'/'embedding' leaf, else its one leaf of two or more
+  dims (a colwise rule takes the module's bias too); ignored_states (as
+  LoRA's trainable) name the module's whole subtree."""
+  lora = fsdp_jax.LoRA(targets=("q", "o", "up", "embed"), input_dims={"o": 2})
+  names = {t.name for t in lora_lib.find_targets(WEIGHTS, lora).values()}
+  assert names == {"attn.q.w", "attn.o.w", "mlp.up.proj", "embed.embedding"}
+  tp = fsdp_jax.TensorParallel(rules=[("embed", ("tensor", None)),
+                                      ("*.q", (None, "tensor", None)), ("up", "colwise")])
+  mesh = fsdp_jax.make_mesh(shard=2, tensor=2, devices=jax.devices()[:4])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), WEIGHTS)
+  plan = build_plan(abstract, mesh=mesh, config=fsdp_jax.FSDPConfig(
+      tensor_parallel=tp, use_orig_params=True, ignored_states=("norm",)))
+  dims = {l.name: l.tensor_dim for l in plan.leaves if l.tensor_dim is not None}
+  assert dims == {"embed.embedding": 0, "attn.q.w": 1, "mlp.up.proj": 1, "mlp.up.b": 0}
+  assert [l.name for l in plan.ignored_leaves] == ["norm.scale"]
+
+
+def test_module_with_several_weights_is_refused_naming_them_and_the_fix():
+  tree = {"attn": {"qkv": {"wa": z(8, 16), "wb": z(8, 16), "bias": z(16)}}}
+  match = (r"names module 'attn.qkv', which holds several weights: 'wa' \(8, 16\), 'wb' "
+           r"\(8, 16\). Fix: name the leaf itself, e.g. 'attn.qkv.wa' \(or '\*.qkv.wa'")
+  with pytest.raises(ValueError, match="LoRA target 'qkv' " + match):
+    lora_lib.find_targets(tree, fsdp_jax.LoRA(targets=("qkv",)))
+  mesh = fsdp_jax.make_mesh(shard=2, tensor=2, devices=jax.devices()[:4])
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+  with pytest.raises(ValueError, match=r"TensorParallel rule '\*.qkv' " + match):
+    build_plan(abstract, mesh=mesh, config=fsdp_jax.FSDPConfig(
+        tensor_parallel=fsdp_jax.TensorParallel(rules=[("*.qkv", "colwise")])))
+  # Naming the leaf works.
+  assert [t.name for t in lora_lib.find_targets(
+      tree, fsdp_jax.LoRA(targets=("qkv.wa",))).values()] == ["attn.qkv.wa"]

@@ -667,9 +667,19 @@ def gather_params(eqn) -> tuple:
 
 def layout_params(eqn) -> dict:
   """The dimension parameters of ``concatenate`` (``dimension``), ``rev``
-  (``dimensions``) and ``pad`` (``padding_config``) equations."""
-  return {k: eqn.params[k] for k in ("dimension", "dimensions", "padding_config")
+  (``dimensions``), ``pad`` (``padding_config``), ``split`` (``sizes``,
+  ``axis``), ``stack`` (``axis``; a primitive from jax 0.10),
+  ``dynamic_slice`` (``slice_sizes``) and ``bitcast_convert_type``
+  (``new_dtype``) equations."""
+  return {k: eqn.params[k] for k in ("dimension", "dimensions", "padding_config", "sizes",
+                                     "axis", "slice_sizes", "new_dtype")
           if k in eqn.params}
+
+
+def bind_with(eqn, invals, **params) -> list:
+  """:func:`bind_eqn` with some of ``eqn``'s params replaced (a gather's or
+  dynamic slice's ``slice_sizes`` on a device's slice)."""
+  return bind_eqn(replace_eqn(eqn, params=params), invals)
 
 
 def transpose_permutation(eqn) -> tuple:

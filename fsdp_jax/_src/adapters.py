@@ -39,55 +39,81 @@ _DROPOUT_SALT = 0x4C6F5241  # "LoRA"
 
 class LoRAValue:
   """A target kernel as the re-evaluated loss holds it: the base (its
-  ``uint8`` payload for QLoRA, decoded where it is used), ``A``, ``B``, the
-  scale, the dropout rate and key, and the dtype the loss has cast it to.
+  ``uint8`` payload for QLoRA, decoded where it is used), ``A`` (``[*lead,
+  *in, r]``), ``B`` (``[*lead, r, *out]``), the scale, the dropout rate and
+  key, the dtype the loss has cast it to, and ``perm``: the kernel's
+  dimensions as the loss sees them (after its transposes; None: as stored),
+  each an index into ``[*in, *out]``.
   A pytree (``lax.scan`` slices its parts, ``jax.checkpoint`` passes them)."""
 
   __slots__ = ("base", "a", "b", "key", "scale", "rate", "quantization", "width", "dtype",
-               "name", "transposed")
+               "name", "out_dims", "perm")
 
   def __init__(self, base, a, b, key, *, scale, rate, quantization, width, dtype, name,
-               transposed=False):
+               out_dims=1, perm=None):
     self.base, self.a, self.b, self.key = base, a, b, key
     self.scale, self.rate, self.quantization = scale, rate, quantization
     self.width, self.dtype, self.name = width, jnp.dtype(dtype), name
-    self.transposed = transposed  # the loss transposed the kernel: a = B.T, b = A.T
+    self.out_dims, self.perm = out_dims, perm
 
   def _aux(self):
     return (self.scale, self.rate, self.quantization, self.width, self.dtype, self.name,
-            self.transposed)
+            self.out_dims, self.perm)
+
+  @property
+  def in_dims(self) -> int:
+    return self.a.ndim - 1 - self.lead
+
+  @property
+  def lead(self) -> int:
+    """Leading layer axes (a stacked kernel outside its scan)."""
+    return self.b.ndim - 1 - self.out_dims
+
+  def _stored_shape(self) -> tuple:
+    return tuple(self.a.shape[:-1]) + tuple(self.b.shape[self.lead + 1:])
+
+  def _seen(self, x):
+    """``x`` in the stored layout -> as the loss sees it."""
+    if self.perm is None:
+      return x
+    lead = self.lead
+    return jnp.transpose(x, tuple(range(lead)) + tuple(lead + p for p in self.perm))
 
   @property
   def shape(self) -> tuple:
-    return tuple(self.a.shape[:-1]) + (self.b.shape[-1],)
+    stored = self._stored_shape()
+    if self.perm is None:
+      return stored
+    lead = self.lead
+    return stored[:lead] + tuple(stored[lead + p] for p in self.perm)
 
   def weight(self):
-    """The base kernel, decoded, in the value's dtype (transposed as the
-    loss transposed it)."""
+    """The base kernel, decoded, in the value's dtype (as the loss sees it)."""
     if self.quantization is None:
       w = self.base.astype(self.dtype)
     else:
       w = quant.decode(self.base, self.quantization, self.width, self.dtype)
-    return jnp.swapaxes(w, -1, -2) if self.transposed else w
+      w = w.reshape(self._stored_shape())
+    return self._seen(w)
 
-  def transpose(self) -> "LoRAValue":
-    """The value of ``W.T``: ``(A @ B).T = B.T @ A.T``."""
-    return self._replace(a=jnp.swapaxes(self.b, -1, -2), b=jnp.swapaxes(self.a, -1, -2),
-                         transposed=not self.transposed)
+  def transpose(self, permutation: tuple) -> "LoRAValue":
+    """The value of ``W.transpose(permutation)`` (per layer)."""
+    perm = tuple(range(len(permutation))) if self.perm is None else self.perm
+    return self._replace(perm=tuple(perm[k] for k in permutation))
 
   def _replace(self, **kw) -> "LoRAValue":
     fields = dict(base=self.base, a=self.a, b=self.b, key=self.key, scale=self.scale,
                   rate=self.rate, quantization=self.quantization, width=self.width,
-                  dtype=self.dtype, name=self.name, transposed=self.transposed)
+                  dtype=self.dtype, name=self.name, out_dims=self.out_dims, perm=self.perm)
     fields.update(kw)
     return LoRAValue(fields.pop("base"), fields.pop("a"), fields.pop("b"), fields.pop("key"),
                      **fields)
 
   def merged(self):
     """``W + scale * A @ B`` in the value's dtype (the fallback)."""
-    delta = jnp.matmul(self.a.astype(jnp.float32), self.b.astype(jnp.float32))
+    d = self._seen(lora_lib.delta(self.a, self.b, self.out_dims))
     w = self.weight()
-    return (w.astype(jnp.float32) + jnp.float32(self.scale) * delta).astype(self.dtype)
+    return (w.astype(jnp.float32) + jnp.float32(self.scale) * d).astype(self.dtype)
 
   def cast(self, dtype) -> "LoRAValue":
     """The kernel cast by the loss (Flax's ``promote_dtype``): the base is
@@ -100,7 +126,8 @@ jax.tree_util.register_pytree_node(
     LoRAValue,
     lambda v: ((v.base, v.a, v.b, v.key), v._aux()),  # pylint: disable=protected-access
     lambda aux, ch: LoRAValue(*ch, scale=aux[0], rate=aux[1], quantization=aux[2],
-                              width=aux[3], dtype=aux[4], name=aux[5], transposed=aux[6]))
+                              width=aux[3], dtype=aux[4], name=aux[5], out_dims=aux[6],
+                              perm=aux[7]))
 
 
 def _is_lora(x) -> bool:
@@ -145,15 +172,30 @@ def _dot(eqn, invals, report: Report, counter: list):
   opts = _compat.dot_options(eqn)
   side = 1 if _is_lora(rhs) and not _is_lora(lhs) else 0 if _is_lora(lhs) and not _is_lora(rhs) else None
   value = None if side is None else invals[side]
-  contract = None if side is None else (rc if side else lc)
-  if (value is None or lb or rb or len(value.shape) != 2 or len(contract) != 1):
+  if value is None or lb or rb or value.lead:
     vals = [_materialize(x, report, "a dot_general it cannot split") for x in invals]
     return _compat.bind_eqn(eqn, vals)
-  d = contract[0]
+  contract = rc if side else lc        # the kernel's contracted dims, as seen
+  other = lc if side else rc           # x's, pair by pair
+  k_in, ndim = value.in_dims, len(value.shape)
+  perm = value.perm or tuple(range(ndim))
+  stored = [perm[j] for j in contract]  # the contracted dims in [*in, *out]
+  a, b = value.a, value.b
+  if sorted(stored) == list(range(k_in)):            # x . A, then . B
+    first, first_dims, second, r_axis = a, stored, b, 0
+    rest = list(range(k_in, ndim))                    # B's dims, in order
+  elif sorted(stored) == list(range(k_in, ndim)):    # a transposed use: x . B.T, then . A.T
+    first, first_dims, second, r_axis = b, [1 + s - k_in for s in stored], a, a.ndim - 1
+    rest = list(range(k_in))
+  else:
+    why = (f"a dot_general contracting kernel dims {tuple(stored)}, neither its input dims "
+           f"{tuple(range(k_in))} nor its output dims {tuple(range(k_in, ndim))} (set "
+           "LoRA(input_dims=...) to the kernel's input dimensions)")
+    return _compat.bind_eqn(eqn, [_materialize(x, report, why) for x in invals])
   x = lhs if side else rhs
 
-  def base_dot(stored, x):
-    w = value._replace(base=stored).weight()  # pylint: disable=protected-access
+  def base_dot(stored_base, x):
+    w = value._replace(base=stored_base).weight()  # pylint: disable=protected-access
     return _compat.bind_eqn(eqn, [w, x] if side == 0 else [x, w])[0]
 
   if value.quantization is None:
@@ -164,22 +206,20 @@ def _dot(eqn, invals, report: Report, counter: list):
     # which FULL_SHARD re-gathers): otherwise every layer's decoded kernel
     # would be live at the peak (2x full fine-tuning's, benchmarks/LORA.md).
     base = jax.checkpoint(base_dot)(value.base, x)
-  a, b = value.a, value.b
   # PEFT runs the adapter in its own dtype (x cast to lora_A's) and adds the
   # result in the base output's.
   x = _dropout(x, value, counter).astype(a.dtype)
-  other = lc if side else rc
-  # dW = A @ B ([m, r] @ [r, n]); the dot contracts W's dim d with x.
-  first, second = (a, b) if d == 0 else (b, a)   # the factor holding dim d first
-  first_dim = 0 if d == 0 else 1                  # d's position in that factor
-  if side:  # x . W: x's free dims, then W's free dim
-    t = lax.dot_general(x, first, ((other, (first_dim,)), ((), ())), **opts)
-    r_axis = 0 if d == 0 else 1                   # r's position in the second factor
-    u = lax.dot_general(t, second, (((t.ndim - 1,), (r_axis,)), ((), ())), **opts)
-  else:     # W . x: W's free dim, then x's free dims
-    t = lax.dot_general(first, x, (((first_dim,), other), ((), ())), **opts)
-    r_axis = 0 if d == 0 else 1
-    u = lax.dot_general(second, t, (((r_axis,), (0,)), ((), ())), **opts)
+  # x . first over the contracted dims: [x's free dims, r]; then . second
+  # over r: [x's free dims, second's kernel dims in stored order].
+  t = lax.dot_general(x, first, ((tuple(other), tuple(first_dims)), ((), ())), **opts)
+  u = lax.dot_general(t, second, (((t.ndim - 1,), (r_axis,)), ((), ())), **opts)
+  free = [perm[j] for j in range(ndim) if j not in contract]  # the dot's order
+  nx = t.ndim - 1
+  order = tuple(range(nx)) + tuple(nx + rest.index(s) for s in free)
+  if side == 0:  # W . x: the kernel's free dims first
+    order = order[nx:] + order[:nx]
+  if order != tuple(range(u.ndim)):
+    u = lax.transpose(u, order)
   report.adapter_path.add(value.name)
   return [base + (u * jnp.asarray(value.scale, u.dtype)).astype(base.dtype)]
 
@@ -212,9 +252,9 @@ def _rule(eqn, invals, report: Report, counter: list) -> list:
     return [invals[0].cast(_compat.converted_dtype(eqn))]
   if name in _compat.PASSTHROUGH_PRIMITIVES and len(invals) == 1:
     return [invals[0]]
-  if (name == "transpose" and len(invals[0].shape) == 2
-      and _compat.transpose_permutation(eqn) == (1, 0)):
-    return [invals[0].transpose()]  # x @ W.T (tied embeddings, PyTorch-layout kernels)
+  if name == "transpose" and not invals[0].lead:
+    # x @ W.T (tied embeddings, PyTorch-layout kernels), an einsum's operand order
+    return [invals[0].transpose(_compat.transpose_permutation(eqn))]
   if _compat.is_remat(eqn):
     p = _compat.remat_params(eqn)
     body = lambda *xs: evaluate(p.jaxpr, [], list(xs), report, counter)
@@ -271,7 +311,7 @@ def values_tree(stored_tree, lora: lora_lib.LoRA, names: tuple, base_dtypes: tup
     compute = next(dtypes)
     return LoRAValue(node.base, node.lora_A, node.lora_B, k, scale=lora.scaling,
                      rate=lora.dropout, quantization=node.quantization, width=node.width,
-                     dtype=compute, name=name)
+                     dtype=compute, name=name, out_dims=node.out_dims)
 
   return jax.tree.map(one, stored_tree, is_leaf=lora_lib.is_lora_weight)
 

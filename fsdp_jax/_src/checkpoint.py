@@ -34,6 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import offload
 from fsdp_jax._src.plan import Plan
 from fsdp_jax._src.state import ShardedTrainState
@@ -472,6 +473,7 @@ class CheckpointManager:
     self.close()
 
   # -- save -------------------------------------------------------------------
+  @mesh_lib.own_mesh
   def save(self, state: ShardedTrainState, *, force: bool = False,
            metrics: Optional[dict] = None, data_state: Optional[dict] = None) -> bool:
     """Saves ``state`` as step ``int(state.step)``; returns whether it did.
@@ -588,6 +590,7 @@ class CheckpointManager:
               f"{others}), or delete {self._step_dir(step)}.")
     return f"Fix: delete {self._step_dir(step)} and save again."
 
+  @mesh_lib.own_mesh
   def restore(self, target, *, step: Optional[int] = None) -> ShardedTrainState:
     """Restores step ``step`` (default: the latest) into ``target``'s plan.
 
@@ -725,6 +728,7 @@ def _nested(names, values) -> dict:
   return out
 
 
+@mesh_lib.own_mesh
 def export_params(state: ShardedTrainState, directory, *, force: bool = False) -> str:
   """Writes the full, unsharded parameter tree for inference; returns the
   directory.
@@ -768,6 +772,7 @@ def export_params(state: ShardedTrainState, directory, *, force: bool = False) -
   return path
 
 
+@mesh_lib.own_mesh
 def import_params(directory, *, sharding: Optional[jax.sharding.Sharding] = None):
   """Reads a parameter tree written by :func:`export_params`.
 

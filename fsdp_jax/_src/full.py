@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import grads as grads_lib
 from fsdp_jax._src import layout, offload
 from fsdp_jax._src import lora as lora_lib
@@ -41,6 +42,7 @@ def _to_host(tree):
   return jax.tree.map(np.asarray, tree)
 
 
+@mesh_lib.own_mesh
 def summon_full_params(state: ShardedTrainState, *, rank0_only: bool = False,
                        offload_to_cpu: bool = False, with_grads: bool = False,
                        grads: Any = None):
@@ -102,6 +104,7 @@ def summon_full_params(state: ShardedTrainState, *, rank0_only: bool = False,
   return (params, full_grads) if with_grads else params
 
 
+@mesh_lib.own_mesh
 def write_full_params(state: ShardedTrainState, fn: Callable[[Any], Any], *,
                       rank0_only: bool = False) -> ShardedTrainState:
   """Applies ``fn(full_params) -> full_params`` and writes the result back
@@ -162,6 +165,7 @@ def _check_same_tree(old, new):
           "values of the same shape and dtype (cast with .astype).")
 
 
+@mesh_lib.own_mesh
 def apply(state: ShardedTrainState, fn: Callable[[str, Any], Any]) -> ShardedTrainState:
   """Maps ``fn(name, full_leaf) -> new_leaf`` over every parameter, one unit
   at a time (PyTorch ``FullyShardedDataParallel.apply``): only one unit is
@@ -215,6 +219,7 @@ def apply(state: ShardedTrainState, fn: Callable[[str, Any], Any]) -> ShardedTra
   return state.replace(params=assemble_storage(plan, per_unit, ignored))
 
 
+@mesh_lib.own_mesh
 def sharded_grads(loss_fn: Callable, state: ShardedTrainState, batch):
   """The reduced, averaged gradient shards of ``batch`` (in the optimizer's
   layout, as global arrays, in device memory also with CPU offload), without

@@ -2,14 +2,16 @@
 adapters.
 
 With ``FSDPConfig(lora=LoRA(...))`` the state stores each target kernel
-``W`` (``[m, n]``; ``[layers, m, n]`` in a stacked unit) as a
-:class:`LoRAWeight`: the frozen ``base`` (``W`` itself, or for QLoRA its
-block-quantized rows: ``uint8`` payload rows of
-:func:`fsdp_jax._src.quantization.encode`, codes then float32 scales) and the
-trainable factors ``lora_A`` (``[m, r]``) and ``lora_B`` (``[r, n]``). The
-loss sees ``W + (alpha / r) * lora_A @ lora_B`` (PEFT's LoRA on a linear
-layer; for a JAX ``[in, out]`` kernel ``lora_A`` is PEFT's ``lora_A.weight``
-transposed and ``lora_B`` its ``lora_B.weight`` transposed).
+``W`` (``[*in, *out]``: ``[m, n]``, or an N-D kernel such as Flax
+``DenseGeneral``'s ``[d, heads, head_dim]``; ``[layers, ...]`` in a stacked
+unit) as a :class:`LoRAWeight`: the frozen ``base`` (``W`` itself, or for
+QLoRA its block-quantized rows: ``W`` as ``[*in, prod(out)]``, each row a
+``uint8`` payload row of :func:`fsdp_jax._src.quantization.encode`, codes
+then float32 scales) and the trainable factors ``lora_A`` (``[*in, r]``) and
+``lora_B`` (``[r, *out]``). The loss sees ``W + (alpha / r) * lora_A @
+lora_B`` (contracting ``r``; PEFT's LoRA on a linear layer: for a JAX ``[in,
+out]`` kernel ``lora_A`` is PEFT's ``lora_A.weight`` transposed and
+``lora_B`` its ``lora_B.weight`` transposed).
 
 This module is pure tree work: which leaves are targets, the stored tree
 and its trainable mask, and the merged weights. How the step computes the
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -30,12 +32,7 @@ import numpy as np
 from fsdp_jax._src import naming
 from fsdp_jax._src import quantization as quant
 from fsdp_jax._src.quantization import Quantization
-from fsdp_jax._src.wrap import name_matches, named_leaves
-
-# The leaf names of a module's matmul kernel in Flax (``kernel``) and in
-# equinox / PyTorch-style trees (``weight``): a pattern naming the module
-# names its kernel.
-KERNEL_NAMES = ("kernel", "weight")
+from fsdp_jax._src.wrap import name_matches, named_leaves, named_weights
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,22 +44,29 @@ class LoRA:
   ``+-1/sqrt(m)``) and ``B`` (``[rank, n]``, zeros) trainable and in the
   kernel's own layout (for a JAX ``[in, out]`` kernel, ``A`` is PEFT's
   ``lora_A.weight.T`` and ``B`` its ``lora_B.weight.T``) and dtype (float32
-  for a 16-bit kernel, as PEFT's ``autocast_adapter_dtype``). The step computes
+  for a 16-bit kernel, as PEFT's ``autocast_adapter_dtype``). An N-D kernel
+  (Flax ``DenseGeneral`` / einsum kernels) is its input dimensions then its
+  output dimensions: ``[d, heads, head_dim]`` gets ``A`` ``[d, rank]`` and
+  ``B`` ``[rank, heads, head_dim]``, an output projection ``[heads,
+  head_dim, d]`` with ``input_dims=2`` gets ``A`` ``[heads, head_dim, rank]``
+  and ``B`` ``[rank, d]`` (``m``, ``n``: the products). The step computes
   ``x @ W + (alpha / rank) * (dropout(x) @ A) @ B`` where the loss uses the
-  kernel as a matmul operand, so the frozen base's weight gradient is never
-  computed; every other use sees the merged weight (``print(state.plan)``
-  says which). Everything else is frozen (no gradient, no reduce-scatter,
-  no optimizer state) except the leaves ``trainable`` names.
+  kernel as a matmul operand (a ``dot_general`` contracting its input
+  dimensions, or its output dimensions for a transposed use), so the frozen
+  base's weight gradient is never computed; every other use sees the merged
+  weight (``print(state.plan)`` says which). Everything else is frozen (no
+  gradient, no reduce-scatter, no optimizer state) except the leaves
+  ``trainable`` names.
 
   Args:
     targets: glob patterns over dotted parameter names (``*`` within one
       segment, ``**`` across; a pattern may match any trailing part of a
       name, as PEFT's ``target_modules`` do). A pattern naming a module
-      (``"*.wq"`` for Flax's ``...wq.kernel``) names its 2-D ``kernel`` or
-      ``weight``. Kernels must be 2-D per layer; reshape others (e.g. a
-      ``DenseGeneral`` ``[d, heads, head_dim]`` kernel) to ``[d, heads *
-      head_dim]`` in the model.
-    rank: ``r``, at most the smaller kernel dimension.
+      (``"*.wq"`` for Flax's ``...wq.kernel``) names its weight: its leaf
+      called ``kernel``, ``weight``, ``w``, ``embedding`` or ``embeddings``,
+      else its one leaf of two or more dimensions (several are an error
+      naming them). Kernels have at least 2 dimensions per layer.
+    rank: ``r``, at most the smaller of ``m`` and ``n``.
     alpha: ``lora_alpha``; the adapter is scaled by ``alpha / rank``.
     dropout: ``lora_dropout``: dropout on the adapter path's input (needs
       ``init_train_state(rng=...)``; each step and device draws its own
@@ -71,11 +75,16 @@ class LoRA:
       fully: norms, a new head (PEFT's ``modules_to_save``).
     base_quantization: QLoRA: a :class:`fsdp_jax.Quantization` for the frozen
       target kernels, e.g. ``Quantization(dtype="nf4", block_size=64)``
-      (QLoRA's NormalFloat4) or ``dtype=jnp.int8``. Each kernel row is
-      stored as codes plus one float32 absmax scale per block (a partial last
-      block is allowed, so any width works), gathered quantized (4 bits per
-      value on the wire for nf4) and dequantized to the compute dtype after
-      the gather.
+      (QLoRA's NormalFloat4) or ``dtype=jnp.int8``. Each kernel row (an N-D
+      kernel's output dimensions flattened) is stored as codes plus one
+      float32 absmax scale per block (a partial last block is allowed, so
+      any width works), gathered quantized (4 bits per value on the wire
+      for nf4) and dequantized to the compute dtype after the gather.
+    input_dims: how many leading dimensions (per layer) of a target kernel
+      are its input: an int for every target (default 1: ``[in, out]``,
+      ``[d, heads, head_dim]``), or ``{pattern: int}`` for the targets a
+      pattern names (the others take 1), e.g. ``{"*.o_proj": 2}`` for
+      ``[heads, head_dim, d]`` output projections.
 
   Example:
     >>> import fsdp_jax
@@ -84,6 +93,8 @@ class LoRA:
     2.0
     >>> fsdp_jax.FSDPConfig(lora=lora, use_orig_params=True).lora.rank
     4
+    >>> fsdp_jax.LoRA(targets=("q", "o"), input_dims={"o": 2}).input_dims
+    (('o', 2),)
   """
 
   targets: Sequence[str]
@@ -92,6 +103,7 @@ class LoRA:
   dropout: float = 0.0
   trainable: Sequence[str] = ()
   base_quantization: Optional[Quantization] = None
+  input_dims: Union[int, Mapping[str, int], Sequence[tuple]] = 1
 
   def __post_init__(self):
     targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
@@ -125,6 +137,18 @@ class LoRA:
         raise ValueError(
             "LoRA(base_quantization=Quantization(rounding='stochastic')): the frozen base "
             "is quantized once, to nearest. Fix: drop rounding= (or pass 'nearest').")
+    object.__setattr__(self, "input_dims", _input_dims(self.input_dims))
+
+  def input_dims_of(self, name: str) -> int:
+    """The input dimensions of target ``name``: the first ``input_dims``
+    pattern naming it (or its module), else 1 (or the int given)."""
+    if isinstance(self.input_dims, int):
+      return self.input_dims
+    module = name.rsplit(".", 1)[0] if "." in name else None
+    for pattern, k in self.input_dims:
+      if matches(name, pattern) or (module is not None and matches(module, pattern)):
+        return k
+    return 1
 
   @property
   def scaling(self) -> float:
@@ -140,27 +164,54 @@ class LoRA:
             f"{base}")
 
 
+def _count(k, what: str) -> int:
+  if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+    raise ValueError(f"LoRA(input_dims=...) {what}{k!r} must be a positive int (how many "
+                     "leading kernel dimensions are the input), e.g. input_dims={'*.o_proj': 2}.")
+  return int(k)
+
+
+def _input_dims(value):
+  """``input_dims`` as an int, or a tuple of ``(pattern, int)`` pairs."""
+  if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    return _count(value, "")
+  items = value.items() if isinstance(value, Mapping) else value
+  try:
+    pairs = tuple((p, k) for p, k in items)
+  except (TypeError, ValueError):
+    raise ValueError(f"LoRA(input_dims={value!r}) must be an int or {{pattern: int}}, e.g. "
+                     "input_dims={'*.o_proj': 2}.") from None
+  for p, k in pairs:
+    if not isinstance(p, str) or not p:
+      raise ValueError(f"LoRA(input_dims=...) key {p!r} must be a dotted-name pattern.")
+    _count(k, f"for {p!r}: ")
+  return tuple((p, int(k)) for p, k in pairs)
+
+
 # --------------------------------------------------------------------------
 # The stored node
 
 
 class LoRAWeight:
   """A target kernel as the state stores it: ``base`` (frozen; for QLoRA the
-  ``uint8`` payload rows of its quantized rows), ``lora_A`` and ``lora_B``
-  (trainable). A pytree node: its leaves are named ``<kernel>.base``,
-  ``<kernel>.lora_A``, ``<kernel>.lora_B``.
+  ``uint8`` payload rows of its quantized rows), ``lora_A`` (``[*in, r]``)
+  and ``lora_B`` (``[r, *out]``) (trainable). A pytree node: its leaves are
+  named ``<kernel>.base``, ``<kernel>.lora_A``, ``<kernel>.lora_B``.
 
-  ``quantization``, ``width`` (the kernel's last dimension ``n``) and
-  ``dtype`` (the kernel's own dtype) are static: what decoding a
-  quantized base needs.
+  ``quantization``, ``width`` (the size of a kernel row: the product of its
+  output dimensions ``n``), ``dtype`` (the kernel's own dtype) and
+  ``out_dims`` (how many trailing kernel dimensions are its output) are
+  static: what decoding a quantized base and shaping the kernel need.
   """
 
-  __slots__ = ("base", "lora_A", "lora_B", "quantization", "width", "dtype")
+  __slots__ = ("base", "lora_A", "lora_B", "quantization", "width", "dtype", "out_dims")
 
-  def __init__(self, base, lora_A, lora_B, *, quantization=None, width=None, dtype=None):  # pylint: disable=invalid-name
+  def __init__(self, base, lora_A, lora_B, *, quantization=None, width=None, dtype=None,  # pylint: disable=invalid-name
+               out_dims=1):
     self.base, self.lora_A, self.lora_B = base, lora_A, lora_B
     self.quantization, self.width = quantization, width
     self.dtype = None if dtype is None else jnp.dtype(dtype)
+    self.out_dims = int(out_dims)
 
   def __repr__(self):
     shape = lambda x: tuple(getattr(x, "shape", ()))
@@ -168,28 +219,37 @@ class LoRAWeight:
     return (f"LoRAWeight(base={shape(self.base)}, lora_A={shape(self.lora_A)}, "
             f"lora_B={shape(self.lora_B)}{q})")
 
+  @property
+  def kernel_shape(self) -> tuple:
+    """The kernel's shape (``[layers,] *in, *out``), from the factors'."""
+    out = tuple(self.lora_B.shape[len(self.lora_B.shape) - self.out_dims:])
+    return tuple(self.lora_A.shape[:-1]) + out
+
   def replace(self, **kw) -> "LoRAWeight":
     fields = dict(base=self.base, lora_A=self.lora_A, lora_B=self.lora_B,
-                  quantization=self.quantization, width=self.width, dtype=self.dtype)
+                  quantization=self.quantization, width=self.width, dtype=self.dtype,
+                  out_dims=self.out_dims)
     fields.update(kw)
     return LoRAWeight(**fields)
 
 
+def _aux(w):
+  return (w.quantization, w.width, w.dtype, w.out_dims)
+
+
 def _flatten_with_keys(w):
   keys = [jax.tree_util.GetAttrKey(n) for n in ("base", "lora_A", "lora_B")]
-  return (list(zip(keys, (w.base, w.lora_A, w.lora_B))),
-          (w.quantization, w.width, w.dtype))
+  return list(zip(keys, (w.base, w.lora_A, w.lora_B))), _aux(w)
 
 
 def _flatten(w):
-  return (w.base, w.lora_A, w.lora_B), (w.quantization, w.width, w.dtype)
+  return (w.base, w.lora_A, w.lora_B), _aux(w)
 
 
 def _unflatten(aux, children):
-  q, width, dtype = aux
   out = object.__new__(LoRAWeight)
   out.base, out.lora_A, out.lora_B = children
-  out.quantization, out.width, out.dtype = q, width, dtype
+  out.quantization, out.width, out.dtype, out.out_dims = aux
   return out
 
 
@@ -222,13 +282,21 @@ class Report:
 @dataclasses.dataclass(frozen=True)
 class Target:
   """One target kernel of the user's tree: its leaf index, dotted name,
-  per-layer shape ``(m, n)`` and leading layer dims."""
+  per-layer input and output dimensions and leading layer dims."""
 
   index: int
   name: str
-  m: int
-  n: int
+  ins: tuple
+  outs: tuple
   lead: tuple
+
+  @property
+  def m(self) -> int:
+    return math.prod(self.ins)
+
+  @property
+  def n(self) -> int:
+    return math.prod(self.outs)
 
 
 def matches(name: str, pattern: str) -> bool:
@@ -255,42 +323,46 @@ def find_targets(tree, lora: LoRA, stacked_patterns=()) -> dict:
   paths = naming.leaf_paths(tree)
   leaves = jax.tree_util.tree_leaves(tree)
   names = [".".join(p) for p in paths]
+  shapes = [tuple(x.shape) for x in leaves]
+  leads = [_stacked_lead(p, stacked_patterns) for p in paths]
   out = {}
   for pattern in lora.targets:
-    hits = []
-    for i, (p, name) in enumerate(zip(paths, names)):
-      module = ".".join(p[:-1]) if len(p) > 1 and p[-1] in KERNEL_NAMES else None
-      if matches(name, pattern) or (module is not None and matches(module, pattern)):
-        hits.append(i)
+    hits = named_weights(paths, shapes, leads, pattern, "LoRA target", match=matches)
     if not hits:
       examples = ", ".join(repr(n) for n in names[:6])
       raise ValueError(
           f"LoRA target {pattern!r} matches no parameter. Parameters are named by dotted "
           f"paths such as {examples}; a pattern names a parameter or its module (the "
-          f"module's 'kernel'/'weight'), '*' within one segment, '**' across. Fix the "
-          "pattern.")
+          f"module's weight: 'kernel', 'weight', 'w', 'embedding', or its one leaf of 2 or "
+          "more dimensions), '*' within one segment, '**' across. Fix the pattern.")
     for i in hits:
-      x = leaves[i]
-      shape = tuple(x.shape)
-      lead = _stacked_lead(paths[i], stacked_patterns)
-      if len(shape) - lead != 2:
+      x, shape, lead = leaves[i], shapes[i], leads[i]
+      if len(shape) - lead < 2:
         what = "per layer (stacked_layers) " if lead else ""
         raise ValueError(
             f"LoRA target {pattern!r} matches {names[i]!r} of shape {shape}, which is not "
-            f"2-D {what}(LoRA adapts a matmul kernel [m, n]). Fix: narrow the pattern to "
-            "the 2-D kernels (e.g. '*.wq.kernel'), or reshape the kernel to 2-D in the "
-            "model (a DenseGeneral [d, heads, head_dim] kernel as [d, heads * head_dim]).")
+            f"2-D or more {what}(LoRA adapts a matmul kernel [*in, *out]). Fix: narrow the "
+            "pattern to the kernels (e.g. '*.wq.kernel').")
       if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(
             f"LoRA target {names[i]!r} has dtype {jnp.dtype(x.dtype).name}; LoRA adapts "
             "floating-point kernels. Fix the pattern.")
-      m, n = shape[lead:]
-      if lora.rank > min(m, n):
+      k = lora.input_dims_of(names[i])
+      per_layer = shape[lead:]
+      if k >= len(per_layer):
+        raise ValueError(
+            f"LoRA(input_dims=...) gives target {names[i]!r} (shape {shape}) {k} input "
+            f"dimension(s), but its kernel has {len(per_layer)} dimensions per layer and "
+            f"needs at least one output dimension. Fix: input_dims <= {len(per_layer) - 1} "
+            "for it.")
+      t = Target(i, names[i], per_layer[:k], per_layer[k:], shape[:lead])
+      if lora.rank > min(t.m, t.n):
         raise ValueError(
             f"LoRA(rank={lora.rank}) is larger than a dimension of target {names[i]!r} "
-            f"(shape {shape}): the rank is at most min(m, n) = {min(m, n)}. Fix: pass "
-            f"rank<={min(m, n)} or narrow targets={lora.targets!r}.")
-      out[i] = Target(i, names[i], m, n, shape[:lead])
+            f"(shape {shape}): the rank is at most min(m, n) = {min(t.m, t.n)} ({t.m} "
+            f"inputs, {t.n} outputs). Fix: pass rank<={min(t.m, t.n)} or narrow "
+            f"targets={lora.targets!r}.")
+      out[i] = t
   return out
 
 
@@ -305,13 +377,14 @@ def trainable_leaves(tree, lora: LoRA) -> set:
 # The stored tree
 
 
-def init_factors(key, m: int, n: int, rank: int, lead: tuple, dtype):
-  """``(A, B)``: ``A`` uniform in ``+-1/sqrt(m)`` (PEFT's
-  ``kaiming_uniform_(a=sqrt(5))`` on ``lora_A.weight`` ``[r, m]``), ``B``
-  zeros."""
-  bound = 1.0 / math.sqrt(m)
-  a = jax.random.uniform(key, lead + (m, rank), jnp.float32, -bound, bound).astype(dtype)
-  return a, jnp.zeros(lead + (rank, n), dtype)
+def init_factors(key, t: Target, rank: int, dtype):
+  """``(A, B)``: ``A`` (``[*lead, *in, r]``) uniform in ``+-1/sqrt(m)``
+  (PEFT's ``kaiming_uniform_(a=sqrt(5))`` on ``lora_A.weight`` ``[r, m]``),
+  ``B`` (``[*lead, r, *out]``) zeros."""
+  bound = 1.0 / math.sqrt(t.m)
+  a = jax.random.uniform(key, t.lead + (t.m, rank), jnp.float32, -bound, bound)
+  a = a.reshape(t.lead + t.ins + (rank,)).astype(dtype)
+  return a, jnp.zeros(t.lead + (rank,) + t.outs, dtype)
 
 
 def adapter_dtype(kernel_dtype):
@@ -321,13 +394,31 @@ def adapter_dtype(kernel_dtype):
   return jnp.dtype(jnp.float32) if kernel_dtype.itemsize < 4 else kernel_dtype
 
 
+def encode_base(w, q: Quantization, out_dims: int):
+  """A kernel ``[..., *out]`` -> its QLoRA base: the rows of ``[...,
+  prod(out)]`` encoded (to nearest)."""
+  rows = w.reshape(w.shape[:w.ndim - out_dims] + (-1,))
+  return quant.encode(rows, q)
+
+
 def decode_base(node: LoRAWeight, dtype=None):
   """The base kernel of ``node`` (dequantized for QLoRA) in ``dtype``
   (default: the kernel's own dtype)."""
   dtype = node.dtype if dtype is None else dtype
   if node.quantization is None:
     return node.base if dtype is None else node.base.astype(dtype)
-  return quant.decode(node.base, node.quantization, node.width, dtype)
+  rows = quant.decode(node.base, node.quantization, node.width, dtype)
+  return rows.reshape(node.kernel_shape)
+
+
+def delta(a, b, out_dims: int):
+  """``A @ B`` contracting ``r``: ``[*lead, *in, r] x [*lead, r, *out] ->
+  [*lead, *in, *out]`` in float32 (the layer axes batched)."""
+  lead = b.ndim - 1 - out_dims
+  shape = tuple(a.shape[:-1]) + tuple(b.shape[lead + 1:])
+  a2 = a.astype(jnp.float32).reshape(a.shape[:lead] + (-1, a.shape[-1]))
+  b2 = b.astype(jnp.float32).reshape(b.shape[:lead + 1] + (-1,))
+  return jnp.matmul(a2, b2).reshape(shape)
 
 
 def adapter_tree(tree, lora: LoRA, targets: dict, key):
@@ -344,11 +435,11 @@ def adapter_tree(tree, lora: LoRA, targets: dict, key):
       out.append(w)
       continue
     dtype = jnp.dtype(w.dtype)
-    a, b = init_factors(jax.random.fold_in(key, i), t.m, t.n, lora.rank, t.lead,
-                        adapter_dtype(dtype))
+    a, b = init_factors(jax.random.fold_in(key, i), t, lora.rank, adapter_dtype(dtype))
     # QLoRA: each row -> uint8 payload (codes, then float32 scales), to nearest.
-    base = jnp.asarray(w) if q is None else quant.encode(w, q)
-    out.append(LoRAWeight(base, a, b, quantization=q, width=t.n, dtype=dtype))
+    base = jnp.asarray(w) if q is None else encode_base(jnp.asarray(w), q, len(t.outs))
+    out.append(LoRAWeight(base, a, b, quantization=q, width=t.n, dtype=dtype,
+                          out_dims=len(t.outs)))
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -358,8 +449,7 @@ def requires_grad_tree(stored_tree, trainable: set, user_treedef):
   user_slots = jax.tree_util.tree_unflatten(
       user_treedef, [i in trainable for i in range(user_treedef.num_leaves)])
   return jax.tree.map(
-      lambda flag, node: (LoRAWeight(False, True, True, quantization=node.quantization,
-                                     width=node.width, dtype=node.dtype)
+      lambda flag, node: (node.replace(base=False, lora_A=True, lora_B=True)
                           if is_lora_weight(node) else flag),
       user_slots, stored_tree, is_leaf=is_lora_weight)
 
@@ -375,8 +465,8 @@ def merge(node: LoRAWeight, scaling: float, dtype=None):
   returned in ``dtype``, default the kernel's)."""
   dtype = node.dtype if dtype is None else dtype
   base = decode_base(node, jnp.float32)
-  delta = jnp.matmul(node.lora_A.astype(jnp.float32), node.lora_B.astype(jnp.float32))
-  return (base + jnp.float32(scaling) * delta).astype(dtype)
+  d = delta(node.lora_A, node.lora_B, node.out_dims)
+  return (base + jnp.float32(scaling) * d).astype(dtype)
 
 
 def merged_tree(stored_tree, scaling: float):

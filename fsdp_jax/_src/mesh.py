@@ -145,6 +145,31 @@ def compiler_options(mesh: Mesh, *, checkpointed: bool = True) -> dict:
   return {k: v for k, v in opts.items() if _accepted(platform, k, v)}
 
 
+def own_mesh(fn: Callable) -> Callable:
+  """``fn`` (a public entry point) run with no context mesh: a user's
+  ``jax.set_mesh(other_mesh)`` or ``with mesh:`` around it changes nothing,
+  since fsdp_jax's programs name their own mesh in their shardings and
+  ``shard_map`` s (inside a trace, ``jax.set_mesh`` is not allowed and the
+  trace's own mesh applies).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> f = own_mesh(lambda: jax.sharding.get_abstract_mesh().empty)
+    >>> with jax.set_mesh(jax.make_mesh((1,), ("other",), devices=jax.devices()[:1])):
+    ...   f()
+    True
+  """
+
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    if _compat.under_trace():
+      return fn(*args, **kwargs)
+    with jax.set_mesh(None):
+      return fn(*args, **kwargs)
+
+  return run
+
+
 class TopLevelJit:
   """``jax.jit(fn, compiler_options=...)`` where JAX takes them: called (or
   lowered) at the top level it compiles with the options; inside another

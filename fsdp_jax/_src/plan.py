@@ -615,6 +615,10 @@ class Plan:
   def __str__(self) -> str:
     return report.describe(self)
 
+  def __repr__(self) -> str:
+    """One line, whatever the model's size (``print(plan)`` shows it whole)."""
+    return report.summary(self)
+
 
 def _check_resharding(plan: "Plan") -> None:
   """``reshard_after_forward=k`` needs ``k`` to divide the shard-group size."""

@@ -176,6 +176,29 @@ def _split_text(lead: tuple, leaf, plan) -> str:
   return "(" + ", ".join(["None"] * len(lead) + dims) + ")"
 
 
+def summary(plan) -> str:
+  """``repr(plan)``: one line (strategy, layout, units, parameters, mesh).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> state.plan
+    Plan(FULL_SHARD, flat parameters, 1 unit, 1 parameter (8 elements), mesh {'shard': 2}; print(plan) shows it whole)
+  """
+  cfg = plan.config
+  units, leaves = len(plan.units), len(plan.leaves)
+  numel = sum(l.numel for l in plan.leaves)
+  extra = "".join(f", {what}" for what, on in (
+      ("LoRA", cfg.lora is not None), ("tensor parallel", cfg.tensor_parallel is not None))
+      if on)
+  return (f"Plan({cfg.sharding_strategy.name}, "
+          f"{'original parameters' if plan.use_orig_params else 'flat parameters'}{extra}, "
+          f"{units} unit{'s' * (units != 1)}, {leaves} parameter{'s' * (leaves != 1)} "
+          f"({numel:,} elements), mesh {dict(plan.mesh.shape)}; print(plan) shows it whole)")
+
+
 def describe(plan) -> str:
   cfg = plan.config
   mp = cfg.mixed_precision

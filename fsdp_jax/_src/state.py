@@ -14,6 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import frameworks, layout, lora as lora_lib, naming, offload, optim
 from fsdp_jax._src import tensor as tensor_lib, tensor_eval, unit_init, wrap
 from fsdp_jax._src.config import FSDPConfig, is_float_dtype, is_key_dtype
@@ -70,6 +71,30 @@ class ShardedTrainState:
 
   def replace(self, **changes) -> "ShardedTrainState":
     return dataclasses.replace(self, **changes)
+
+  def __repr__(self) -> str:
+    """A few lines whatever the model's size: the step, how many arrays
+    each part holds, and the plan's one line (``print(state.plan)`` shows
+    the plan whole)."""
+    try:
+      step = str(int(jax.device_get(self.step)))
+    except Exception:  # pylint: disable=broad-except  (traced, or not an array)
+      step = _arrays(self.step)
+    parts = [f"step={step}"] + [
+        f"{name}={_arrays(getattr(self, name))}"
+        for name in ("params", "opt_state", "model_state", "comm_hook_state",
+                     "nonfinite_steps", "rng") if getattr(self, name) is not None]
+    return "ShardedTrainState(" + ", ".join(parts) + f",\n  plan={self.plan!r})"
+
+
+def _arrays(tree) -> str:
+  """``"<3 arrays, 1,234 elements>"`` (a scalar: its dtype): a part of the state."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  if len(leaves) == 1 and not jnp.shape(leaves[0]):
+    x = leaves[0]
+    return f"{getattr(x, 'dtype', type(x).__name__)}[]"
+  numel = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in leaves)
+  return f"<{len(leaves)} array{'s' * (len(leaves) != 1)}, {numel:,} elements>"
 
 
 # --------------------------------------------------------------------------
@@ -277,7 +302,7 @@ def _lora_requires_grad(abstract_params, config: FSDPConfig, requires_grad):
       what = ("its base is quantized (LoRA(base_quantization=...)) and frozen"
               if node.quantization is not None else "it is adapted (frozen base + A @ B)")
       raise ValueError(
-          f"LoRA target {name!r} (shape {tuple(node.lora_A.shape[:-1]) + (node.width,)}) is "
+          f"LoRA target {name!r} (shape {node.kernel_shape}) is "
           f"also named by LoRA(trainable=...) {config.lora.trainable!r}, but {what}. Fix: "
           "narrow LoRA(trainable=...) to the other leaves, or drop the kernel from targets "
           "to train it fully.")
@@ -351,8 +376,7 @@ def _lora_tensor_dims(config: FSDPConfig, axes, abstract_params, stacked: set) -
   for path, x in items:
     user_paths.append(naming.path_parts(path))
     if is_node(x):
-      lead = tuple(x.lora_A.shape[:-2])
-      shapes.append(lead + (x.lora_A.shape[-2], x.width))
+      shapes.append(x.kernel_shape)
       stored.append((k, x))
       k += 3
     else:
@@ -369,17 +393,19 @@ def _lora_tensor_dims(config: FSDPConfig, axes, abstract_params, stacked: set) -
       dims[first] = d
       continue
     name = ".".join(user_paths[j])
-    if node.quantization is not None and d != 0:
+    k_in = len(shapes[j]) - leads[j] - node.out_dims  # the kernel's input dims
+    if node.quantization is not None and d >= k_in:
       raise NotImplementedError(
           f"LoRA target {name!r} (shape {shapes[j]}) is quantized "
-          "(LoRA(base_quantization=...)) and split column-wise over the tensor axis; a "
-          "quantized base is stored in row blocks and splits by rows only. Fix: make the "
-          "rule 'rowwise', drop base_quantization, or leave this kernel replicated.")
+          "(LoRA(base_quantization=...)) and split along an output dimension over the tensor "
+          "axis (column-wise); a quantized base is stored in row blocks and splits along its "
+          "input dimensions only. Fix: make the rule 'rowwise', drop base_quantization, or "
+          "leave this kernel replicated.")
     dims[first] = d  # the base
-    if d == 0:
-      dims[first + 1] = 0  # lora_A [m, r]: rows with the kernel's
+    if d < k_in:
+      dims[first + 1] = d  # lora_A [*in, r]: along the kernel's input dim
     else:
-      dims[first + 2] = 1  # lora_B [r, n]: columns with the kernel's
+      dims[first + 2] = 1 + d - k_in  # lora_B [r, *out]: along its output dim
   return dims
 
 
@@ -449,6 +475,7 @@ def _storage_specs(plan: Plan):
 # Building the state
 
 
+@mesh_lib.own_mesh
 def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
                      config: FSDPConfig, params: Any = None,
                      init_fn: Optional[Callable[..., Any]] = None,
@@ -549,6 +576,9 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
   optimizer = optim.as_transformation(optimizer)
   if offload.offloads(config):
     offload.check_backend(mesh)
+  # Inputs made on other devices (under a user's jax.set_mesh(other_mesh))
+  # are read to host; the state's programs place them on ``mesh``.
+  rng, model_state = _off_other_devices((rng, model_state), mesh)
   init_args = () if rng is None else (rng,)
   if config.sync_module_states and jax.process_count() > 1:
     # PyTorch's sync_module_states: every process starts from process 0's
@@ -729,8 +759,9 @@ def _broadcast_keys_too(broadcast, tree):
 
 def _off_other_devices(params, mesh: Mesh):
   """Arrays that live on devices outside ``mesh`` (e.g. the full params of
-  a state on another mesh) are read to host first; the packing programs put
-  each shard where it belongs."""
+  a state on another mesh, or arrays made under a user's
+  ``jax.set_mesh(other_mesh)``) are read to host first; the packing
+  programs put each shard where it belongs."""
   devices = set(mesh.devices.flat)
 
   def move(x):
@@ -740,7 +771,12 @@ def _off_other_devices(params, mesh: Mesh):
       elsewhere = x.committed and x.sharding.device_set != devices
     except Exception:  # pylint: disable=broad-except  # a tracer (abstract init)
       return x
-    return np.asarray(jax.device_get(x)) if elsewhere else x
+    if not elsewhere:
+      return x
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):  # a typed key: its data, wrapped again
+      return jax.random.wrap_key_data(np.asarray(jax.device_get(jax.random.key_data(x))),
+                                      impl=jax.random.key_impl(x))
+    return np.asarray(jax.device_get(x))
 
   return jax.tree.map(move, params)
 

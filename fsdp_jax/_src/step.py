@@ -505,10 +505,14 @@ def place_batch(plan: Plan, batch):
   """
   sharding = NamedSharding(plan.mesh, plan_lib.batch_spec(plan))
   multi = jax.process_count() > 1
+  devices = set(plan.mesh.devices.flat)
 
   def place(x):
     if isinstance(x, jax.Array) and (not multi or not x.is_fully_addressable):
-      return x
+      # A one-process array on other devices (made under a user's
+      # jax.set_mesh(other_mesh)) moves to the mesh.
+      elsewhere = not multi and x.committed and x.sharding.device_set != devices
+      return jax.device_put(x, sharding) if elsewhere else x
     if multi:
       return jax.make_array_from_process_local_data(sharding, np.asarray(x))
     return jax.device_put(x, sharding)
@@ -603,6 +607,7 @@ class TrainStep:
         self._checked_shapes = shapes
     return place_batch(state.plan, batch)
 
+  @mesh_lib.own_mesh
   def __call__(self, state, batch):
     new_state, metrics = self._jit(self.mesh or state.plan.mesh)(
         state, self._place(state, batch))
@@ -615,5 +620,6 @@ class TrainStep:
       metrics.pop("nonfinite_leaves")
     return new_state, metrics
 
+  @mesh_lib.own_mesh
   def lower(self, state, batch):
     return self._jit(self.mesh or state.plan.mesh).lower(state, self._place(state, batch))

@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence, Union
 
-from fsdp_jax._src.lora import KERNEL_NAMES, matches
+from fsdp_jax._src.lora import matches
+from fsdp_jax._src.wrap import named_weights
 
 LAYOUTS = ("colwise", "rowwise")
-# A module's bias: split with a colwise kernel, replicated with a rowwise one
-# (PyTorch's ColwiseParallel / RowwiseParallel).
-BIAS_NAMES = ("bias",)
+# A module's bias (Flax's, PyTorch's, Haiku's): split with a colwise kernel,
+# replicated with a rowwise one (PyTorch's ColwiseParallel / RowwiseParallel).
+BIAS_NAMES = ("bias", "b")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -130,8 +131,10 @@ def leaf_dims(paths: Sequence[tuple], shapes: Sequence[tuple], leads: Sequence[i
   ``ValueError`` naming the rule, leaf, shape, axis size and fix.
 
   ``leads[i]`` is 1 for a leaf of a stacked unit (a leading layer axis that
-  is never split). A rule naming a module splits its kernel (``kernel`` /
-  ``weight``), and for ``"colwise"`` its ``bias``.
+  is never split). A rule naming a module splits its weight (its leaf
+  called ``kernel``, ``weight``, ``w``, ``embedding`` or ``embeddings``, else
+  its one leaf of two or more dimensions), and for ``"colwise"`` its
+  ``bias`` (or ``b``).
 
   Example:
     >>> tp = TensorParallel(rules=[("up", "colwise"), ("down", "rowwise")])
@@ -143,23 +146,20 @@ def leaf_dims(paths: Sequence[tuple], shapes: Sequence[tuple], leads: Sequence[i
   owner: dict = {}
   out: dict = {}
   for pattern, layout in tp.rules:
-    hits = []
-    for i, (p, name) in enumerate(zip(paths, names)):
-      if matches(name, pattern):
-        hits.append(i)
-        continue
-      module = ".".join(p[:-1]) if len(p) > 1 else None
-      if module is None or not matches(module, pattern):
-        continue
-      if p[-1] in KERNEL_NAMES or (p[-1] in BIAS_NAMES and layout == "colwise"):
-        hits.append(i)
+    found = named_weights(paths, shapes, leads, pattern, "TensorParallel rule", match=matches)
+    hits = list(found)
+    if layout == "colwise":
+      modules = {m for m in found.values() if m is not None}
+      hits = sorted(hits + [i for i, p in enumerate(paths) if len(p) > 1 and p[-1] in BIAS_NAMES
+                            and ".".join(p[:-1]) in modules and i not in found])
     if not hits:
       examples = ", ".join(repr(n) for n in names[:6])
       raise ValueError(
           f"TensorParallel rule {pattern!r} ({layout!r}) matches no parameter. Parameters "
           f"are named by dotted paths such as {examples}; a pattern names a parameter or "
-          "its module (the module's 'kernel'/'weight', and 'bias' for colwise), '*' within "
-          "one segment, '**' across. Fix the pattern.")
+          "its module (the module's weight: 'kernel', 'weight', 'w', 'embedding', or its one "
+          "leaf of 2 or more dimensions; and 'bias' for colwise), '*' within one segment, "
+          "'**' across. Fix the pattern.")
     for i in hits:
       if i in owner:
         raise ValueError(

@@ -343,12 +343,22 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
   if (name in _LINEAR_LAYOUT and all(isinstance(x, Partial) for x in invals)
       and len({(x.x.dtype, x.dtype) for x in invals}) == 1):
     return [Partial(_compat.bind_eqn(eqn, [_payload(x) for x in invals])[0], invals[0].dtype)]
+  if name == "split":
+    out = _split(eqn, invals[0])
+    if out is not None:
+      return out
   if name == "gather":
     out = _take(eqn, invals, ctx)
+    if out is None:
+      out = _gather_along(eqn, invals, ctx)
     if out is not None:
       return [out]
-  if name in ("concatenate", "pad"):
+  if name in ("concatenate", "pad", "stack"):
     out = _join(eqn, invals, ctx)
+    if out is not None:
+      return [out]
+  if name in ("dynamic_slice", "dynamic_update_slice"):
+    out = _dynamic(eqn, invals, ctx)
     if out is not None:
       return [out]
   if _compat.is_remat(eqn):
@@ -368,7 +378,7 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
 # partial value has the full shape: the equation runs as it is).
 _LINEAR_LAYOUT = frozenset({"transpose", "reshape", "broadcast_in_dim", "reduce_sum",
                             "squeeze", "expand_dims", "copy", "copy_p", "slice",
-                            "concatenate", "rev"})
+                            "concatenate", "rev", "stack"})
 
 
 def _elementwise(eqn, invals, ctx: _Ctx):
@@ -456,6 +466,12 @@ def _layout(eqn, v: Split, ctx: _Ctx):
     if d in _compat.layout_params(eqn)["dimensions"]:
       return None
     return Split(_compat.bind_eqn(eqn, [x])[0], d)
+  if name == "bitcast_convert_type":
+    # Same-width types keep the shape; a wider one eats the last dimension
+    # (QLoRA's float32 scales from their bytes), a narrower one adds one.
+    if d >= len(_out_shape(eqn)) or (len(_out_shape(eqn)) < x.ndim and d == x.ndim - 1):
+      return None
+    return Split(_compat.bind_eqn(eqn, [x])[0], d)
   if name in _compat.REDUCTION_PRIMITIVES:
     axes = _compat.reduction_axes(eqn)
     if d in axes:
@@ -518,12 +534,92 @@ def _take(eqn, invals, ctx: _Ctx):
   return Partial(part)
 
 
+def _split(eqn, v):
+  """``split`` (``jnp.split``: a rotary's halves) along a dimension other
+  than the split one: each piece on the slices; of a partial sum, partial
+  pieces. None otherwise."""
+  params = _compat.layout_params(eqn)
+  sizes, axis = tuple(int(k) for k in params["sizes"]), params["axis"]
+  if isinstance(v, Partial):
+    return [Partial(x, v.dtype) for x in lax.split(v.x, sizes, axis)]
+  if not isinstance(v, Split) or v.dim == axis:
+    return None
+  return [Split(x, v.dim) for x in lax.split(v.x, sizes, axis)]
+
+
+def _gather_along(eqn, invals, ctx: _Ctx):
+  """A ``gather`` that takes the split dimension whole (``jnp.take`` of a
+  permutation along another dimension of a head-split value), or whose
+  indices are split along a batch dimension (a table lookup, QLoRA's NF4
+  levels): on the slices. None otherwise."""
+  operand, indices = invals
+  dn, slice_sizes, _, _ = _compat.gather_params(eqn)
+  if getattr(dn, "operand_batching_dims", ()) or isinstance(operand, Partial) or isinstance(
+      indices, Partial):
+    return None
+  if isinstance(operand, Split) and not isinstance(indices, Split):
+    d = operand.dim
+    if (d in dn.start_index_map or d in dn.collapsed_slice_dims
+        or slice_sizes[d] != _in_shape(eqn, 0)[d]):
+      return None
+    kept = [k for k in range(len(slice_sizes)) if k not in dn.collapsed_slice_dims]
+    sizes = list(slice_sizes)
+    sizes[d] = operand.x.shape[d]
+    out = _compat.bind_with(eqn, [operand.x, indices], slice_sizes=tuple(sizes))[0]
+    return Split(out, dn.offset_dims[kept.index(d)])
+  if isinstance(indices, Split) and not isinstance(operand, Split):
+    d = indices.dim
+    if d == indices.x.ndim - 1:  # the index vector itself
+      return None
+    batch = [k for k in range(len(_out_shape(eqn))) if k not in dn.offset_dims]
+    out = _compat.bind_eqn(eqn, [ctx.enter(operand), indices.x])[0]
+    return Split(out, batch[d])
+  return None
+
+
+def _dynamic(eqn, invals, ctx: _Ctx):
+  """``dynamic_slice`` taking the split dimension whole, and
+  ``dynamic_update_slice`` writing it whole (the start along it is then
+  0): on the slices. None otherwise."""
+  operand = invals[0]
+  if not isinstance(operand, Split) or any(isinstance(x, (Split, Partial)) for x in invals[2:]):
+    return None
+  d = operand.dim
+  full = _in_shape(eqn, 0)[d]
+  if eqn.primitive.name == "dynamic_slice":
+    if any(isinstance(x, (Split, Partial)) for x in invals[1:]):
+      return None
+    sizes = list(_compat.layout_params(eqn)["slice_sizes"])
+    if sizes[d] != full:
+      return None
+    sizes[d] = operand.x.shape[d]
+    return Split(_compat.bind_with(eqn, [operand.x] + list(invals[1:]),
+                                   slice_sizes=tuple(sizes))[0], d)
+  update = invals[1]
+  if isinstance(update, Partial):
+    return None
+  if isinstance(update, Split):
+    if update.dim != d or update.x.shape[d] != operand.x.shape[d]:
+      return None
+  elif np.shape(update)[d] != full:
+    return None
+  return Split(_compat.bind_eqn(eqn, [operand.x, ctx.split(update, d)] + list(invals[2:]))[0], d)
+
+
 def _join(eqn, invals, ctx: _Ctx):
-  """``concatenate`` along, or ``pad`` of, dimensions other than the split
-  one: on the slices (replicated operands cut to theirs); else None."""
+  """``concatenate`` along, ``stack`` beside, or ``pad`` of dimensions
+  other than the split one: on the slices (replicated operands cut to
+  theirs); else None."""
   if any(isinstance(x, Partial) for x in invals):
     return None
   params = _compat.layout_params(eqn)
+  if eqn.primitive.name == "stack":
+    dims = {x.dim for x in invals if isinstance(x, Split)}
+    if len(dims) != 1:
+      return None
+    (d,) = dims
+    axis = params["axis"]
+    return Split(lax.stack([ctx.split(x, d) for x in invals], axis), d + int(d >= axis))
   if eqn.primitive.name == "pad":
     operand, value = invals
     if not isinstance(operand, Split) or isinstance(value, Split):

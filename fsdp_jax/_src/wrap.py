@@ -159,6 +159,53 @@ def named_leaves(paths, patterns, what: str, match=None) -> set:
   return out
 
 
+# The names a module's weight goes by: Flax's ``kernel`` and ``embedding``,
+# PyTorch's and equinox's ``weight``, Haiku's ``w`` and ``embeddings``.
+WEIGHT_NAMES = ("kernel", "weight", "w", "embedding", "embeddings")
+
+
+def named_weights(paths, shapes, leads, pattern: str, what: str, match=None) -> dict:
+  """``{leaf index: module}``: the leaves ``pattern`` names directly
+  (``module`` None), and for each module (the parent of leaves) it names,
+  the module's weight (``module`` its dotted name): its leaf called one of
+  :data:`WEIGHT_NAMES`, else its one leaf of two or more dimensions
+  (``leads[i]`` leading layer axes not counted). A module with several such
+  leaves is a ``ValueError`` naming them and the fix; one with none names
+  nothing. ``match(name, pattern)`` defaults to :func:`name_matches`.
+
+  Example:
+    >>> paths = [("attn", "w"), ("attn", "b"), ("mlp", "up"), ("mlp", "scale")]
+    >>> named_weights(paths, [(4, 2, 2), (2, 2), (4, 8), (8,)], [0] * 4, "attn", "rule")
+    {0: 'attn'}
+    >>> named_weights(paths, [(4, 2, 2), (2, 2), (4, 8), (8,)], [0] * 4, "mlp", "rule")
+    {2: 'mlp'}
+  """
+  match = name_matches if match is None else match
+  out: dict = {}
+  modules: dict = {}
+  for i, p in enumerate(paths):
+    if match(".".join(p), pattern):
+      out[i] = None
+    if len(p) > 1:
+      modules.setdefault(tuple(p[:-1]), []).append(i)
+  for module, ids in modules.items():
+    name = ".".join(module)
+    if not match(name, pattern):
+      continue
+    named = [i for i in ids if paths[i][-1] in WEIGHT_NAMES]
+    found = named or [i for i in ids if len(shapes[i]) - leads[i] >= 2]
+    if len(found) > 1:
+      listed = ", ".join(f"{paths[i][-1]!r} {tuple(shapes[i])}" for i in found)
+      leaf = paths[found[0]][-1]
+      raise ValueError(
+          f"{what} {pattern!r} names module {name!r}, which holds several weights: {listed}. "
+          f"Fix: name the leaf itself, e.g. {name + '.' + leaf!r} (or "
+          f"'*.{module[-1]}.{leaf}' for every such module).")
+    if found:
+      out.setdefault(found[0], name)
+  return out
+
+
 def _matches(node: Node, specs: Iterable[Any]) -> bool:
   for spec in specs:
     if isinstance(spec, str):

@@ -37,7 +37,8 @@ class Adapted:
   """A LoRA target kernel of a plan: the user's parameter ``name``, the
   leaf ids of its stored ``base``, ``lora_A`` and ``lora_B``, and what
   decoding the base needs (``quantization``, the kernel's ``width`` and
-  ``dtype``). ``shape`` is the kernel's (``[layers,] m, n``)."""
+  ``dtype``). ``shape`` is the kernel's (``[layers,] *in, *out``), its last
+  ``out_dims`` dimensions the output ones."""
 
   name: str
   base: int
@@ -47,6 +48,8 @@ class Adapted:
   width: int
   dtype: np.dtype
   shape: tuple
+  out_dims: int = 1
+  lead: int = 0  # leading layer axes (a stacked unit's)
 
 
 def adapted_leaves(plan: Plan) -> list:
@@ -61,10 +64,18 @@ def adapted_leaves(plan: Plan) -> list:
       continue
     name = plan.leaves[node.base].name
     name = name[:-len(".base")] if name.endswith(".base") else name
-    lead_m = tuple(plan.leaves[node.lora_A].shape[:-1])
+    b_shape = tuple(plan.leaves[node.lora_B].shape)
+    shape = tuple(plan.leaves[node.lora_A].shape[:-1]) + b_shape[len(b_shape) - node.out_dims:]
     out.append(Adapted(name, node.base, node.lora_A, node.lora_B, node.quantization,
-                       int(node.width), np.dtype(node.dtype), lead_m + (int(node.width),)))
+                       int(node.width), np.dtype(node.dtype), shape, node.out_dims,
+                       _stacked(plan, node.base)))
   return out
+
+
+def _stacked(plan: Plan, leaf_id: int) -> int:
+  """1 for a leaf of a stacked unit (a leading layer axis), else 0."""
+  unit = plan.leaves[leaf_id].unit
+  return int(unit >= 0 and plan.units[unit].stacked)
 
 
 def host_device():
@@ -105,6 +116,7 @@ class LeafSource:
   # ``dtype`` and encoded as they are read.
   quantization: Optional[Quantization] = None
   dtype: Optional[np.dtype] = None
+  out_dims: int = 1  # of the kernel: its rows are the others, flattened
 
 
 class PretrainedSource:
@@ -256,7 +268,8 @@ class PretrainedSource:
                         f"parameter {what}'s {kernel_dtype}")
         continue
       out[i] = LeafSource(i, tensors, stacked, rule.chain, ckpt_shape, q,
-                          None if q is None else kernel_dtype)
+                          None if q is None else kernel_dtype,
+                          1 if target is None else target.out_dims)
     if self.strict:
       if uncovered:
         problems.append(
@@ -316,14 +329,17 @@ class PretrainedSource:
     """``leaf[index]`` (a tuple of unit-step slices over the leaf's shape),
     in ``dtype`` (by default the checkpoint's, and possibly a read-only view
     of the file or a transposed view: copy it before keeping it). A
-    quantized LoRA base: the kernel's rows ``index[:-1]``, encoded, then
-    ``index[-1]`` of their payload rows."""
+    quantized LoRA base: the kernel's rows ``index[:-1]`` (its output
+    dimensions flattened), encoded, then ``index[-1]`` of their payload
+    rows."""
     index = tuple(index)
     if src.quantization is not None:
-      ndim = len(src.chain.model_shape(src.checkpoint_shape)) + int(src.stacked)
+      ndim = (len(src.chain.model_shape(src.checkpoint_shape)) + int(src.stacked)
+              - src.out_dims + 1)  # the base's: [*lead, *in, payload]
       index = index + (slice(None),) * (ndim - len(index))
       plain = dataclasses.replace(src, quantization=None, dtype=None)
-      rows = self.read_leaf(plain, index[:-1] + (slice(None),))
+      rows = self.read_leaf(plain, index[:-1] + (slice(None),) * src.out_dims)
+      rows = rows.reshape(rows.shape[:rows.ndim - src.out_dims] + (-1,))
       out = encode_rows(rows, src.quantization, src.dtype)[..., index[-1]]
       return out if dtype is None else out.astype(dtype, copy=False)
     if src.stacked:

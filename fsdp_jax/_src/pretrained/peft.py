@@ -6,10 +6,12 @@ such a directory back into a LoRA state.
 PEFT adapts a PyTorch weight ``W`` ``[out, in]`` by ``(alpha / r) *
 lora_B.weight @ lora_A.weight`` (``[out, r] @ [r, in]``); the state adapts
 the model's kernel (``[m, n]``, the checkpoint tensor through the WeightMap's
-transforms) by ``(alpha / r) * A @ B``. The map's inverse transforms must
-take a kernel to the checkpoint tensor by permuting (and possibly swapping)
-its two axes, each on its own: transposes, rotary permutations and reshapes
-that keep the axes do. Which ones it does is found by running the inverse
+transforms) by ``(alpha / r) * A @ B``; an N-D kernel ``[*in, *out]`` is
+seen as ``[prod(in), prod(out)]`` (its factors ``[*in, r]`` and ``[r, *out]``
+flattened). The map's inverse transforms must take a kernel to the 2-D
+checkpoint tensor by permuting (and possibly swapping) those two axes, each
+on its own: transposes, rotary permutations and reshapes that keep the axes
+(e.g. ``[d, heads, head_dim]`` from a ``[heads * head_dim, d]`` weight) do. Which ones it does is found by running the inverse
 on a matrix of element indices, so the factors are exact permutations of
 each other's rows (a round trip is bitwise).
 """
@@ -18,12 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Optional
 
 import jax
 import numpy as np
 
+from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import layout, offload
 from fsdp_jax._src.pretrained import files
 from fsdp_jax._src.pretrained.loading import Adapted, adapted_leaves
@@ -68,25 +72,29 @@ class FactorLayout:
 
 
 def factor_layout(chain: Chain, kernel_shape: tuple, checkpoint_shape: tuple,
-                  what: str) -> FactorLayout:
-  """Runs the inverse of ``chain`` on a matrix of element indices and reads
-  off how it permutes the kernel's axes, or a ``ValueError`` naming the
-  chain when it mixes them (or is not a permutation)."""
-  m, n = kernel_shape
+                  what: str, out_dims: int = 1) -> FactorLayout:
+  """Runs the inverse of ``chain`` on a kernel of element indices (its last
+  ``out_dims`` dimensions the output ones) and reads off how it permutes the
+  kernel's input and output axes, or a ``ValueError`` naming the chain when
+  it mixes them (or is not a permutation)."""
+  kernel_shape = tuple(kernel_shape)
+  k = len(kernel_shape) - out_dims
+  m, n = math.prod(kernel_shape[:k]), math.prod(kernel_shape[k:])
   fix = ("PEFT adapts a 2-D [out, in] weight, so the transforms between it and the kernel "
          "may only transpose the two axes and permute each (transpose(), "
-         "rope_interleave(...), or a reshape that keeps both axes). Fix: narrow "
-         "LoRA(targets=...) to such kernels, or save the merged model with "
-         "pretrained.save(state, ...).")
+         "rope_interleave(...), or a reshape that keeps both axes, an N-D kernel's input "
+         "dimensions flattened to one and its output dimensions to the other). Fix: narrow "
+         "LoRA(targets=...) to such kernels (or LoRA(input_dims=...) to the kernel's input "
+         "dimensions), or save the merged model with pretrained.save(state, ...).")
   if len(checkpoint_shape) != 2:
     raise ValueError(f"{what}: its checkpoint tensor has shape {list(checkpoint_shape)}, "
                      f"not 2-D. {fix}")
-  index = np.arange(m * n, dtype=np.int64 if m * n >= 2**31 else np.int32).reshape(m, n)
+  index = np.arange(m * n, dtype=np.int64 if m * n >= 2**31 else np.int32)
   try:
-    c = np.asarray(chain.to_checkpoint(index, tuple(checkpoint_shape)))
+    c = np.asarray(chain.to_checkpoint(index.reshape(kernel_shape), tuple(checkpoint_shape)))
   except (ValueError, TypeError) as e:
-    raise ValueError(f"{what}: the inverse of {chain} fails on the kernel [{m}, {n}] "
-                     f"({e}). {fix}") from None
+    raise ValueError(f"{what}: the inverse of {chain} fails on the kernel "
+                     f"{list(kernel_shape)} ({e}). {fix}") from None
   ok = c.shape == tuple(checkpoint_shape)
   if ok and not np.issubdtype(c.dtype, np.integer):
     ok = bool(np.all(np.isfinite(c)) and np.all(c == np.round(c)))
@@ -151,8 +159,8 @@ def _modules(plan, weight_map: WeightMap, fn: str) -> list:
     rule, values = found
     stack = rule.stack_axis_name
     layers = [None] if stack is None else list(range(t.shape[0]))
-    kernel = tuple(t.shape[-2:])
-    if stack is None and len(t.shape) != 2:
+    kernel = tuple(t.shape[t.lead:])
+    if stack is None and t.lead:
       raise ValueError(
           f"{fn}: LoRA target {t.name!r} has shape {list(t.shape)} (stacked layers) but rule "
           f"{rule.describe()} maps it to one checkpoint tensor; PEFT adapts one 2-D weight "
@@ -169,7 +177,7 @@ def _modules(plan, weight_map: WeightMap, fn: str) -> list:
       if key not in layouts:
         what = f"LoRA target {t.name!r} -> {name!r}"
         layouts[key] = factor_layout(rule.chain, kernel, rule.chain.checkpoint_shape(kernel),
-                                     what)
+                                     what, t.out_dims)
       out.append(_Module(t, layer, name[:-len(".weight")], layouts[key]))
   return out
 
@@ -221,6 +229,7 @@ def _adapter_config(lora, modules: list, saved: list, task_type, base_model) -> 
   }
 
 
+@mesh_lib.own_mesh
 def save_adapter(state: ShardedTrainState, directory, weight_map: WeightMap, *,
                  task_type: Optional[str] = "CAUSAL_LM",
                  base_model_name_or_path: Optional[str] = None, dtype=None,
@@ -298,8 +307,8 @@ def save_adapter(state: ShardedTrainState, directory, weight_map: WeightMap, *,
   tensors = []  # (name, array)
   for m in modules:
     pick = (lambda x: x) if m.layer is None else (lambda x, k=m.layer: x[k])
-    lora_a, lora_b = m.layout.to_peft(pick(leaves[m.target.lora_A]),
-                                      pick(leaves[m.target.lora_B]))
+    a, b = pick(leaves[m.target.lora_A]), pick(leaves[m.target.lora_B])
+    lora_a, lora_b = m.layout.to_peft(a.reshape(-1, a.shape[-1]), b.reshape(b.shape[0], -1))
     tensors += list(zip(m.keys, (lora_a, lora_b)))
   for i, layer, name, chain, shape in saved:
     value = leaves[i] if layer is None else leaves[i][layer]
@@ -366,6 +375,7 @@ def _open(directory: str):
                    "save_pretrained) wrote.")
 
 
+@mesh_lib.own_mesh
 def load_adapter(state: ShardedTrainState, directory, weight_map: WeightMap
                  ) -> ShardedTrainState:
   """Reads a PEFT LoRA adapter (what :func:`save_adapter` or PEFT's
@@ -465,8 +475,10 @@ def load_adapter(state: ShardedTrainState, directory, weight_map: WeightMap
     t = m.target
     dtype = np.dtype(plan.leaves[t.lora_A].dtype)
     lora_a, lora_b = (np.asarray(reader.read(k)) for k in m.keys)
-    m_dim, n_dim = t.shape[-2:]
-    a, b = m.layout.from_peft(lora_a, lora_b, m_dim, n_dim, dtype)
+    kernel = tuple(t.shape[t.lead:])
+    ins, outs = kernel[:len(kernel) - t.out_dims], kernel[len(kernel) - t.out_dims:]
+    a, b = m.layout.from_peft(lora_a, lora_b, math.prod(ins), math.prod(outs), dtype)
+    a, b = a.reshape(ins + (a.shape[-1],)), b.reshape((b.shape[0],) + outs)
     for i, x in ((t.lora_A, a), (t.lora_B, b)):
       if m.layer is None:
         new[i] = x

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import layout
 from fsdp_jax._src import lora as lora_lib
 from fsdp_jax._src.pretrained import files
@@ -115,6 +116,7 @@ def _files(entries: list, max_bytes: int) -> list:
   return groups
 
 
+@mesh_lib.own_mesh
 def save(state: ShardedTrainState, directory, weight_map: WeightMap, *,
          max_shard_size="5GB", dtype=None, overwrite: bool = False,
          metadata: Optional[dict] = None) -> list[str]:
@@ -222,7 +224,8 @@ def merged(target, leaves: dict, scaling: float, layer=None) -> np.ndarray:
   pick = (lambda x: x) if layer is None else (lambda x: x[layer])
   node = lora_lib.LoRAWeight(pick(leaves[target.base]), pick(leaves[target.lora_A]),
                              pick(leaves[target.lora_B]), quantization=target.quantization,
-                             width=target.width, dtype=target.dtype)
+                             width=target.width, dtype=target.dtype,
+                             out_dims=target.out_dims)
   with jax.default_device(host_device()):
     return np.asarray(_merger(float(scaling))(node))
 

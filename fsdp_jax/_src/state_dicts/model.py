@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import offload
 from fsdp_jax._src.config import StateDictType
 from fsdp_jax._src.naming import path_name
@@ -62,6 +63,7 @@ def local_metadata(plan: Plan) -> dict:
   }
 
 
+@mesh_lib.own_mesh
 def state_dict(state: ShardedTrainState, *,
                state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT,
                rank0_only: bool = False, offload_to_cpu: bool = False) -> dict:
@@ -148,6 +150,7 @@ def _mismatch_error(title: str, missing, unexpected, sizes, fix: str) -> ValueEr
   return ValueError(f"Error(s) in {title}:\n" + problems(lines) + f"\nFix: {fix}")
 
 
+@mesh_lib.own_mesh
 def load_state_dict(state: ShardedTrainState, state_dict: dict, *,
                     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT,
                     strict: bool = True) -> ShardedTrainState:

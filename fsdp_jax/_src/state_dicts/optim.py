@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import offload
 from fsdp_jax._src.config import StateDictType
 from fsdp_jax._src.plan import Plan
@@ -67,6 +68,7 @@ def _group_items(lay: OptLayout) -> list:
   return sorted(items, key=lambda kv: order[kv[0]])
 
 
+@mesh_lib.own_mesh
 def optim_state_dict(state: ShardedTrainState, *,
                      state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT,
                      rank0_only: bool = False,
@@ -115,6 +117,7 @@ def optim_state_dict(state: ShardedTrainState, *,
   return {} if dropped else out
 
 
+@mesh_lib.own_mesh
 def full_optim_state_dict(state: ShardedTrainState, *, rank0_only: bool = True) -> dict:
   """The full optimizer state dict on host (PyTorch
   ``FSDP.full_optim_state_dict``; ``rank0_only=True`` by default as there).
@@ -313,6 +316,7 @@ def _load_local_opt(state, osd):
   return offload.place_state_tree(plan.memory_kind, lay.unflatten(entries))
 
 
+@mesh_lib.own_mesh
 def optim_state_dict_to_load(state: ShardedTrainState, optim_state_dict: dict, *,
                              state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT):
   """Converts an optimizer state dict into ``state``'s optax state (PyTorch
@@ -348,6 +352,7 @@ def optim_state_dict_to_load(state: ShardedTrainState, optim_state_dict: dict, *
   return load_named_opt(state, optim_state_dict, what=f"{fn}({kind.name})")
 
 
+@mesh_lib.own_mesh
 def shard_full_optim_state_dict(full_optim_state_dict: dict, state: ShardedTrainState):
   """Shards a full optimizer state dict for ``state`` (PyTorch
   ``FSDP.shard_full_optim_state_dict``) and returns ``state``'s optax state.
@@ -375,6 +380,7 @@ def shard_full_optim_state_dict(full_optim_state_dict: dict, state: ShardedTrain
   return load_named_opt(state, full_optim_state_dict, what=fn)
 
 
+@mesh_lib.own_mesh
 def scatter_full_optim_state_dict(full_optim_state_dict: Optional[dict],
                                   state: ShardedTrainState):
   """Like :func:`shard_full_optim_state_dict`, but only process 0 holds the
