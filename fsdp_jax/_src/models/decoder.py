@@ -124,30 +124,47 @@ def _nest(flat: dict) -> dict:
   return out
 
 
+def _draw(key, spec: dict, dtype, lead: tuple = ()) -> dict:
+  """``{path: array}`` of ``spec``'s leaves (``lead + shape`` each): the
+  ``"normal"`` ones cut from one draw of ``normal(0, 1)`` (one random
+  program however many leaves), the others zeros or ones."""
+  sizes = [int(np.prod(shape)) for shape, init in spec.values() if init == "normal"]
+  flat = jax.random.normal(key, lead + (sum(sizes),), jnp.float32) if sizes else None
+  out, at = {}, 0
+  for path, (shape, init) in spec.items():
+    if init == "normal":
+      n = int(np.prod(shape))
+      out[path] = flat[..., at:at + n].reshape(lead + shape)
+      at += n
+    else:
+      out[path] = (jnp.zeros if init == "zeros" else jnp.ones)(lead + shape, jnp.float32)
+  return out
+
+
 def init_params(cfg: ModelConfig, rng, *, dtype=jnp.float32, scan: bool = False) -> dict:
   """Random parameters as transformers initialises them: ``Linear`` and
   embedding weights ``normal(0, initializer_range)``, biases zeros, norm
-  weights ones (zeros for Gemma's ``1 + w``)."""
+  weights ones (zeros for Gemma's ``1 + w``). Layer ``i`` draws from
+  ``fold_in(rng, i + 1)`` (the rest from ``fold_in(rng, 0)``), so the
+  layers of ``init_train_state(init_fn=...)`` share one program."""
   n = names_of(cfg)
   top, layer = _shapes(cfg, n)
-  keys = iter(jax.random.split(rng, len(top) + len(layer)))
   std = cfg.initializer_range
 
-  def make(shape, init, key):
-    if init == "normal":
-      return (jax.random.normal(key, shape, jnp.float32) * std).astype(dtype)
-    return (jnp.zeros if init == "zeros" else jnp.ones)(shape, dtype)
+  def scaled(values: dict, spec: dict) -> dict:
+    return {p: (v * std if spec[p][1] == "normal" else v).astype(dtype)
+            for p, v in values.items()}
 
-  flat = {path: make(shape, init, next(keys)) for path, (shape, init) in top.items()}
-  lead = (cfg.num_hidden_layers,)
+  flat = scaled(_draw(jax.random.fold_in(rng, 0), top, dtype), top)
   if scan:
-    per = {path: make(lead + shape, init, next(keys)) for path, (shape, init) in layer.items()}
-    flat[(n.root, n.layers)] = _nest(per)
+    keys = jax.vmap(lambda i: jax.random.fold_in(rng, i + 1))(
+        jnp.arange(cfg.num_hidden_layers))
+    stacked = jax.vmap(lambda k: scaled(_draw(k, layer, dtype), layer))(keys)
+    flat[(n.root, n.layers)] = _nest(stacked)
   else:
-    stacked = {path: make(lead + shape, init, next(keys)) for path, (shape, init) in
-               layer.items()}
-    flat[(n.root, n.layers)] = [_nest({p: v[i] for p, v in stacked.items()})
-                                for i in range(cfg.num_hidden_layers)]
+    flat[(n.root, n.layers)] = [
+        _nest(scaled(_draw(jax.random.fold_in(rng, i + 1), layer, dtype), layer))
+        for i in range(cfg.num_hidden_layers)]
   return _nest(flat)
 
 

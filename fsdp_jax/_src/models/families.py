@@ -39,6 +39,9 @@ class CausalLM:
       (for ``init_train_state(init_fn=..., pretrained=...)``, which only
       traces it where the checkpoint covers a leaf).
     apply: ``apply(params, input_ids) -> logits`` ``[B, T, vocab]``.
+      ``apply`` and ``loss_fn`` are jitted functions (a step that calls
+      them inlines them); ``init_fn`` is plain, for ``init_train_state``
+      to trace (``jax.jit(b.init_fn)(key)`` to call it yourself).
     loss_fn: ``loss_fn(params, batch)``, batch ``{"input_ids", "labels"}``
       (``labels`` default: the input ids): transformers' causal-LM loss, the
       labels shifted inside and ``-100`` ignored, as a
@@ -69,7 +72,7 @@ class CausalLM:
     ...            "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
     ...            "num_key_value_heads": 2}, open(os.path.join(d, "config.json"), "w"))
     >>> b = models.from_pretrained(d)
-    >>> params = b.init_fn(jax.random.key(0))
+    >>> params = jax.jit(b.init_fn)(jax.random.key(0))
     >>> b.apply(params, jax.numpy.zeros((1, 5), "int32")).shape
     (1, 5, 64)
     >>> b.lora_targets[:3]
@@ -299,7 +302,7 @@ def from_pretrained(directory, *, dtype=None, scan: bool = False,
     ...            "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
     ...            "num_key_value_heads": 2, "head_dim": 8}, open(os.path.join(d, "config.json"), "w"))
     >>> b = models.from_pretrained(d)
-    >>> params = b.init_fn(jax.random.key(0))
+    >>> params = jax.jit(b.init_fn)(jax.random.key(0))
     >>> sorted(params["model"]["layers"][0]["self_attn"])
     ['k_norm', 'k_proj', 'o_proj', 'q_norm', 'q_proj', 'v_proj']
     >>> batch = {"input_ids": jnp.ones((2, 6), jnp.int32), "labels": jnp.ones((2, 6), jnp.int32)}
@@ -318,8 +321,8 @@ def from_pretrained(directory, *, dtype=None, scan: bool = False,
   return CausalLM(
       config=cfg,
       init_fn=functools.partial(_init, cfg, dtype, bool(scan)),
-      apply=functools.partial(_apply, cfg, bool(scan), attn_implementation),
-      loss_fn=functools.partial(_loss, cfg, bool(scan), attn_implementation),
+      apply=jax.jit(functools.partial(_apply, cfg, bool(scan), attn_implementation)),
+      loss_fn=jax.jit(functools.partial(_loss, cfg, bool(scan), attn_implementation)),
       weight_map=weight_map(cfg, scan=bool(scan), generation_config=gen),
       wrap_policy=None if scan else ModuleWrapPolicy({f"{n.root}.{n.layers}.*"}),
       stacked_layers=(f"{n.root}.{n.layers}",) if scan else (),

@@ -35,27 +35,54 @@ def _pick(logits, key, temperature, top_p, sample: bool):
   return jax.random.categorical(key, logits, -1).astype(jnp.int32)
 
 
+def _recompute_at(b: CausalLM, prompt: int, max_new_tokens: int):
+  """The decode step at which transformers' Phi-3 drops its cache and runs
+  the whole sequence again: LongRoPE switches to its long factors when the
+  sequence first reaches past ``original_max`` (``prepare_inputs_for_generation``),
+  so the cached keys are rotated again with them. None where that does not
+  happen within this generation."""
+  ropes = [r for r in (b.config.rope or {}).values() if r.long_inv_freq is not None]
+  if not ropes:
+    return None
+  k = ropes[0].original_max - prompt + 1  # the step that feeds position original_max
+  return k if 1 <= k <= max_new_tokens - 1 else None
+
+
 @functools.partial(jax.jit, static_argnames=("b", "max_new_tokens", "sample"))
 def _run(b: CausalLM, params, input_ids, key, temperature, top_p, *, max_new_tokens: int,
          sample: bool):
   batch, prompt = input_ids.shape
-  spec = cache_spec(b, batch, prompt + max_new_tokens)
+  length = prompt + max_new_tokens
+  spec = cache_spec(b, batch, length)
   dtype = jax.tree.leaves(params)[0].dtype
-  cache = (jnp.zeros(spec.shape, dtype), jnp.zeros(spec.shape, dtype))
+  fresh = lambda: (jnp.zeros(spec.shape, dtype), jnp.zeros(spec.shape, dtype))
   run = functools.partial(decoder.forward, b.config, params, scan=b.scan,
                           implementation=b.attn_implementation)
-  logits, cache = run(input_ids, cache=cache, start=0)
   keys = jax.random.split(key, max_new_tokens)
-  first = _pick(logits[:, -1], keys[0], temperature, top_p, sample)
+  seq = jnp.zeros((batch, length), jnp.int32).at[:, :prompt].set(input_ids)
+  logits, cache = run(input_ids, cache=fresh(), start=0)
+  seq = seq.at[:, prompt].set(_pick(logits[:, -1], keys[0], temperature, top_p, sample))
 
   def step(carry, k):
-    token, cache, pos = carry
-    logits, cache = run(token[:, None], cache=cache, start=pos)
-    return (_pick(logits[:, -1], k, temperature, top_p, sample), cache, pos + 1), token
+    seq, cache, pos = carry  # pos: the position of the token fed now
+    token = jax.lax.dynamic_slice_in_dim(seq, pos, 1, axis=1)
+    logits, cache = run(token, cache=cache, start=pos)
+    new = _pick(logits[:, -1], k, temperature, top_p, sample)
+    return (jax.lax.dynamic_update_slice_in_dim(seq, new[:, None], pos + 1, axis=1), cache,
+            pos + 1), None
 
-  (last, _, _), tokens = jax.lax.scan(step, (first, cache, jnp.int32(prompt)), keys[1:])
-  new = jnp.concatenate([tokens.T, last[:, None]], axis=1)
-  return jnp.concatenate([input_ids, new], axis=1)
+  again = _recompute_at(b, prompt, max_new_tokens)
+  first, last = 1, max_new_tokens
+  carry = (seq, cache, jnp.int32(prompt))
+  if again is not None:
+    carry, _ = jax.lax.scan(step, carry, keys[first:again])
+    seq = carry[0]
+    at = prompt + again - 1  # the whole sequence so far, cache dropped
+    logits, cache = run(seq[:, :at + 1], cache=fresh(), start=0)
+    seq = seq.at[:, at + 1].set(_pick(logits[:, -1], keys[again], temperature, top_p, sample))
+    carry, first = (seq, cache, jnp.int32(at + 1)), again + 1
+  carry, _ = jax.lax.scan(step, carry, keys[first:last])
+  return carry[0]
 
 
 def generate(b: CausalLM, params, input_ids, *, max_new_tokens: int,
@@ -65,7 +92,9 @@ def generate(b: CausalLM, params, input_ids, *, max_new_tokens: int,
 
   A key/value cache of ``P + max_new_tokens`` positions; the prompt runs in
   one pass, then one token per step of a ``lax.scan``, all in one jitted
-  program (compiled once per shape). Greedy at ``temperature=0`` (the
+  program (compiled once per shape). LongRoPE models (Phi-3) run the whole
+  sequence again when it first reaches past the original length, as
+  transformers does, so the cached keys take the long factors. Greedy at ``temperature=0`` (the
   most likely token: transformers' ``generate(do_sample=False)``), else
   sampled from ``softmax(logits / temperature)`` restricted to the top-p
   nucleus, with ``rng``. Every sequence runs the whole length (no stop
@@ -85,7 +114,7 @@ def generate(b: CausalLM, params, input_ids, *, max_new_tokens: int,
     ...            "num_key_value_heads": 2, "sliding_window": 4},
     ...           open(os.path.join(d, "config.json"), "w"))
     >>> b = models.from_pretrained(d)
-    >>> params = b.init_fn(jax.random.key(0))
+    >>> params = jax.jit(b.init_fn)(jax.random.key(0))
     >>> out = models.generate(b, params, jnp.array([[1, 2, 3]]), max_new_tokens=5)
     >>> out.shape, out[0, :3].tolist()
     ((1, 8), [1, 2, 3])
