@@ -233,6 +233,8 @@ def _rope_params(config: dict, model_type: str) -> dict:
   p.setdefault("rope_theta", _get(config, "rope_theta", 10_000.0))
   if partial is not None:
     p.setdefault("partial_rotary_factor", partial)
+  if model_type == "phi3" and p.get("rope_type", p.get("type")) in ("su", "yarn"):
+    p["rope_type"] = "longrope"  # Phi-3's older names, as transformers maps them
   return {"full": p, "sliding": p}
 
 

@@ -64,7 +64,7 @@ def names_of(cfg: ModelConfig) -> Names:
 # Parameters
 
 
-def _shapes(cfg: ModelConfig, n: Names) -> tuple:
+def param_shapes(cfg: ModelConfig, n: Names) -> tuple:
   """``(top-level {path: (shape, init)}, per-layer {path: (shape, init)})``;
   init is ``"normal"``, ``"zeros"`` or ``"ones"``."""
   d, h = cfg.hidden_size, cfg.head_dim
@@ -148,7 +148,7 @@ def init_params(cfg: ModelConfig, rng, *, dtype=jnp.float32, scan: bool = False)
   ``fold_in(rng, i + 1)`` (the rest from ``fold_in(rng, 0)``), so the
   layers of ``init_train_state(init_fn=...)`` share one program."""
   n = names_of(cfg)
-  top, layer = _shapes(cfg, n)
+  top, layer = param_shapes(cfg, n)
   std = cfg.initializer_range
 
   def scaled(values: dict, spec: dict) -> dict:
@@ -257,7 +257,7 @@ def _scan_layers(cfg: ModelConfig, n: Names, layers: dict, x, tables: dict, cach
   sliding and full layers mix, each layer's window and rotary tables are
   picked by a per-layer flag (the window a traced bound of the mask)."""
   kinds = sorted(set(cfg.layer_types))
-  mixed = len(kinds) > 1
+  mixed = cfg.mixed_layers
   sliding = np.asarray([k == "sliding" for k in cfg.layer_types])
   xs = {"p": layers}
   if mixed:

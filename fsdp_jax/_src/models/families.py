@@ -129,33 +129,32 @@ def _rules(cfg: ModelConfig, scan: bool) -> list:
   (``kernel`` <-> ``weight``, transposed unless the checkpoint is GPT-2's
   ``[in, out]``), the fused tensors cut, the buffers dropped."""
   n = decoder.names_of(cfg)
-  top, layer = decoder._shapes(cfg, n)  # pylint: disable=protected-access
+  top, layer = decoder.param_shapes(cfg, n)
   gpt2 = cfg.model_type == "gpt2"
   hf_layer = f"{n.root}.{n.layers}.{{i}}"
   ours = f"{n.root}.{n.layers}" if scan else hf_layer
   fused = _fused(cfg, n)
+  skip = {p for _, params, _, _ in fused for p in params}
   rules = []
-  prefixes = [""] + ([] if not gpt2 else ["__bare__"])
+  # GPT-2's older checkpoints name their tensors without "transformer.":
+  # rules for both (saving writes the first).
+  spellings = [lambda s: s]
+  if gpt2:
+    spellings.append(lambda s: s[len("transformer."):] if s.startswith("transformer.") else s)
 
   def ckpt_of(path):
     name = ".".join(path)
     return name[:-len("kernel")] + "weight" if name.endswith(".kernel") else name
 
-  for prefix in prefixes:
-    strip = (lambda s: s[len("transformer."):]) if prefix == "__bare__" else (lambda s: s)
-    for path in top:
-      name = ".".join(path)
-      t = (transpose(),) if path[-1] == "kernel" and not gpt2 else ()
-      rules.append((strip(ckpt_of(path)), name, *t))
-    for ckpt, params, cut, t in fused:
-      rules.append((strip(f"{hf_layer}.{ckpt}"), tuple(f"{ours}.{p}" for p in params), cut, *t))
-    skip = {p for _, params, _, _ in fused for p in params}
-    for path in layer:
-      name = ".".join(path)
-      if name in skip:
-        continue
-      t = (transpose(),) if path[-1] == "kernel" and not gpt2 else ()
-      rules.append((strip(f"{hf_layer}.{ckpt_of(path)}"), f"{ours}.{name}", *t))
+  def layout(path):  # a Linear's [out, in] weight <-> the [in, out] kernel
+    return (transpose(),) if path[-1] == "kernel" and not gpt2 else ()
+
+  for spell in spellings:
+    rules += [(spell(ckpt_of(path)), ".".join(path), *layout(path)) for path in top]
+    rules += [(spell(f"{hf_layer}.{ckpt}"), tuple(f"{ours}.{p}" for p in params), cut, *t)
+              for ckpt, params, cut, t in fused]
+    rules += [(spell(f"{hf_layer}.{ckpt_of(path)}"), f"{ours}.{'.'.join(path)}", *layout(path))
+              for path in layer if ".".join(path) not in skip]
   # Buffers a model recomputes, and a tied head's copy of the embedding.
   rules += [("model.rotary_emb.inv_freq", None),
             ("model.layers.{i}.self_attn.rotary_emb.inv_freq", None)]
