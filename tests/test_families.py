@@ -217,6 +217,30 @@ def test_lora_adapter_reads_in_peft(checkpoints, family, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@needs_hf
+def test_an_adapter_peft_trained_on_a_fused_module_loads_into_its_parts(checkpoints, tmp_path):
+  """PEFT's adapter of Phi-3's fused qkv_proj (one rank-2 factor pair over
+  q, k and v) read into LoRA targets q_proj, k_proj, v_proj: the shared
+  factor and each part's rows; the merged model gives PEFT's logits."""
+  hub, ours = checkpoints("phi3")
+  config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["qkv_proj"],
+                           init_lora_weights=False)  # B != 0
+  torch.manual_seed(1)
+  with torch.no_grad():
+    tuned = peft.get_peft_model(hub.model, config).eval()
+    peft_logits = tuned(torch.tensor(IDS, dtype=torch.long)).logits.numpy()
+    tuned.save_pretrained(str(tmp_path / "adapter"))
+    tuned.unload()
+  lora = fsdp_jax.LoRA(targets=("q_proj", "k_proj", "v_proj"), rank=2, alpha=4.0)
+  state = fsdp_jax.init_train_state(
+      init_fn=ours.b.init_fn, rng=jax.random.key(1), optimizer=optax.sgd(0.0), mesh=ours.mesh,
+      config=ours.b.fsdp_config(lora=lora), pretrained=pretrained.load(hub.dir, ours.b.weight_map))
+  state = pretrained.load_adapter(state, tmp_path / "adapter", ours.b.weight_map)
+  merged = np.asarray(ours.forward(fsdp_jax.summon_full_params(state))[0])
+  np.testing.assert_allclose(merged, peft_logits, rtol=0, atol=1e-4)
+  assert np.abs(peft_logits - hub.logits).max() > 1e-2
+
+
 # --------------------------------------------------------------------------
 # Tensor parallelism (no torch)
 
@@ -260,6 +284,34 @@ def test_tensor_parallel_trains_as_one_device_without_tensor_gathers(family, tmp
   assert not gathers, gathers
   assert any(c.kind == "all-reduce" and set(c.groups) <= tensor_groups
              for c in collectives)  # Megatron's reductions ran
+
+
+def test_generate_takes_params_in_any_sharding(tmp_path):
+  """The same tokens from the full tree on one device and from a copy split
+  by the family's Megatron layout over a 4 x 2 mesh (greedy), and a
+  sampled run that depends on its key."""
+  b = models.from_pretrained(_config_dir(tmp_path, "qwen2"))
+  params = jax.tree.map(lambda x: np.asarray(np.random.default_rng(0).normal(0, 0.3, x.shape),
+                                             x.dtype),
+                        jax.eval_shape(b.init_fn, jax.random.key(0)))
+  mesh = _mesh(4, tensor=2)
+  P = jax.sharding.PartitionSpec
+
+  def place(path, x):
+    name = jax.tree_util.keystr(path)
+    spec = (P(None, "tensor") if any(k in name for k in ("q_proj", "k_proj", "v_proj",
+                                                          "gate_proj", "up_proj")) and x.ndim == 2
+            else P("tensor", None) if "o_proj" in name or "down_proj" in name
+            else P("tensor", "shard") if "embed_tokens" in name else P())
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+
+  split = jax.tree_util.tree_map_with_path(place, params)
+  prompt = IDS[:, :PROMPT]
+  one = models.generate(b, params, prompt, max_new_tokens=NEW)
+  np.testing.assert_array_equal(models.generate(b, split, prompt, max_new_tokens=NEW), one)
+  sampled = [np.asarray(models.generate(b, params, prompt, max_new_tokens=NEW, temperature=1.0,
+                                        top_p=0.9, rng=jax.random.key(k))) for k in (0, 1)]
+  assert (sampled[0][:, :PROMPT] == prompt).all() and (sampled[0] != sampled[1]).any()
 
 
 # --------------------------------------------------------------------------

@@ -12,6 +12,14 @@ its two axes, each on its own: transposes, rotary permutations and reshapes
 that keep the axes do. Which ones it does is found by running the inverse
 on a matrix of element indices, so the factors are exact permutations of
 each other's rows (a round trip is bitwise).
+
+Fused tensors (``split`` / ``concat`` rules): the targets that are parts of
+one checkpoint module are one PEFT module, their factors stacked along the
+rank in blocks (rank ``m * r`` and alpha ``m * alpha`` in
+``rank_pattern`` / ``alpha_pattern``: the scale stays ``alpha / r``); an
+adapter PEFT trained on the fused module (rank ``r``) is read with its
+``lora_A`` shared by the parts. A target joined from several checkpoint
+modules gives each of them the shared factor and its slice of the other.
 """
 
 from __future__ import annotations
@@ -174,11 +182,14 @@ class _PeftModule:
 
   def blocks(self, lora_a: np.ndarray, lora_b: np.ndarray, rank: int) -> tuple:
     """The inverse of :meth:`to_peft`: ``[(piece, place, a, b)]``, each
-    member's block; a ``ValueError`` when the factors are not of that
-    block form (an adapter PEFT trained on the fused module)."""
+    member's block. Factors of the LoRA rank itself (an adapter PEFT
+    trained on the fused module) are shared: each member takes the shared
+    factor and its own rows (or columns) of the other. A ``ValueError``
+    where the factors reach parts that are not LoRA targets."""
+    shared = lora_a.shape[0] == rank
     out, mask_a, mask_b = [], np.zeros(lora_a.shape, bool), np.zeros(lora_b.shape, bool)
     for j, (piece, pl) in enumerate(self.members):
-      r = slice(j * rank, (j + 1) * rank)
+      r = slice(0, rank) if shared else slice(j * rank, (j + 1) * rank)
       if pl.axis == 0:
         out.append((piece, pl, lora_a[r], lora_b[pl.at:pl.until, r]))
         mask_a[r] = True
@@ -189,9 +200,9 @@ class _PeftModule:
         mask_b[:, r] = True
     if np.any(lora_a[~mask_a]) or np.any(lora_b[~mask_b]):
       raise ValueError(
-          f"the factors of module {self.name!r} mix the {len(self.members)} parameter(s) it "
-          "is cut into (an adapter trained on the fused module), which separate LoRA "
-          "targets cannot hold exactly")
+          f"the factors of module {self.name!r} reach parts of it that are not LoRA targets "
+          f"(the state adapts {sorted({p.target.name for p, _ in self.members})}), or mix "
+          "its parts: separate LoRA targets cannot hold them exactly")
     return out
 
 
@@ -526,11 +537,13 @@ def _read_config(directory: str, lora, sample: str, modules: list,
                        "fsdp_jax's LoRA does not have. Fix: train the adapter without it.")
   # Per-module ranks and alphas: only those of modules fused from several
   # targets (m pieces: rank m * r, alpha m * alpha, the same scale).
+  # A PEFT-trained adapter of a fused module has the rank itself (shared).
   for mod in modules:
     m = len(mod.members)
     got = (_pattern_value(config.get("rank_pattern"), mod.name, r),
            _pattern_value(config.get("alpha_pattern"), mod.name, alpha))
-    if got[0] != m * lora.rank or float(got[1]) != m * lora.alpha:
+    if (got[0], float(got[1])) not in ((m * lora.rank, m * lora.alpha),
+                                       (lora.rank, lora.alpha)):
       raise ValueError(
           f"load_adapter: {path} gives module {mod.name!r} rank {got[0]} and alpha {got[1]} "
           f"(rank_pattern / alpha_pattern), but the state holds it as {m} LoRA target(s) of "
@@ -613,6 +626,9 @@ def load_adapter(state: ShardedTrainState, directory, weight_map: WeightMap
   for mod in modules:
     wanted.update(mod.keys)
     rank = len(mod.members) * lora.rank
+    first = reader.tensors.get(mod.keys[0])
+    if first is not None and len(first.shape) == 2 and first.shape[0] == lora.rank:
+      rank = lora.rank  # trained by PEFT on the fused module: one factor shared
     out_dim, in_dim = mod.shape
     for key, want in zip(mod.keys, ((rank, in_dim), (out_dim, rank))):
       if key not in names:
