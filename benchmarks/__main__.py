@@ -21,6 +21,7 @@
     python -m benchmarks tensor_parallel  # FSDP x tensor parallelism (TENSOR_PARALLEL.md)
     python -m benchmarks tp_routes      # tensor parallelism left to the compiler vs explicit collectives
     python -m benchmarks mutants        # one-line bugs in the engine: the first test that catches each
+    python -m benchmarks families       # fsdp_jax.models' families vs the example Llama (MODELS.md)
 
 ``python -m benchmarks <name> --help`` lists a measurement's options.
 """
@@ -57,6 +58,7 @@ MEASUREMENTS = {
     "tensor_parallel": ("benchmarks.tensor_parallel", "main"),
     "tp_routes": ("benchmarks.tp_routes", "main"),
     "mutants": ("benchmarks.mutants", "main"),
+    "families": ("benchmarks.families", "main"),
 }
 
 

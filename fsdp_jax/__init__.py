@@ -123,4 +123,4 @@ __all__ = [
 # paths (fsdp_jax.config, fsdp_jax.state_dict, ...) keep working with a
 # DeprecationWarning; see fsdp_jax/_src/deprecations.py.
 _deprecations.register_moved_modules(__name__)
-__getattr__ = _deprecations.package_getattr(__name__)
+__getattr__ = _deprecations.package_getattr(__name__, lazy=("models", "pretrained"))

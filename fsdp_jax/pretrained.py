@@ -4,7 +4,9 @@ Hugging Face's safetensors layout out.
 
 A :class:`WeightMap` names where each checkpoint tensor goes, with
 invertible transforms (:func:`transpose`, :func:`rope_interleave`,
-:func:`reshape`, or your own pair of functions). :func:`load` reads headers
+:func:`reshape`, or your own pair of functions), and fused tensors cut
+(:func:`split`: one tensor into several parameters) or joined
+(:func:`concat`). :func:`load` reads headers
 only; ``fsdp_jax.init_train_state(init_fn=..., pretrained=load(...))`` reads
 each device's shard as a slice of the file, so no host ever holds the whole
 model. :func:`save` writes the parameters back, file by file, for
@@ -26,14 +28,16 @@ from fsdp_jax._src.pretrained import (
     PretrainedSource as PretrainedSource,
     Transform as Transform,
     WeightMap as WeightMap,
+    concat as concat,
     load as load,
     load_adapter as load_adapter,
     reshape as reshape,
     rope_interleave as rope_interleave,
     save as save,
     save_adapter as save_adapter,
+    split as split,
     transpose as transpose,
 )
 
-__all__ = ["PretrainedSource", "Transform", "WeightMap", "load", "load_adapter", "reshape",
-           "rope_interleave", "save", "save_adapter", "transpose"]
+__all__ = ["PretrainedSource", "Transform", "WeightMap", "concat", "load", "load_adapter",
+           "reshape", "rope_interleave", "save", "save_adapter", "split", "transpose"]

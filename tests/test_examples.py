@@ -15,8 +15,9 @@ settings and hard timeouts.
 * ``train_nnx.py`` (Flax NNX through nnx.split / nnx.merge, nnx.update at the
   end) and ``custom_step.py`` (value_and_grad, clip_grad_norm, EMA inside
   ``shard_map``, checked against ``shard_train_step``);
-* ``finetune_llama.py`` without ``--checkpoint``: it writes a small random
-  Llama, loads it shard by shard, fine-tunes it (the loss goes down) and
+* ``finetune.py`` without ``--checkpoint``: it writes a small random
+  Llama (and, with ``--family qwen3 --scan``, a Qwen3 run with stacked
+  layers), loads it shard by shard, fine-tunes it (the loss goes down) and
   saves it in Hugging Face's layout, which loads again; with ``--lora``
   (rank, alpha, targets in PEFT's names, dropout) and ``--qlora`` (NF4 base):
   the loss goes down, the plan reports the adapters, the memory per device
@@ -61,7 +62,7 @@ GPT_ARGS = ["--platform", "cpu", "--steps", "6", "--log-every", "1", "--layers",
             "--accumulate", "2", "--save-every", "3"]
 TIMEOUT_S = 300  # per subprocess; they normally take 15-60 s on 2 cores
 
-# finetune_llama.py's LoRA and QLoRA runs (the full run's settings).
+# finetune.py's LoRA and QLoRA runs (the full run's settings).
 FINETUNE_ARGS = ["--steps", "6", "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3"]
 
 STEP_LINE = re.compile(r"^step\s+(\d+)\s+loss (\S+)(?:\s+grad_norm (\S+))?", re.M)
@@ -106,14 +107,17 @@ class Jobs:
     self.custom = Job("custom", [py, str(EXAMPLES / "custom_step.py"), "--platform", "cpu",
                                  "--steps", "40", "--log-every", "10", "--verify"], tmp)
     self.finetune = Job("finetune", [
-        py, str(EXAMPLES / "finetune_llama.py"), "--platform", "cpu", "--steps", "6",
+        py, str(EXAMPLES / "finetune.py"), "--platform", "cpu", "--steps", "6",
         "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3", "--out", str(tmp / "tuned")], tmp)
+    self.finetune_qwen3 = Job("finetune_qwen3", [
+        py, str(EXAMPLES / "finetune.py"), "--platform", "cpu", *FINETUNE_ARGS, "--family",
+        "qwen3", "--scan", "--out", str(tmp / "qwen3")], tmp)
     self.finetune_lora = Job("finetune_lora", [
-        py, str(EXAMPLES / "finetune_llama.py"), "--platform", "cpu", *FINETUNE_ARGS,
+        py, str(EXAMPLES / "finetune.py"), "--platform", "cpu", *FINETUNE_ARGS,
         "--lora", "--rank", "4", "--alpha", "8", "--lora-dropout", "0.1",
         "--targets", "q_proj,v,o_proj,down", "--out", str(tmp / "lora")], tmp)
     self.finetune_qlora = Job("finetune_qlora", [
-        py, str(EXAMPLES / "finetune_llama.py"), "--platform", "cpu", *FINETUNE_ARGS,
+        py, str(EXAMPLES / "finetune.py"), "--platform", "cpu", *FINETUNE_ARGS,
         "--qlora", "--out", str(tmp / "qlora")], tmp)
     self._resume = None
 
@@ -131,7 +135,8 @@ class Jobs:
 
   def kill_all(self) -> None:
     for job in (self.gpt, self.gpt_mp, self.gpt_offload, self.nnx, self.custom,
-                self.finetune, self.finetune_lora, self.finetune_qlora, self._resume):
+                self.finetune, self.finetune_qwen3, self.finetune_lora, self.finetune_qlora,
+                self._resume):
       if job is not None:
         job.kill()
 
@@ -282,10 +287,12 @@ def test_custom_step(jobs):
 
 
 # --------------------------------------------------------------------------
-# finetune_llama.py
+# finetune.py
 
 
-def test_finetune_llama_loads_tunes_and_saves(jobs):
+def test_finetune_loads_tunes_and_saves(jobs):
+  from fsdp_jax import models
+
   out = jobs.finetune.ok()
   assert "no --checkpoint: wrote a small random Llama" in out, out
   assert re.search(r"loaded \S+ in [\d.]+ s onto 8 device\(s\), FULL_SHARD", out), out
@@ -302,10 +309,23 @@ def test_finetune_llama_loads_tunes_and_saves(jobs):
   tuned = jobs.tmp / "tuned"
   assert (tuned / "config.json").exists()
   assert len(list(tuned.glob("*.safetensors"))) == int(m.group(1))
-  llama = _load("llama")
-  config = llama.LlamaConfig.from_pretrained(str(tuned))
-  source = pretrained.load(str(tuned), llama.weight_map(config))  # strict: every tensor mapped
+  model = models.from_pretrained(tuned)
+  source = pretrained.load(str(tuned), model.weight_map)  # strict: every tensor mapped
   assert source.bytes_read == 0  # headers only
+
+
+def test_finetune_any_family_with_scan(jobs):
+  """--family qwen3 --scan: a random Qwen3 (q/k norms, stacked layers) tunes
+  and saves a directory fsdp_jax.models reads back."""
+  from fsdp_jax import models
+
+  out = jobs.finetune_qwen3.ok()
+  assert "no --checkpoint: wrote a small random qwen3" in out, out
+  assert "model: CausalLM(qwen3: 2 layers" in out and ", scan)" in out, out
+  m = re.search(r"^loss (\S+) -> (\S+) after 6 steps$", out, re.M)
+  assert m and float(m.group(2)) < float(m.group(1)) - 0.1, out
+  model = models.from_pretrained(jobs.tmp / "qwen3", scan=True)
+  assert model.config.qk_norm and pretrained.load(str(jobs.tmp / "qwen3"), model.weight_map)
 
 
 MEMORY_LINE = re.compile(r"^memory per device \(bytes\): params ([\d,]+), grads ([\d,]+), "
@@ -397,7 +417,7 @@ def _merged_minus_adapters(out_dir: Path, checkpoint: str, tensors: dict, scale:
   return out
 
 
-def test_finetune_llama_lora(jobs):
+def test_finetune_lora(jobs):
   """--lora with PEFT's module names: the adapters train, the plan says
   so, the gradients and optimizer state shrink to the adapters', and PEFT
   loads the adapter over the base with the merged model's logits."""
@@ -435,7 +455,7 @@ def test_finetune_llama_lora(jobs):
   assert np.abs(peft_logits - base_logits).max() > 1e-2  # the adapter changed the model
 
 
-def test_finetune_llama_qlora(jobs):
+def test_finetune_qlora(jobs):
   """--qlora (every projection, NF4 base in blocks of 64): it trains,
   stores the base in about a sixth of the bytes, and the merged model is
   the base's NF4 round trip plus exactly the adapter's update; everything
@@ -482,9 +502,9 @@ def _load(name: str):
                    "--offload"]),
     ("train_nnx", ["--strategy", "--use-orig-params", "--steps"]),
     ("custom_step", ["--max-norm", "--ema-decay", "--l2", "--verify"]),
-    ("finetune_llama", ["--checkpoint", "--text", "--out", "--strategy", "--scan",
-                        "--precision", "--lora", "--qlora", "--rank", "--alpha", "--targets",
-                        "--lora-dropout"]),
+    ("finetune", ["--checkpoint", "--family", "--text", "--out", "--strategy", "--scan",
+                  "--precision", "--lora", "--qlora", "--rank", "--alpha", "--targets",
+                  "--lora-dropout"]),
 ])
 def test_help(name, flags, capsys):
   with pytest.raises(SystemExit) as e:
@@ -517,9 +537,10 @@ def test_train_gpt_argument_errors(argv, message, capsys):
     (["--lora", "--rank", "0"], "--rank must be at least 1"),
     (["--qlora", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
     (["--lora", "--targets", ","], "--targets needs at least one pattern"),
+    (["--family", "bert"], "argument --family: invalid choice: 'bert'"),
 ])
-def test_finetune_llama_argument_errors(argv, message, capsys):
+def test_finetune_argument_errors(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
-    _load("finetune_llama").main(argv)
+    _load("finetune").main(argv)
   assert e.value.code == 2
   assert message in capsys.readouterr().err

@@ -27,7 +27,8 @@ from fsdp_jax._src import deprecations
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLIC_MODULES = ("fsdp_jax", "fsdp_jax.custom", "fsdp_jax.hooks", "fsdp_jax.hlo",
-                  "fsdp_jax.pretrained", "fsdp_jax.distributed", "fsdp_jax.launch")
+                  "fsdp_jax.pretrained", "fsdp_jax.models", "fsdp_jax.distributed",
+                  "fsdp_jax.launch")
 
 # Public callables whose docstring has no runnable example: this list may only
 # shrink. Add an example (tiny meshes, tiny params) rather than a name here.
@@ -142,6 +143,17 @@ def test_state_dict_stays_the_function():
                        check=True, cwd=str(ROOT))
   assert out.stdout.strip() == "function", out.stdout + out.stderr
   assert full_optim_state_dict is fsdp_jax.full_optim_state_dict
+
+
+def test_models_and_pretrained_load_on_first_use():
+  """``fsdp_jax.models`` / ``fsdp_jax.pretrained`` work after a bare
+  ``import fsdp_jax`` (imported on first use, not with the package)."""
+  code = ("import sys, fsdp_jax\n"
+          "print('fsdp_jax.models' in sys.modules, callable(fsdp_jax.models.from_pretrained),"
+          " callable(fsdp_jax.pretrained.load))\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True, cwd=str(ROOT))
+  assert out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
 
 
 def test_no_other_public_top_level_module():

@@ -129,10 +129,15 @@ def register_moved_modules(package: str) -> None:
     sys.modules.setdefault(f"{package}.{module}", _MovedModule(package, module))
 
 
-def package_getattr(package: str):
-  """The package's module ``__getattr__``: moved names and old module paths."""
+def package_getattr(package: str, lazy: tuple = ()):
+  """The package's module ``__getattr__``: moved names and old module paths;
+  and the public submodules ``lazy``, imported on first use (``import
+  fsdp_jax; fsdp_jax.models.from_pretrained(...)`` without importing
+  safetensors and the model code with the package)."""
 
   def __getattr__(name: str):
+    if name in lazy:
+      return importlib.import_module(f"{package}.{name}")
     if name in MOVED_NAMES:
       new, module, attr = MOVED_NAMES[name]
       warnings.warn(f"fsdp_jax.{name} is deprecated: use {new}.",

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from fsdp_jax._src import _compat
@@ -84,6 +85,20 @@ class WeightedLoss:
 
   total: Any
   weight: Any
+
+  def __float__(self) -> float:
+    """The loss it stands for, ``total / weight`` (outside a trace).
+
+    >>> import fsdp_jax
+    >>> float(fsdp_jax.WeightedLoss(total=6.0, weight=4.0))
+    1.5
+    """
+    return float(self.total) / float(self.weight)
+
+  def __array__(self, dtype=None, copy=None):
+    """``total / weight`` as a NumPy scalar array (``np.asarray(loss)``)."""
+    del copy
+    return np.asarray(float(self), dtype=dtype)
 
 
 # --------------------------------------------------------------------------

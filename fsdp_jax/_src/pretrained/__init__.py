@@ -14,7 +14,9 @@ from fsdp_jax._src.pretrained.saving import save as save
 from fsdp_jax._src.pretrained.weight_map import (
     Transform as Transform,
     WeightMap as WeightMap,
+    concat as concat,
     reshape as reshape,
     rope_interleave as rope_interleave,
+    split as split,
     transpose as transpose,
 )

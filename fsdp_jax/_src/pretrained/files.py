@@ -19,6 +19,7 @@ import json
 import math
 import mmap
 import os
+import re
 import struct
 import time
 from typing import Optional
@@ -254,11 +255,35 @@ def _torch_dtype(dtype) -> np.dtype:
   return np.dtype(table[dtype])
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def check_local(path: str, what: str = "checkpoint") -> None:
+  """A ``CheckpointFileError`` for a path that is not here but reads as a
+  Hugging Face Hub id (``org/name``: fsdp_jax has no hub access), and for a
+  PEFT adapter directory given where a base model is wanted."""
+  if not os.path.exists(path) and _HUB_ID.match(path) and not os.path.isabs(path):
+    raise CheckpointFileError(
+        f"{path!r} is not a local file or directory; it reads as a Hugging Face Hub id, and "
+        f"fsdp_jax reads local {what}s only (no hub access). Fix: download it first, e.g. "
+        f"`huggingface-cli download {path} --local-dir DIR` (or "
+        f"`huggingface_hub.snapshot_download({path!r})`), then pass DIR.")
+  if os.path.isdir(path) and os.path.exists(os.path.join(path, ADAPTER_CONFIG)) and not (
+      os.path.exists(os.path.join(path, "config.json"))):
+    raise CheckpointFileError(
+        f"{path} is a PEFT adapter (it holds {ADAPTER_CONFIG}), not a base model: this is an "
+        "adapter: load the base, then load_adapter. Fix: build and load the base model its "
+        "adapter_config.json names (base_model_name_or_path), then read the adapter into a "
+        "LoRA state with fsdp_jax.pretrained.load_adapter(state, directory, weight_map).")
+
+
 def open_checkpoint(path: str) -> Reader:
   """A reader of ``path``: a ``.safetensors`` file, a directory of them
   (with or without ``model.safetensors.index.json``), or a PyTorch state
   dict (``.bin`` / ``.pt`` / ``.pth``). Only headers are read."""
   path = os.fspath(path)
+  check_local(path)
   if os.path.isdir(path):
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):

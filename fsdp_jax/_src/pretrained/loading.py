@@ -16,6 +16,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import json
+import os
 from typing import Optional
 
 import jax
@@ -26,7 +28,7 @@ from fsdp_jax._src import lora as lora_lib
 from fsdp_jax._src import quantization as quant
 from fsdp_jax._src.plan import Plan, UnitSpec
 from fsdp_jax._src.pretrained import files
-from fsdp_jax._src.pretrained.weight_map import Chain, WeightMap
+from fsdp_jax._src.pretrained.weight_map import Chain, Fuse, WeightMap
 from fsdp_jax._src.quantization import Quantization
 
 MAX_LISTED = 20
@@ -119,6 +121,62 @@ class LeafSource:
   out_dims: int = 1  # of the kernel: its rows are the others, flattened
 
 
+@dataclasses.dataclass(frozen=True)
+class Part:
+  """Elements ``start:stop`` along ``fuse.axis`` of checkpoint tensor
+  ``name``: one parameter's part of a tensor a :func:`split` rule cuts."""
+
+  name: str
+  fuse: Fuse
+  start: int
+  stop: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+  """Checkpoint tensors ``names`` joined along ``fuse.axis``: the tensor a
+  :func:`concat` rule makes one parameter of."""
+
+  names: tuple
+  fuse: Fuse
+
+
+def describe_ref(ref) -> str:
+  """A checkpoint tensor, a part of one or joined ones, for messages."""
+  if isinstance(ref, str):
+    return repr(ref)
+  if isinstance(ref, Part):
+    return f"{ref.name!r} [{ref.start}:{ref.stop} along axis {ref.fuse.axis}]"
+  return " + ".join(repr(n) for n in ref.names)
+
+
+# config.json fields that set parameter shapes, compared when a checkpoint
+# does not fit the model built from another config.json.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "n_embd", "n_layer",
+                "n_head", "n_inner", "n_positions", "tie_word_embeddings")
+
+
+def config_differences(config: Optional[dict], path: str) -> list:
+  """``["hidden_size 96 in config.json, model built for 64", ...]``: the
+  fields of the checkpoint's ``config.json`` (beside ``path``) that set
+  shapes and differ from ``config``, the one the model was built from."""
+  if not config:
+    return []
+  directory = path if os.path.isdir(path) else os.path.dirname(path)
+  try:
+    with open(os.path.join(directory, "config.json")) as f:
+      theirs = json.load(f)
+  except (OSError, ValueError):
+    return []
+  if not isinstance(theirs, dict):
+    return []
+  theirs = theirs.get("text_config", theirs) if "text_config" in theirs and (
+      "hidden_size" not in theirs) else theirs
+  return [f"{k} {theirs[k]} in config.json, model built for {config[k]}" for k in SHAPE_FIELDS
+          if k in theirs and k in config and theirs[k] != config[k]]
+
+
 class PretrainedSource:
   """A checkpoint and the :class:`~fsdp_jax.pretrained.WeightMap` that maps
   it onto a model: what :func:`fsdp_jax.pretrained.load` returns and
@@ -174,6 +232,18 @@ class PretrainedSource:
     return self.reader.page_bytes_read
 
   # ---- resolution ----------------------------------------------------------
+  def _ref_info(self, ref) -> tuple:
+    """``(dtype, shape)`` of a checkpoint tensor, a part of one, or joined
+    ones (:class:`Part`, :class:`Joined`)."""
+    if isinstance(ref, str):
+      info = self.reader.tensors[ref]
+      return info.dtype, tuple(info.shape)
+    if isinstance(ref, Part):
+      dtype, shape = self._ref_info(ref.name)
+      return dtype, ref.fuse.part_shape(shape, ref.stop - ref.start)
+    infos = [self._ref_info(n) for n in ref.names]
+    return infos[0][0], ref.fuse.joined_shape([i[1] for i in infos])
+
   def resolve(self, plan: Plan) -> dict:
     """``{leaf id: LeafSource}``, checked: raises one ``ValueError`` naming
     every problem (an uncovered tensor or parameter under ``strict``, a
@@ -191,30 +261,61 @@ class PretrainedSource:
       names.update({n[len("params."):]: i for n, i in list(names.items())})
     problems: list[str] = []
     uncovered: list[str] = []
-    groups: dict = {}  # leaf id -> {layer or None: (tensor, rule)}
+    groups: dict = {}  # leaf id -> {layer or None: (ref, rule)}
+    joins: dict = {}  # (rule, values) -> {k: tensor}, for concat rules
+    mapped = []  # (param name, layer, ref, rule)
     for tensor in sorted(self.reader.tensors):
-      found = self.weight_map.checkpoint_rule(tensor)
+      found = self.weight_map.checkpoint_match(tensor)
       if found is None:
         uncovered.append(tensor)
         continue
-      rule, values = found
-      if rule.param is None:
+      rule, values, k = found
+      if not rule.params:
         continue  # dropped on purpose
-      param = rule.param_name(values)
-      if param not in names:
-        problems.append(
-            f"rule {rule.describe()} maps tensor {tensor!r} to parameter {param!r}, which "
-            "the model does not have")
-        continue
       stack = rule.stack_axis_name
       layer = values[stack] if stack is not None else None
+      if rule.fuse is None:
+        mapped.append((rule.param_name(values), layer, tensor, rule))
+      elif rule.fuse.kind == "concat":
+        joins.setdefault((id(rule), tuple(sorted(values.items()))), (rule, values, {}))[2][k] = \
+            tensor
+      else:
+        shape = self.reader.tensors[tensor].shape
+        try:
+          if rule.fuse.axis >= len(shape):
+            raise ValueError(f"tensor {tensor!r} {list(shape)} has no axis {rule.fuse.axis}")
+          bounds = rule.fuse.bounds(shape[rule.fuse.axis], len(rule.params),
+                                    f"tensor {tensor!r} {list(shape)}")
+        except ValueError as e:
+          problems.append(f"rule {rule.describe()}: {e}")
+          continue
+        for j, (a, b) in enumerate(bounds):
+          mapped.append((rule.param_name(values, j), layer, Part(tensor, rule.fuse, a, b), rule))
+    for rule, values, parts in joins.values():
+      want = range(len(rule.checkpoints))
+      if sorted(parts) != list(want):
+        missing = [rule.checkpoint_name(values, k) for k in want if k not in parts]
+        problems.append(f"rule {rule.describe()} joins {len(want)} tensors, but the "
+                        f"checkpoint lacks {missing}")
+        continue
+      stack = rule.stack_axis_name
+      mapped.append((rule.param_name(values), values[stack] if stack is not None else None,
+                     Joined(tuple(parts[k] for k in want), rule.fuse), rule))
+    for param, layer, ref, rule in mapped:
+      if param not in names:
+        problems.append(
+            f"rule {rule.describe()} maps tensor {describe_ref(ref)} to parameter {param!r}, "
+            "which the model does not have")
+        continue
       slot = groups.setdefault(names[param], {})
       if layer in slot:
-        problems.append(f"tensors {slot[layer][0]!r} and {tensor!r} both map to parameter "
-                        f"{param!r}" + (f" layer {layer}" if layer is not None else ""))
+        problems.append(f"tensors {describe_ref(slot[layer][0])} and {describe_ref(ref)} both "
+                        f"map to parameter {param!r}"
+                        + (f" layer {layer}" if layer is not None else ""))
         continue
-      slot[layer] = (tensor, rule)
+      slot[layer] = (ref, rule)
     out = {}
+    shape_problems = 0
     for i, slot in sorted(groups.items()):
       leaf = plan.leaves[i]
       target = adapted.get(i)
@@ -242,30 +343,37 @@ class PretrainedSource:
       else:
         tensors = (tensor,)
         want = tuple(full_shape)
-      infos = [self.reader.tensors[t] for t in tensors]
-      shapes = {info.shape for info in infos}
+      try:
+        infos = [self._ref_info(t) for t in tensors]
+      except ValueError as e:
+        problems.append(f"parameter {what}: {e}")
+        continue
+      shapes = {info[1] for info in infos}
       if len(shapes) > 1:
         problems.append(f"parameter {leaf.name!r}: its tensors have different shapes "
                         f"{sorted(shapes)}")
         continue
-      ckpt_shape = infos[0].shape
+      ckpt_shape = infos[0][1]
       try:
         got = rule.chain.model_shape(ckpt_shape)
       except (ValueError, TypeError) as e:
-        problems.append(f"tensor {tensors[0]!r} {list(ckpt_shape)} -> parameter "
+        problems.append(f"tensor {describe_ref(tensors[0])} {list(ckpt_shape)} -> parameter "
                         f"{leaf.name!r}: {rule.chain} fails: {e}")
+        shape_problems += 1
         continue
       if tuple(got) != want:
         problems.append(
-            f"shape mismatch: tensor {tensors[0]!r}{' (and its layers)' if stacked else ''} "
-            f"has shape {list(ckpt_shape)}, which after {rule.chain} is {list(got)}, but "
-            f"parameter {what} has shape {list(full_shape)}"
+            f"shape mismatch: tensor {describe_ref(tensors[0])}"
+            f"{' (and its layers)' if stacked else ''} has shape {list(ckpt_shape)}, which "
+            f"after {rule.chain} is {list(got)}, but parameter {what} has shape "
+            f"{list(full_shape)}"
             + (f" ({full_shape[0]} stacked layers of {list(want)})" if stacked else ""))
+        shape_problems += 1
         continue
-      src_dtype = infos[0].dtype
+      src_dtype = infos[0][0]
       if not np.can_cast(src_dtype, kernel_dtype, casting="same_kind"):
-        problems.append(f"tensor {tensors[0]!r} is {src_dtype}, which does not convert to "
-                        f"parameter {what}'s {kernel_dtype}")
+        problems.append(f"tensor {describe_ref(tensors[0])} is {src_dtype}, which does not "
+                        f"convert to parameter {what}'s {kernel_dtype}")
         continue
       out[i] = LeafSource(i, tensors, stacked, rule.chain, ckpt_shape, q,
                           None if q is None else kernel_dtype,
@@ -283,9 +391,16 @@ class PretrainedSource:
             f"{len(missing)} parameter(s) no checkpoint tensor loads: {_listing(missing)} "
             "(add rules, or load(..., strict=False) to keep init_fn's values for them)")
     if problems:
+      fix = "Fix the WeightMap rules (print(state.plan) lists the parameter names)."
+      differ = config_differences(self.weight_map.config, self.path) if shape_problems else []
+      if differ:
+        fix = ("The checkpoint is of another model size: " + "; ".join(differ)
+               + ". Fix: build the model from the checkpoint's own config.json (e.g. "
+               "fsdp_jax.models.from_pretrained(checkpoint_directory)), or load a checkpoint "
+               "of the model's size.")
       raise ValueError(
           f"Loading {self.path} with {self.weight_map!r}:\n  - " + "\n  - ".join(problems)
-          + "\nFix the WeightMap rules (print(state.plan) lists the parameter names).")
+          + "\n" + fix)
     return out
 
   # ---- what init_train_state calls -------------------------------------------
@@ -304,15 +419,42 @@ class PretrainedSource:
     return ignored_arrays(plan, self, sources)
 
   # ---- reading ---------------------------------------------------------------
-  def _whole(self, name: str, chain: Chain, shape: tuple) -> np.ndarray:
+  def _read(self, ref, index=()) -> np.ndarray:
+    """``ref[index]`` (``index``: slices, one per leading axis) from the
+    file: a tensor, a part of one, or tensors joined (each read for the
+    rows it contributes)."""
+    if isinstance(ref, str):
+      return self.reader.read(ref, index)
+    _, shape = self._ref_info(ref)
+    ranges = [s.indices(n)[:2] for s, n in zip(tuple(index) + (slice(None),) * (
+        len(shape) - len(index)), shape)]
+    axis = ref.fuse.axis
+    if isinstance(ref, Part):
+      ranges[axis] = (ranges[axis][0] + ref.start, ranges[axis][1] + ref.start)
+      return self.reader.read(ref.name, tuple(slice(a, b) for a, b in ranges))
+    pieces, start = [], 0
+    a, b = ranges[axis]
+    for name in ref.names:
+      n = self.reader.tensors[name].shape[axis]
+      lo, hi = max(a, start), min(b, start + n)
+      if hi > lo:
+        pick = list(ranges)
+        pick[axis] = (lo - start, hi - start)
+        pieces.append(self.reader.read(name, tuple(slice(p, q) for p, q in pick)))
+      start += n
+    if not pieces:
+      return np.zeros(tuple(q - p for p, q in ranges), self._ref_info(ref)[0])
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis)
+
+  def _whole(self, name, chain: Chain, shape: tuple) -> np.ndarray:
     """A tensor in the model's layout, read whole (one cached)."""
     key = (name, id(chain))
     if key not in self._cache:
       self._cache.clear()
-      self._cache[key] = chain.to_model(self.reader.read(name))
+      self._cache[key] = chain.to_model(self._read(name))
     return self._cache[key]
 
-  def _tensor_part(self, name: str, chain: Chain, ckpt_shape: tuple, index: tuple):
+  def _tensor_part(self, name, chain: Chain, ckpt_shape: tuple, index: tuple):
     """``chain(tensor)[index]``, reading only the slice along the checkpoint
     axis the model's axis 0 comes from where the chain allows it."""
     index = tuple(index)
@@ -322,7 +464,7 @@ class PretrainedSource:
     rows = index[0]
     pick = [slice(None)] * len(ckpt_shape)
     pick[axis] = rows
-    part = chain.to_model(self.reader.read(name, tuple(pick)))
+    part = chain.to_model(self._read(name, tuple(pick)))
     return part[(slice(None),) + index[1:]]
 
   def read_leaf(self, src: LeafSource, index: tuple, dtype=None) -> np.ndarray:

@@ -11,6 +11,7 @@ names."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -30,7 +31,7 @@ from fsdp_jax._src import layout
 from fsdp_jax._src import lora as lora_lib
 from fsdp_jax._src.pretrained import files
 from fsdp_jax._src.pretrained.loading import adapted_leaves, host_device
-from fsdp_jax._src.pretrained.weight_map import WeightMap
+from fsdp_jax._src.pretrained.weight_map import Chain, WeightMap
 from fsdp_jax._src.state import ShardedTrainState
 from fsdp_jax._src.state_dicts import convert
 
@@ -49,56 +50,138 @@ def parse_size(size) -> int:
   return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
-def find_rule(weight_map: WeightMap, name: str, short: bool):
-  """``(rule, placeholder values)`` mapping parameter ``name`` (Flax linen's
-  ``params.`` prefix may be left out of the patterns), or None."""
-  found = weight_map.param_rule(name)
+def find_match(weight_map: WeightMap, name: str, short: bool):
+  """``(rule, placeholder values, k)`` mapping parameter ``name`` (its
+  ``k``-th parameter pattern; Flax linen's ``params.`` prefix may be left
+  out of the patterns), or None."""
+  found = weight_map.param_match(name)
   if found is None and short and name.startswith("params."):
-    found = weight_map.param_rule(name[len("params."):])
+    found = weight_map.param_match(name[len("params."):])
   return found
 
 
-def _entries(plan, weight_map: WeightMap, dtype) -> list:
-  """``[(checkpoint name, leaf id, layer or None, chain, checkpoint shape,
-  dtype)]`` in parameter order, every parameter mapped. A LoRA target is
-  one entry, of its base's leaf id, with the kernel's name and shape."""
+def find_rule(weight_map: WeightMap, name: str, short: bool):
+  """``(rule, placeholder values)`` mapping parameter ``name``, or None."""
+  found = find_match(weight_map, name, short)
+  return None if found is None else found[:2]
+
+
+@dataclasses.dataclass
+class Piece:
+  """What one parameter (one layer of it) gives a checkpoint tensor: the
+  parameter through the inverse of ``chain`` (``shape``: the result's),
+  whole, or ``select`` = ``(axis, start, stop)`` of it (a :func:`concat`
+  rule's parameter cut back into its tensors)."""
+
+  leaf: int
+  layer: Optional[int]
+  chain: Chain
+  shape: tuple
+  select: Optional[tuple] = None
+
+
+@dataclasses.dataclass
+class Entry:
+  """One checkpoint tensor to write: its ``pieces`` (one, or a
+  :func:`split` rule's parts joined along ``axis``)."""
+
+  name: str
+  shape: tuple
+  dtype: np.dtype
+  pieces: list
+  axis: Optional[int] = None
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+  def value(self, leaves: dict, adapted: dict, scaling) -> np.ndarray:
+    """The tensor, from the host values of its parameters."""
+    out = []
+    for p in self.pieces:
+      if p.leaf in adapted:
+        v = merged(adapted[p.leaf], leaves, scaling, p.layer)
+      else:
+        v = leaves[p.leaf] if p.layer is None else leaves[p.leaf][p.layer]
+      v = p.chain.to_checkpoint(v, p.shape)
+      if p.select is not None:
+        axis, a, b = p.select
+        v = v[(slice(None),) * axis + (slice(a, b),)]
+      out.append(v)
+    return out[0] if len(out) == 1 else np.concatenate(out, self.axis)
+
+
+def entries(plan, weight_map: WeightMap, dtype) -> list:
+  """The checkpoint tensors (:class:`Entry`) in parameter order, every
+  parameter mapped. A LoRA target is mapped by its kernel's name and
+  shape, from its base's leaf id."""
   short = all(l.name.startswith("params.") for l in plan.leaves)
   adapted = {t.base: t for t in adapted_leaves(plan)}
   factors = {j for t in adapted.values() for j in (t.lora_A, t.lora_B)}
   out, unmapped = [], []
+  fused: dict = {}  # split rules: checkpoint name -> (Entry, rule, values)
   for leaf in plan.leaves:
     if leaf.index in factors:
       continue
     target = adapted.get(leaf.index)
     name = leaf.name if target is None else target.name
     full_shape = tuple(leaf.shape) if target is None else target.shape
-    found = find_rule(weight_map, name, short)
+    found = find_match(weight_map, name, short)
     if found is None:
       unmapped.append(name)
       continue
-    rule, values = found
+    rule, values, k = found
     stack = rule.stack_axis_name
     own = np.dtype(leaf.dtype) if target is None else target.dtype
     out_dtype = np.dtype(dtype) if dtype is not None else own
-    if stack is None:
-      shape = rule.chain.checkpoint_shape(full_shape)
-      out.append((rule.checkpoint_name(values), leaf.index, None, rule.chain, shape, out_dtype))
-    else:
-      shape = rule.chain.checkpoint_shape(full_shape[1:])
-      for layer in range(full_shape[0]):
-        out.append((rule.checkpoint_name({**values, stack: layer}), leaf.index, layer,
-                    rule.chain, shape, out_dtype))
+    layers = [None] if stack is None else list(range(full_shape[0]))
+    per_layer = full_shape if stack is None else full_shape[1:]
+    shape = rule.chain.checkpoint_shape(per_layer)
+    for layer in layers:
+      vals = values if layer is None else {**values, stack: layer}
+      if rule.fuse is None:
+        out.append(Entry(rule.checkpoint_name(vals), shape, out_dtype,
+                         [Piece(leaf.index, layer, rule.chain, shape)]))
+      elif rule.fuse.kind == "concat":
+        bounds = rule.fuse.bounds(shape[rule.fuse.axis], len(rule.checkpoints),
+                                  f"parameter {name!r} {list(full_shape)}")
+        for j, (a, b) in enumerate(bounds):
+          out.append(Entry(rule.checkpoint_name(vals, j), rule.fuse.part_shape(shape, b - a),
+                           out_dtype, [Piece(leaf.index, layer, rule.chain, shape,
+                                             (rule.fuse.axis, a, b))]))
+      else:
+        ckpt = rule.checkpoint_name(vals)
+        if ckpt not in fused:
+          entry = Entry(ckpt, (), out_dtype, [None] * len(rule.params), rule.fuse.axis)
+          fused[ckpt] = (entry, rule, vals)
+          out.append(entry)
+        fused[ckpt][0].pieces[k] = Piece(leaf.index, layer, rule.chain, shape)
   if unmapped:
     raise ValueError(
         f"save: {len(unmapped)} parameter(s) no rule maps to a checkpoint name: "
         f"{unmapped[:20]}{' ...' if len(unmapped) > 20 else ''}. Fix: add rules for them "
         "to the WeightMap (print(state.plan) lists the parameter names).")
+  for ckpt, (entry, rule, vals) in fused.items():
+    missing = [rule.param_name(vals, k) for k, p in enumerate(entry.pieces) if p is None]
+    if missing:
+      raise ValueError(
+          f"save: checkpoint tensor {ckpt!r} joins {len(entry.pieces)} parameters of rule "
+          f"{rule.describe()}, but the model lacks {missing}. Fix: give the model every "
+          "part, or map the parts to tensors of their own.")
+    shapes = [p.shape for p in entry.pieces]
+    entry.shape = rule.fuse.joined_shape(shapes)
+    if rule.fuse.sizes is not None and tuple(s[rule.fuse.axis] for s in shapes) != (
+        rule.fuse.sizes):
+      raise ValueError(
+          f"save: the parts of {ckpt!r} have sizes {[s[rule.fuse.axis] for s in shapes]} "
+          f"along axis {rule.fuse.axis}, but rule {rule.describe()} says {list(rule.fuse.sizes)}.")
   seen: dict = {}
-  for name, i, layer, *_ in out:
-    if name in seen:
-      raise ValueError(f"save: parameters {plan.leaves[seen[name]].name!r} and "
-                       f"{plan.leaves[i].name!r} both map to checkpoint tensor {name!r}.")
-    seen[name] = i
+  for e in out:
+    if e.name in seen:
+      raise ValueError(f"save: parameters {plan.leaves[seen[e.name]].name!r} and "
+                       f"{plan.leaves[e.pieces[0].leaf].name!r} both map to checkpoint "
+                       f"tensor {e.name!r}.")
+    seen[e.name] = e.pieces[0].leaf
   return out
 
 
@@ -107,19 +190,19 @@ def _files(entries: list, max_bytes: int) -> list:
   larger than that gets a file of its own)."""
   groups, size = [[]], 0
   for e in entries:
-    n = int(np.prod(e[4], dtype=np.int64)) * e[5].itemsize
-    if groups[-1] and size + n > max_bytes:
+    if groups[-1] and size + e.nbytes > max_bytes:
       groups.append([])
       size = 0
     groups[-1].append(e)
-    size += n
+    size += e.nbytes
   return groups
 
 
 @mesh_lib.own_mesh
 def save(state: ShardedTrainState, directory, weight_map: WeightMap, *,
          max_shard_size="5GB", dtype=None, overwrite: bool = False,
-         metadata: Optional[dict] = None) -> list[str]:
+         metadata: Optional[dict] = None, config=None,
+         generation_config=None) -> list[str]:
   """Writes the parameters of ``state`` as a Hugging Face checkpoint.
 
   Args:
@@ -140,15 +223,24 @@ def save(state: ShardedTrainState, directory, weight_map: WeightMap, *,
       complete).
     metadata: extra ``__metadata__`` strings (``format: pt`` is always
       written, as transformers expects).
+    config: the ``config.json`` to write beside the weights: a dict, a
+      path (the file, or a directory holding it), or an object with
+      ``to_dict()`` (a transformers config). Default: the weight map's
+      (``WeightMap(config=...)``; the maps of :mod:`fsdp_jax.models` carry
+      the one their model was read from); ``False`` writes none. Its
+      ``dtype`` / ``torch_dtype`` is set to the files' dtype.
+    generation_config: ``generation_config.json``, likewise: a dict, a
+      path, or an object with ``to_dict()``; default: the weight map's
+      (the source directory's, where it had one); ``False`` writes none.
 
   Returns:
-    The files written, in order.
+    The files written, in order (the weights; ``config.json`` and
+    ``generation_config.json`` are written beside them).
 
-  ``transformers.AutoModelForCausalLM.from_pretrained(directory)`` (or the
-  model's class) reads the directory once it also holds the model's
-  ``config.json``: copy it from the checkpoint the model was loaded from, or
-  write it with ``config.save_pretrained(directory)``. Every process must
-  call ``save``; the files are written by the processes in turn.
+  With a ``config.json`` the directory is what transformers'
+  ``save_pretrained`` writes: ``AutoModelForCausalLM.from_pretrained(directory)``
+  reads it as it is. Every process must call ``save``; the files are
+  written by the processes in turn.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax, tempfile, os
@@ -167,8 +259,8 @@ def save(state: ShardedTrainState, directory, weight_map: WeightMap, *,
     raise FileExistsError(
         f"save: {directory} exists. Fix: pick a new directory, or pass overwrite=True "
         "(the old one is replaced once the new one is complete).")
-  entries = _entries(plan, weight_map, dtype)
-  groups = _files(entries, parse_size(max_shard_size))
+  todo = entries(plan, weight_map, dtype)
+  groups = _files(todo, parse_size(max_shard_size))
   n = len(groups)
   names = ([files.SINGLE_FILE] if n == 1 else
            [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)])
@@ -183,26 +275,23 @@ def save(state: ShardedTrainState, directory, weight_map: WeightMap, *,
   cache: dict = {}  # the last unit copied to the host, which the next file may continue
   for k, (group, name) in enumerate(zip(groups, names)):
     owner = k % world == rank
-    ids = {e[1] for e in group}
+    ids = {p.leaf for e in group for p in e.pieces}
     ids |= {j for i in ids if i in adapted for j in (adapted[i].lora_A, adapted[i].lora_B)}
     leaves = full_leaves(plan, split, ignored, ids, cache)
     if owner:
       path = os.path.join(tmp, name)
-      writer = files.SafetensorsWriter(path, [(e[0], e[5], e[4]) for e in group], meta)
-      for ckpt, i, layer, chain, shape, _ in group:
-        if i in adapted:
-          value = merged(adapted[i], leaves, scaling, layer)
-        else:
-          value = leaves[i] if layer is None else leaves[i][layer]
-        writer.write(ckpt, chain.to_checkpoint(value, shape))  # converted to the file's dtype
+      writer = files.SafetensorsWriter(path, [(e.name, e.dtype, e.shape) for e in group], meta)
+      for e in group:
+        writer.write(e.name, e.value(leaves, adapted, scaling))  # converted to the file's dtype
       writer.close()
       files.check_readable(path)
     del leaves
     written.append(os.path.join(directory, name))
+  if rank == 0:
+    _write_configs(tmp, todo, weight_map, config, generation_config)
   if n > 1 and rank == 0:
-    index = {"metadata": {"total_size": sum(
-        int(np.prod(e[4], dtype=np.int64)) * e[5].itemsize for e in entries)},
-             "weight_map": {e[0]: name for group, name in zip(groups, names) for e in group}}
+    index = {"metadata": {"total_size": sum(e.nbytes for e in todo)},
+             "weight_map": {e.name: name for group, name in zip(groups, names) for e in group}}
     with open(os.path.join(tmp, files.INDEX_FILE), "w") as f:
       json.dump(index, f, indent=2, sort_keys=True)
   _barrier("fsdp_jax.pretrained.save")
@@ -210,6 +299,57 @@ def save(state: ShardedTrainState, directory, weight_map: WeightMap, *,
     _publish(tmp, directory)
   _barrier("fsdp_jax.pretrained.save.done")
   return written
+
+
+def _as_dict(value, name: str, what: str) -> Optional[dict]:
+  """A config given as a dict, a path (the file, or a directory with
+  ``name``), or an object with ``to_dict()``; None for None/False."""
+  if value is None or value is False:
+    return None
+  if isinstance(value, dict):
+    return copy.deepcopy(value)
+  if isinstance(value, (str, os.PathLike)):
+    path = os.fspath(value)
+    path = os.path.join(path, name) if os.path.isdir(path) else path
+    try:
+      with open(path) as f:
+        return json.load(f)
+    except (OSError, ValueError) as e:
+      raise ValueError(f"save: cannot read {what} from {path}: {e}. Fix: pass a dict, a "
+                       f"{name} file or a directory holding one.") from None
+  if hasattr(value, "to_dict"):
+    return dict(value.to_dict())
+  raise TypeError(f"save({what}=...) takes a dict, a path or an object with to_dict(), got "
+                  f"{type(value).__name__}.")
+
+
+_DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                "float64": "float64"}
+
+
+def _write_configs(tmp: str, todo: list, weight_map: WeightMap, config,
+                   generation_config) -> None:
+  """``config.json`` (its dtype set to the files') and
+  ``generation_config.json`` into ``tmp``."""
+  cfg = _as_dict(weight_map.config if config is None else config, "config.json", "config")
+  if cfg is not None:
+    by_dtype: dict = {}
+    for e in todo:
+      if np.issubdtype(e.dtype, np.floating) or e.dtype.name == "bfloat16":
+        by_dtype[e.dtype.name] = by_dtype.get(e.dtype.name, 0) + e.nbytes
+    if by_dtype:
+      name = _DTYPE_NAMES.get(max(by_dtype, key=by_dtype.get))
+      if name is not None:
+        for key in ("dtype", "torch_dtype"):
+          if key in cfg or key == "dtype":
+            cfg[key] = name
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+      json.dump(cfg, f, indent=2, sort_keys=True)
+  gen = _as_dict(weight_map.generation_config if generation_config is None
+                 else generation_config, "generation_config.json", "generation_config")
+  if gen is not None:
+    with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+      json.dump(gen, f, indent=2, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=16)

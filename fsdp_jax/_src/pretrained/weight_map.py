@@ -15,6 +15,16 @@ Transforms turn a checkpoint tensor into the parameter's layout
 saving). Each also maps shapes, and says which axis of its input a slice of
 its output's first axis comes from, so that a device's rows are read from
 the file alone (:meth:`Transform.rows_from`).
+
+Fused tensors: a rule whose parameter pattern is a tuple and whose first
+transform is :func:`split` cuts one checkpoint tensor into several
+parameters (Phi-3's ``qkv_proj`` into ``q_proj``, ``k_proj``, ``v_proj``); a
+rule whose checkpoint pattern is a tuple and whose first transform is
+:func:`concat` joins several checkpoint tensors into one parameter. The cut
+runs along an axis of the checkpoint's layout, before the rule's other
+transforms (which apply to each part, or to the joined tensor); saving
+joins the parts back (or cuts the parameter), so the file has the
+checkpoint's own tensors.
 """
 
 from __future__ import annotations
@@ -259,6 +269,110 @@ def reshape(shape: Sequence[int], *, checkpoint_shape: Optional[Sequence[int]] =
                   None if checkpoint_shape is None else tuple(int(s) for s in checkpoint_shape))
 
 
+@dataclasses.dataclass(frozen=True)
+class Fuse:
+  """How a rule fuses tensors, along ``axis`` of the checkpoint's layout:
+  ``"split"`` cuts one checkpoint tensor into parts (one per parameter of
+  the rule), ``"concat"`` joins several checkpoint tensors (one per
+  checkpoint pattern) into one parameter. ``sizes``: each part's extent
+  along ``axis``, or None for equal parts. Made by :func:`split` and
+  :func:`concat`."""
+
+  kind: str
+  axis: int
+  sizes: Optional[tuple]
+
+  def bounds(self, total: int, parts: int, what: str) -> list:
+    """``[(start, stop)]`` of each part along the axis of extent ``total``."""
+    sizes = self.sizes
+    if sizes is None:
+      if total % parts:
+        raise ValueError(f"{what}: {self!r} cannot cut an axis of {total} into {parts} "
+                         "equal parts. Fix: pass the parts' sizes.")
+      sizes = (total // parts,) * parts
+    if len(sizes) != parts or sum(sizes) != total:
+      raise ValueError(f"{what}: {self!r} gives parts {list(sizes)} (total {sum(sizes)}) "
+                       f"for {parts} parts of an axis of {total}.")
+    out, start = [], 0
+    for n in sizes:
+      out.append((start, start + n))
+      start += n
+    return out
+
+  def part_shape(self, shape: tuple, extent: int) -> tuple:
+    shape = list(shape)
+    shape[self.axis] = extent
+    return tuple(shape)
+
+  def joined_shape(self, shapes: Sequence[tuple]) -> tuple:
+    """The shape of ``shapes`` joined along the axis, or a ``ValueError``."""
+    first = list(shapes[0])
+    for s in shapes[1:]:
+      if len(s) != len(first) or any(a != b for d, (a, b) in enumerate(zip(s, first))
+                                     if d != self.axis):
+        raise ValueError(f"{self!r}: parts of shapes {[list(x) for x in shapes]} do not "
+                         "join along that axis.")
+    first[self.axis] = sum(s[self.axis] for s in shapes)
+    return tuple(first)
+
+  def __repr__(self):
+    sizes = "" if self.sizes is None else f"{list(self.sizes)}, "
+    return f"{self.kind}({sizes}axis={self.axis})"
+
+
+def _fuse(kind: str, sizes, axis) -> Fuse:
+  if sizes is not None:
+    sizes = tuple(int(n) for n in sizes)
+    if len(sizes) < 2 or min(sizes) < 1:
+      raise ValueError(f"{kind}(sizes={list(sizes)}): give two or more positive sizes.")
+  if int(axis) < 0:
+    raise ValueError(f"{kind}(axis={axis}): the axis must be >= 0.")
+  return Fuse(kind, int(axis), sizes)
+
+
+def split(sizes: Optional[Sequence[int]] = None, *, axis: int = 0) -> Fuse:
+  """One checkpoint tensor -> several parameters: the first "transform" of
+  a rule whose parameter pattern is a tuple. The tensor is cut along
+  ``axis`` (of the checkpoint's layout) into parts of ``sizes`` (equal
+  parts when None), part ``k`` goes to the rule's ``k``-th parameter through
+  the rule's other transforms. Saving joins the parts back into the one
+  tensor. Each device still reads only its rows of its parts.
+
+  Example: Phi-3's fused ``[q; k; v]`` projection (PyTorch ``[out, in]``)
+  into three ``[in, out]`` kernels, 4 query heads and 2 key/value heads of 8:
+
+    >>> import numpy as np
+    >>> from fsdp_jax import pretrained
+    >>> wm = pretrained.WeightMap([
+    ...     ("layers.{i}.qkv_proj.weight",
+    ...      ("layers.{i}.q_proj.kernel", "layers.{i}.k_proj.kernel", "layers.{i}.v_proj.kernel"),
+    ...      pretrained.split([32, 16, 16], axis=0), pretrained.transpose())])
+    >>> wm.rules[0].params
+    ('layers.{i}.q_proj.kernel', 'layers.{i}.k_proj.kernel', 'layers.{i}.v_proj.kernel')
+  """
+  return _fuse("split", sizes, axis)
+
+
+def concat(sizes: Optional[Sequence[int]] = None, *, axis: int = 0) -> Fuse:
+  """Several checkpoint tensors -> one parameter: the first "transform" of a
+  rule whose checkpoint pattern is a tuple. The tensors are joined along
+  ``axis`` (of the checkpoint's layout) in the patterns' order, then go
+  through the rule's other transforms. Saving cuts the parameter back into
+  parts of ``sizes`` (equal parts when None). Each device still reads only
+  its rows of each tensor.
+
+  Example: Llama's separate projections into one fused kernel:
+
+    >>> from fsdp_jax import pretrained
+    >>> wm = pretrained.WeightMap([
+    ...     (("layers.{i}.q_proj.weight", "layers.{i}.k_proj.weight", "layers.{i}.v_proj.weight"),
+    ...      "layers.{i}.qkv.kernel", pretrained.concat([32, 16, 16]), pretrained.transpose())])
+    >>> wm.rules[0].checkpoints[1], wm.rules[0].fuse
+    ('layers.{i}.k_proj.weight', concat([32, 16, 16], axis=0))
+  """
+  return _fuse("concat", sizes, axis)
+
+
 def as_transform(t) -> Transform:
   if isinstance(t, Transform):
     return t
@@ -339,45 +453,133 @@ def _compile(pattern: str):
   return re.compile(f"^{regex}$"), tuple(names)
 
 
+def _match(compiled, name: str):
+  """``(placeholder values, k)`` of the first of ``compiled`` patterns
+  matching ``name``, or None."""
+  for k, (regex, _) in enumerate(compiled):
+    m = regex.match(name)
+    if m is not None:
+      return {n: int(v) for n, v in m.groupdict().items()}, k
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
-  checkpoint: str
-  param: Optional[str]
+  """One rule: ``checkpoints`` (one pattern, or several joined by
+  :func:`concat`) -> ``params`` (one pattern, several cut by :func:`split`,
+  or none: dropped), through ``chain``."""
+
+  checkpoints: tuple
+  params: tuple
   chain: Chain
-  _ckpt_re: Any = dataclasses.field(repr=False, compare=False)
-  _ckpt_names: tuple = dataclasses.field(repr=False, compare=False)
-  _param_re: Any = dataclasses.field(repr=False, compare=False)
-  _param_names: tuple = dataclasses.field(repr=False, compare=False)
+  fuse: Optional[Fuse] = None
+  _ckpt: tuple = dataclasses.field(default=(), repr=False, compare=False)
+  _param: tuple = dataclasses.field(default=(), repr=False, compare=False)
+
+  @property
+  def checkpoint(self) -> str:
+    return self.checkpoints[0]
+
+  @property
+  def param(self) -> Optional[str]:
+    return self.params[0] if self.params else None
 
   @property
   def stack_axis_name(self) -> Optional[str]:
     """The placeholder of the checkpoint pattern the parameter pattern lacks
     (its tensors stack along a new axis 0), or None."""
-    missing = [n for n in self._ckpt_names if n not in self._param_names]
+    if not self._param:
+      return None
+    missing = [n for n in self._ckpt[0][1] if n not in self._param[0][1]]
     return missing[0] if missing else None
 
   def match_checkpoint(self, name: str) -> Optional[dict]:
-    m = self._ckpt_re.match(name)
-    return None if m is None else {k: int(v) for k, v in m.groupdict().items()}
+    found = _match(self._ckpt, name)
+    return None if found is None else found[0]
+
+  def match_checkpoint_part(self, name: str) -> Optional[tuple]:
+    """``(placeholder values, k)``: ``name`` is the rule's ``k``-th
+    checkpoint tensor (0 unless :func:`concat` joins several)."""
+    return _match(self._ckpt, name)
 
   def match_param(self, name: str) -> Optional[dict]:
-    if self._param_re is None:
-      return None
-    m = self._param_re.match(name)
-    return None if m is None else {k: int(v) for k, v in m.groupdict().items()}
+    found = _match(self._param, name)
+    return None if found is None else found[0]
 
-  def param_name(self, values: dict) -> str:
-    return _fill(self.param, values)
+  def match_param_part(self, name: str) -> Optional[tuple]:
+    """``(placeholder values, k)``: ``name`` is the rule's ``k``-th
+    parameter (0 unless :func:`split` cuts the tensor in several)."""
+    return _match(self._param, name)
 
-  def checkpoint_name(self, values: dict) -> str:
-    return _fill(self.checkpoint, values)
+  def param_name(self, values: dict, k: int = 0) -> str:
+    return _fill(self.params[k], values)
+
+  def checkpoint_name(self, values: dict, k: int = 0) -> str:
+    return _fill(self.checkpoints[k], values)
 
   def describe(self) -> str:
-    return f"({self.checkpoint!r} -> {self.param!r}; {self.chain})"
+    show = lambda ps: repr(ps[0]) if len(ps) == 1 else repr(tuple(ps))
+    params = show(self.params) if self.params else "None"
+    fuse = "" if self.fuse is None else f"{self.fuse!r}, "
+    return f"({show(self.checkpoints)} -> {params}; {fuse}{self.chain})"
 
 
 def _fill(pattern: str, values: dict) -> str:
   return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), pattern)
+
+
+def _patterns(x, what: str, rule) -> tuple:
+  if isinstance(x, str):
+    return (x,)
+  if isinstance(x, (tuple, list)) and len(x) >= 2 and all(isinstance(p, str) for p in x):
+    return tuple(x)
+  raise TypeError(
+      f"WeightMap rule {rule!r}: the {what} must be a string, or a tuple of two or more "
+      "strings for a fused tensor (with split() or concat() as the first transform).")
+
+
+def _rule(rule) -> Rule:
+  if not isinstance(rule, (tuple, list)) or len(rule) < 2:
+    raise TypeError(
+        f"WeightMap rule {rule!r} is not a (checkpoint_pattern, param_pattern, "
+        "*transforms) tuple.")
+  ckpt, param, *transforms = rule
+  ckpts = _patterns(ckpt, "checkpoint pattern", rule)
+  params = () if param is None else _patterns(param, "parameter pattern", rule)
+  fuse = transforms.pop(0) if transforms and isinstance(transforms[0], Fuse) else None
+  if any(isinstance(t, Fuse) for t in transforms):
+    raise ValueError(f"WeightMap rule {rule!r}: split() / concat() must be the first "
+                     "transform (it cuts or joins in the checkpoint's layout).")
+  want = ("concat" if len(ckpts) > 1 else "split" if len(params) > 1 else None)
+  if (fuse.kind if fuse else None) != want or (len(ckpts) > 1 and len(params) > 1):
+    raise ValueError(
+        f"WeightMap rule {rule!r}: a tuple of parameter patterns needs split(...) as the "
+        "first transform, a tuple of checkpoint patterns concat(...), and a plain rule "
+        "neither (one side of a rule may be a tuple).")
+  n = len(ckpts) if len(ckpts) > 1 else len(params)
+  if fuse is not None and fuse.sizes is not None and len(fuse.sizes) != n:
+    raise ValueError(f"WeightMap rule {rule!r}: {fuse!r} gives {len(fuse.sizes)} sizes for "
+                     f"{n} tensors.")
+  ckpt_c = tuple(_compile(p) for p in ckpts)
+  param_c = tuple(_compile(p) for p in params)
+  for group, what in ((ckpt_c, "checkpoint"), (param_c, "parameter")):
+    if len({frozenset(names) for _, names in group}) > 1:
+      raise ValueError(f"WeightMap rule {rule!r}: the {what} patterns must have the same "
+                       "placeholders.")
+  if param_c:
+    ckpt_names, param_names = ckpt_c[0][1], param_c[0][1]
+    extra = [n for n in param_names if n not in ckpt_names]
+    if extra:
+      raise ValueError(
+          f"WeightMap rule ({ckpt!r}, {param!r}): the parameter pattern's placeholders "
+          f"{extra} are not in the checkpoint pattern.")
+    missing = [n for n in ckpt_names if n not in param_names]
+    if len(missing) > 1:
+      raise ValueError(
+          f"WeightMap rule ({ckpt!r}, {param!r}): {missing} are missing from the "
+          "parameter pattern; one placeholder can stack tensors along axis 0.")
+  chain = Chain(tuple(as_transform(t) for t in transforms))
+  return Rule(ckpts, params, chain, fuse, ckpt_c, param_c)
 
 
 class WeightMap:
@@ -393,7 +595,19 @@ class WeightMap:
       that the parameter pattern lacks stacks its tensors along a new axis 0
       of the parameter (scanned layers). A ``param_pattern`` of None drops
       the checkpoint tensors the rule matches. The first rule that matches a
-      name wins.
+      name wins. A tuple of parameter patterns with :func:`split` first
+      cuts one tensor into several parameters; a tuple of checkpoint
+      patterns with :func:`concat` first joins several into one.
+    fan_in_fan_out: the checkpoint's 2-D weights are ``[in, out]`` (GPT-2's
+      ``Conv1D``), not PyTorch ``Linear``'s ``[out, in]``: PEFT adapters are
+      written and read with ``fan_in_fan_out`` (see
+      :func:`~fsdp_jax.pretrained.save_adapter`).
+    config: the ``config.json`` (a dict) the model was built from. Loading a
+      checkpoint whose shapes do not fit then compares it with the
+      checkpoint's own ``config.json`` and names the fields that differ;
+      :func:`~fsdp_jax.pretrained.save` writes it beside the weights.
+    generation_config: the source's ``generation_config.json`` (a dict),
+      which :func:`~fsdp_jax.pretrained.save` writes beside the weights.
 
   Example: a Llama attention projection, PyTorch ``[out, in]`` to a Flax
   ``[in, out]`` kernel, layers stacked for a scan:
@@ -408,54 +622,46 @@ class WeightMap:
     'i'
   """
 
-  def __init__(self, rules: Sequence[tuple]):
-    compiled = []
-    for rule in rules:
-      if not isinstance(rule, (tuple, list)) or len(rule) < 2:
-        raise TypeError(
-            f"WeightMap rule {rule!r} is not a (checkpoint_pattern, param_pattern, "
-            "*transforms) tuple.")
-      ckpt, param, *transforms = rule
-      if not isinstance(ckpt, str) or not (param is None or isinstance(param, str)):
-        raise TypeError(
-            f"WeightMap rule {rule!r}: the patterns must be strings (param_pattern None "
-            "to drop the checkpoint tensors).")
-      ckpt_re, ckpt_names = _compile(ckpt)
-      if param is None:
-        param_re, param_names = None, ()
-      else:
-        param_re, param_names = _compile(param)
-        extra = [n for n in param_names if n not in ckpt_names]
-        if extra:
-          raise ValueError(
-              f"WeightMap rule ({ckpt!r}, {param!r}): the parameter pattern's placeholders "
-              f"{extra} are not in the checkpoint pattern.")
-        missing = [n for n in ckpt_names if n not in param_names]
-        if len(missing) > 1:
-          raise ValueError(
-              f"WeightMap rule ({ckpt!r}, {param!r}): {missing} are missing from the "
-              "parameter pattern; one placeholder can stack tensors along axis 0.")
-      chain = Chain(tuple(as_transform(t) for t in transforms))
-      compiled.append(Rule(ckpt, param, chain, ckpt_re, ckpt_names, param_re, param_names))
-    self.rules = tuple(compiled)
+  def __init__(self, rules: Sequence[tuple], *, fan_in_fan_out: bool = False,
+               config: Optional[dict] = None, generation_config: Optional[dict] = None):
+    self.rules = tuple(_rule(r) for r in rules)
+    self.fan_in_fan_out = bool(fan_in_fan_out)
+    for name, value in (("config", config), ("generation_config", generation_config)):
+      if value is not None and not isinstance(value, dict):
+        raise TypeError(f"WeightMap({name}=...) takes the JSON file's dict, got "
+                        f"{type(value).__name__}.")
+    self.config = config
+    self.generation_config = generation_config
 
   def __repr__(self):
     return f"WeightMap({len(self.rules)} rules)"
 
+  def checkpoint_match(self, name: str):
+    """``(rule, placeholder values, k)`` of the first rule matching
+    checkpoint tensor ``name`` (its ``k``-th checkpoint pattern), or None."""
+    for rule in self.rules:
+      found = rule.match_checkpoint_part(name)
+      if found is not None:
+        return rule, found[0], found[1]
+    return None
+
+  def param_match(self, name: str):
+    """``(rule, placeholder values, k)`` of the first rule whose parameter
+    patterns match parameter ``name`` (its ``k``-th), or None."""
+    for rule in self.rules:
+      found = rule.match_param_part(name)
+      if found is not None:
+        return rule, found[0], found[1]
+    return None
+
   def checkpoint_rule(self, name: str):
     """``(rule, placeholder values)`` of the first rule matching checkpoint
     tensor ``name``, or None."""
-    for rule in self.rules:
-      values = rule.match_checkpoint(name)
-      if values is not None:
-        return rule, values
-    return None
+    found = self.checkpoint_match(name)
+    return None if found is None else found[:2]
 
   def param_rule(self, name: str):
     """``(rule, placeholder values)`` of the first rule whose parameter
     pattern matches parameter ``name``, or None."""
-    for rule in self.rules:
-      values = rule.match_param(name)
-      if values is not None:
-        return rule, values
-    return None
+    found = self.param_match(name)
+    return None if found is None else found[:2]

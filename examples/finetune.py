@@ -1,26 +1,30 @@
 #!/usr/bin/env python
-"""Fine-tune a Hugging Face Llama checkpoint with fsdp_jax and save it back.
+"""Fine-tune a Hugging Face checkpoint of any fsdp_jax.models family with
+fsdp_jax and save it back.
 
-    python examples/finetune_llama.py --checkpoint path/to/llama --text data.txt --out tuned
-    python examples/finetune_llama.py            # a small random checkpoint, made here
-    python examples/finetune_llama.py --lora     # LoRA adapters, the base frozen
-    python examples/finetune_llama.py --qlora    # QLoRA: the frozen base stored in NF4
+    python examples/finetune.py --checkpoint path/to/model --text data.txt --out tuned
+    python examples/finetune.py            # a small random Llama, made here
+    python examples/finetune.py --family qwen3   # a small random Qwen3 instead
+    python examples/finetune.py --lora     # LoRA adapters, the base frozen
+    python examples/finetune.py --qlora    # QLoRA: the frozen base stored in NF4
 
 The checkpoint directory is what ``save_pretrained`` writes (``config.json``
-and safetensors files, sharded with an index or not). Each device's shard of
-every parameter is read straight from the files
-(``fsdp_jax.pretrained.load`` + ``init_train_state(pretrained=...)``): the
-whole model is never on one host. The text is tokenized with the
-checkpoint's tokenizer when transformers is installed and the directory has
-one, else byte by byte (modulo the vocabulary). The tuned model is written
-to ``--out`` in Hugging Face's layout, with the checkpoint's ``config.json``
-beside it, so ``transformers.LlamaForCausalLM.from_pretrained(out)`` and
-vLLM read it.
+and safetensors files, sharded with an index or not) for a Llama, Mistral,
+Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3 or GPT-2 model:
+``fsdp_jax.models.from_pretrained`` reads its ``config.json`` into the
+model's functions, WeightMap and wrap policy. Each device's shard of every
+parameter is read straight from the files (``fsdp_jax.pretrained.load`` +
+``init_train_state(pretrained=...)``): the whole model is never on one
+host. The text is tokenized with the checkpoint's tokenizer when
+transformers is installed and the directory has one, else byte by byte
+(modulo the vocabulary). The tuned model is written to ``--out`` in Hugging
+Face's layout with its ``config.json``, so
+``transformers.AutoModelForCausalLM.from_pretrained(out)`` and vLLM read it.
 
 With ``--lora`` only low-rank adapters train: each target kernel ``W``
-(by default every attention and MLP projection: PEFT's ``q_proj``,
-``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``,
-``down_proj``) is seen as ``W + (alpha / rank) * A @ B``, with ``A`` and
+(by default every attention and MLP projection, under PEFT's module names:
+``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``,
+``down_proj`` for Llama-like families) is seen as ``W + (alpha / rank) * A @ B``, with ``A`` and
 ``B`` trained and everything else frozen (no gradient, no optimizer state).
 ``--qlora`` also stores the frozen base kernels in QLoRA's 4-bit
 NormalFloat (blocks of 64, one float32 scale each) and gathers them in it.
@@ -29,9 +33,9 @@ memory each device holds, and writes the adapters in PEFT's format to
 ``--out/adapter`` (``peft.PeftModel.from_pretrained(base_model,
 out/adapter)`` loads them) besides the merged model in ``--out``.
 
-Without ``--checkpoint`` the script writes a small random Llama (2 layers,
-grouped-query attention) with fsdp_jax itself first, so it runs anywhere,
-torch or not. Without a GPU it simulates 8 CPU devices.
+Without ``--checkpoint`` the script writes a small random model of
+``--family`` (2 layers, grouped-query attention) with fsdp_jax itself first,
+so it runs anywhere, torch or not. Without a GPU it simulates 8 CPU devices.
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 
@@ -50,25 +53,37 @@ import numpy as np
 import optax
 
 import fsdp_jax
-from fsdp_jax import pretrained
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import llama  # noqa: E402  pylint: disable=wrong-import-position
+from fsdp_jax import models, pretrained
 
 try:
   from tqdm.auto import tqdm
 except ImportError:  # pragma: no cover
   tqdm = None
 
+# The small random checkpoints made without --checkpoint (config.json's fields).
 SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-             rope_theta=10000.0, tie_word_embeddings=False)
+             tie_word_embeddings=False, max_position_embeddings=2048)
+RANDOM = {
+    "llama": dict(SMALL, architectures=["LlamaForCausalLM"], rope_theta=10000.0,
+                  hidden_act="silu", attention_bias=False, mlp_bias=False),
+    "mistral": dict(SMALL, architectures=["MistralForCausalLM"], sliding_window=32),
+    "qwen2": dict(SMALL, architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True),
+    "qwen3": dict(SMALL, architectures=["Qwen3ForCausalLM"], head_dim=32),
+    "gemma2": dict(SMALL, architectures=["Gemma2ForCausalLM"], head_dim=32,
+                   query_pre_attn_scalar=32, sliding_window=32, tie_word_embeddings=True),
+    "gemma3_text": dict(SMALL, architectures=["Gemma3ForCausalLM"], head_dim=32,
+                        query_pre_attn_scalar=32, sliding_window=32, tie_word_embeddings=True),
+    "phi3": dict(SMALL, architectures=["Phi3ForCausalLM"]),
+    "gpt2": dict(architectures=["GPT2LMHeadModel"], vocab_size=256, n_embd=128, n_layer=2,
+                 n_head=4, n_positions=1024),
+}
 
-# LoRA targets: the module names of examples/llama.py (attn.q is PEFT's
-# self_attn.q_proj, ...); PEFT's names are accepted too.
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-PEFT_NAMES = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
-              "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+# LoRA targets: PEFT's module names (the parameters are named as the
+# checkpoint's modules); the short names of examples/llama.py are accepted
+# too.
+SHORT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+               "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 QLORA = dict(dtype="nf4", block_size=64)  # QLoRA's NormalFloat4
 
 
@@ -85,7 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=_HelpFormatter)
   p.add_argument("--checkpoint", default=None,
-                 help="Hugging Face Llama directory (default: a small random one, made here)")
+                 help="Hugging Face model directory of a supported family (default: a small "
+                 "random one of --family, made here)")
+  p.add_argument("--family", choices=models.FAMILIES, default="llama",
+                 help="the family of the random checkpoint made without --checkpoint")
   p.add_argument("--text", default=None, help="training text file (default: Python's "
                  "textwrap module source)")
   p.add_argument("--out", default=None, help="where to save the tuned model (default: a "
@@ -94,7 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                         if s.name != "_HYBRID_SHARD_ZERO2"],
                  default="FULL_SHARD")
   p.add_argument("--replicate", type=int, default=None, help="replicate groups (HYBRID_SHARD)")
-  p.add_argument("--scan", action="store_true", help="run the layers with nn.scan (stacked)")
+  p.add_argument("--scan", action="store_true",
+                 help="stack the layers and run them with lax.scan")
   p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--batch-size", type=int, default=8)
@@ -115,9 +134,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   lora.add_argument("--alpha", type=float, default=None,
                     help="lora_alpha; the adapters are scaled by alpha / rank (default: 16)")
   lora.add_argument("--targets", default=None,
-                    help="comma-separated patterns naming the kernels to adapt (default: "
-                    f"{','.join(LORA_TARGETS)}, i.e. every attention and MLP projection; "
-                    "PEFT's q_proj, ..., down_proj are accepted)")
+                    help="comma-separated patterns naming the kernels to adapt, PEFT's "
+                    "module names (default: every attention and MLP projection of the "
+                    "family, e.g. q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj; "
+                    "the short names q, ..., down are accepted)")
   lora.add_argument("--lora-dropout", type=float, default=None,
                     help="dropout on the adapters' input (default: 0.0)")
   args = p.parse_args(argv)
@@ -132,11 +152,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   args.rank = 8 if args.rank is None else args.rank
   args.alpha = 16.0 if args.alpha is None else args.alpha
   args.lora_dropout = 0.0 if args.lora_dropout is None else args.lora_dropout
-  targets = LORA_TARGETS if args.targets is None else tuple(
+  targets = None if args.targets is None else tuple(
       t.strip() for t in args.targets.split(",") if t.strip())
-  if not targets:
-    p.error("--targets needs at least one pattern, e.g. --targets q,v")
-  args.targets = tuple(PEFT_NAMES.get(t, t) for t in targets)
+  if targets is not None and not targets:
+    p.error("--targets needs at least one pattern, e.g. --targets q_proj,v_proj")
+  args.targets = None if targets is None else tuple(SHORT_NAMES.get(t, t) for t in targets)
   if args.rank < 1:
     p.error("--rank must be at least 1")
   if not 0 <= args.lora_dropout < 1:
@@ -146,12 +166,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
-def lora_config(args) -> "fsdp_jax.LoRA | None":
-  """``FSDPConfig(lora=...)``: the adapters of ``--lora`` / ``--qlora``."""
+def lora_config(args, model: models.CausalLM) -> "fsdp_jax.LoRA | None":
+  """``FSDPConfig(lora=...)``: the adapters of ``--lora`` / ``--qlora``
+  (by default on every projection of the family: ``model.lora_targets``)."""
   if args.lora_mode is None:
     return None
   return fsdp_jax.LoRA(
-      targets=args.targets, rank=args.rank, alpha=args.alpha, dropout=args.lora_dropout,
+      targets=args.targets or model.lora_targets, rank=args.rank, alpha=args.alpha,
+      dropout=args.lora_dropout,
       base_quantization=fsdp_jax.Quantization(**QLORA) if args.lora_mode == "qlora" else None)
 
 
@@ -189,21 +211,19 @@ def configure_devices(platform: str, cpu_devices: int) -> None:
     fsdp_jax.simulate_cpu_devices(cpu_devices)
 
 
-def make_random_checkpoint(directory: str, seed: int) -> None:
-  """A small random Llama in Hugging Face's layout, written by fsdp_jax."""
-  config = llama.LlamaConfig(**SMALL)
-  model = llama.Llama(config)
+def make_random_checkpoint(directory: str, seed: int, family: str = "llama") -> None:
+  """A small random model of ``family`` in Hugging Face's layout (weights and
+  config.json), written by fsdp_jax."""
+  os.makedirs(directory, exist_ok=True)
+  config = {"model_type": family, **RANDOM[family], "torch_dtype": "float32"}
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+  model = models.from_pretrained(directory)
   mesh = fsdp_jax.make_mesh(shard=1, devices=jax.devices()[:1])
   state = fsdp_jax.init_train_state(
-      init_fn=lambda rng: model.init(rng, jnp.zeros((1, 8), jnp.int32)),
-      rng=jax.random.key(seed), optimizer=optax.sgd(0.0), mesh=mesh,
-      config=fsdp_jax.FSDPConfig())
-  pretrained.save(state, directory, llama.weight_map(config), overwrite=True)
-  hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SMALL,
-        "max_position_embeddings": 2048, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "torch_dtype": "float32"}
-  with open(os.path.join(directory, "config.json"), "w") as f:
-    json.dump(hf, f, indent=2)
+      init_fn=model.init_fn, rng=jax.random.key(seed), optimizer=optax.sgd(0.0), mesh=mesh,
+      config=model.fsdp_config())
+  pretrained.save(state, directory, model.weight_map, overwrite=True)
 
 
 def tokenize(text: str, checkpoint: str, vocab_size: int) -> np.ndarray:
@@ -226,36 +246,33 @@ def main(argv=None) -> dict:
   configure_devices(args.platform, args.cpu_devices)
   checkpoint = args.checkpoint
   if checkpoint is None:
-    checkpoint = os.path.join(tempfile.mkdtemp(prefix="llama_random_"), "checkpoint")
-    make_random_checkpoint(checkpoint, args.seed)
-    print(f"no --checkpoint: wrote a small random Llama to {checkpoint}")
+    checkpoint = os.path.join(tempfile.mkdtemp(prefix=f"{args.family}_random_"), "checkpoint")
+    make_random_checkpoint(checkpoint, args.seed, args.family)
+    name = {"llama": "Llama", "gpt2": "GPT-2"}.get(args.family, args.family)
+    print(f"no --checkpoint: wrote a small random {name} to {checkpoint}")
   if args.out and os.path.realpath(args.out) == os.path.realpath(checkpoint):
     raise SystemExit(f"--out {args.out} is the checkpoint being read; pick another directory")
-  config = llama.LlamaConfig.from_pretrained(checkpoint)
-  model = llama.Llama(config, scan=args.scan)
-  weight_map = llama.weight_map(config, scan=args.scan)
+  model = models.from_pretrained(checkpoint, scan=args.scan)
+  print(f"model: {model}")
 
   n = jax.device_count()
   rep = args.replicate if args.strategy == "HYBRID_SHARD" else None
   mesh = fsdp_jax.make_mesh(shard=n // (rep or 1), replicate=rep)
-  fsdp_config = fsdp_jax.FSDPConfig(
+  fsdp_config = model.fsdp_config(
       sharding_strategy=fsdp_jax.ShardingStrategy[args.strategy],
-      auto_wrap_policy=None if args.scan else fsdp_jax.ModuleWrapPolicy({llama.Block}),
-      stacked_layers=("params.layers",) if args.scan else (),
       mixed_precision=(fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16)
                        if args.precision == "bf16" else None),
-      lora=lora_config(args))
+      lora=lora_config(args, model))
   optimizer = optax.adamw(args.lr, weight_decay=0.0)
   t0 = time.perf_counter()
-  source = pretrained.load(checkpoint, weight_map)
+  source = pretrained.load(checkpoint, model.weight_map)
   state = fsdp_jax.init_train_state(
-      init_fn=lambda rng: model.init(rng, jnp.zeros((1, 8), jnp.int32)),
-      rng=jax.random.key(args.seed), optimizer=optimizer, mesh=mesh, config=fsdp_config,
-      pretrained=source)
+      init_fn=model.init_fn, rng=jax.random.key(args.seed), optimizer=optimizer, mesh=mesh,
+      config=fsdp_config, pretrained=source)
   print(f"loaded {checkpoint} in {time.perf_counter() - t0:.1f} s onto {n} device(s), "
         f"{args.strategy}; this process read {source.bytes_read / 2**20:.1f} MiB")
   if args.lora_mode:
-    print(f"{args.lora_mode.upper()}: targets {','.join(args.targets)}; "
+    print(f"{args.lora_mode.upper()}: targets {','.join(fsdp_config.lora.targets)}; "
           f"{len(state.plan.lora_targets)} kernels adapted")
 
   if args.text:
@@ -265,22 +282,20 @@ def main(argv=None) -> dict:
     import textwrap  # pylint: disable=import-outside-toplevel
     with open(textwrap.__file__, encoding="utf-8") as f:
       text = f.read()
-  ids = tokenize(text, checkpoint, config.vocab_size)
+  ids = tokenize(text, checkpoint, model.config.vocab_size)
   if len(ids) < args.seq_len + 2:
     raise SystemExit(f"the text has {len(ids)} tokens, fewer than --seq-len {args.seq_len} + 2")
 
-  def loss_fn(params, batch):
-    logits = model.apply(params, batch["inputs"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-  step = fsdp_jax.shard_train_step(loss_fn, optimizer)
+  # The model's causal-LM loss: labels shifted inside, the mean over every
+  # device's tokens.
+  step = fsdp_jax.shard_train_step(model.loss_fn, optimizer)
   rng = np.random.default_rng(args.seed)
   batch_size = -(-args.batch_size // n) * n  # a multiple of the data-parallel size
 
   def next_batch():
     starts = rng.integers(0, len(ids) - args.seq_len - 1, batch_size)
     window = np.stack([ids[s:s + args.seq_len + 1] for s in starts])
-    return {"inputs": window[:, :-1], "targets": window[:, 1:]}
+    return {"input_ids": window, "labels": window}  # seq_len predicted tokens per row
 
   batches = [next_batch() for _ in range(args.steps)]
   # Compiled once here (the steps below reuse it): tracing the step is also
@@ -308,11 +323,12 @@ def main(argv=None) -> dict:
   print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {args.steps} steps")
   print("loss curve: " + " ".join(f"{x:.4f}" for x in losses))
 
-  out = args.out or os.path.join(tempfile.mkdtemp(prefix="llama_tuned_"), "tuned")
-  files = pretrained.save(state, out, weight_map, overwrite=args.out is not None)
+  out = args.out or os.path.join(tempfile.mkdtemp(prefix="tuned_"), "tuned")
+  # The weights, config.json and generation_config.json (the checkpoint's).
+  files = pretrained.save(state, out, model.weight_map, overwrite=args.out is not None)
   if jax.process_index() == 0:
-    for name in ("config.json", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "tokenizer.model"):
       if os.path.exists(os.path.join(checkpoint, name)):
         shutil.copy(os.path.join(checkpoint, name), os.path.join(out, name))
   merged = " (the adapters merged into the base)" if args.lora_mode else ""
@@ -321,11 +337,11 @@ def main(argv=None) -> dict:
   adapter = None
   if args.lora_mode:
     adapter = os.path.join(out, "adapter")
-    pretrained.save_adapter(state, adapter, weight_map, base_model_name_or_path=checkpoint,
-                            overwrite=True)
+    pretrained.save_adapter(state, adapter, model.weight_map,
+                            base_model_name_or_path=checkpoint, overwrite=True)
     print(f"saved the PEFT adapter to {adapter} (adapter_model.safetensors, "
           "adapter_config.json): peft.PeftModel.from_pretrained("
-          f"LlamaForCausalLM.from_pretrained({checkpoint!r}), {adapter!r})")
+          f"AutoModelForCausalLM.from_pretrained({checkpoint!r}), {adapter!r})")
   return {"losses": losses, "out": out, "checkpoint": checkpoint, "adapter": adapter,
           "memory": memory}
 

@@ -1,0 +1,144 @@
+"""The math the families share, in plain JAX: norms, rotary embeddings,
+attention (``jax.nn.dot_product_attention``: grouped-query, causal, sliding
+windows; soft-capping computed explicitly, which the fused call cannot
+express), and the MLPs. Each matches transformers' modeling code to
+float32 rounding; dtype casts follow it too (norms in float32, softmax in
+float32, cos/sin cast to the activations' dtype).
+
+Tensor parallelism splits heads and the MLP's width: everything here cuts
+or joins only along the head dimension or the sequence (rotate-half is two
+slices and a concatenation of the last axis), so a head-split value stays
+split and no ``"tensor"`` all-gather is needed."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fsdp_jax._src.models.config import ModelConfig, Rope
+
+MASKED = float(np.finfo(np.float32).min)
+
+
+def norm(p: dict, x, kind: str, eps: float):
+  """RMSNorm (``"rms"``: ``w * x`` cast first, Llama; ``"rms1p"``: ``(1 +
+  w) * x`` in float32, Gemma) or LayerNorm (``"layer"``, with its bias)."""
+  x32 = x.astype(jnp.float32)
+  if kind == "layer":
+    mean = jnp.mean(x32, -1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), -1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * p["weight"].astype(jnp.float32) + p["bias"].astype(jnp.float32)).astype(x.dtype)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)
+  if kind == "rms1p":
+    return (y * (1.0 + p["weight"].astype(jnp.float32))).astype(x.dtype)
+  return p["weight"] * y.astype(x.dtype)
+
+
+def dense(p: dict, x):
+  """``x @ kernel (+ bias)``; the kernel is ``[in, out]``."""
+  y = x @ p["kernel"]
+  return y + p["bias"] if "bias" in p else y
+
+
+def activation(name: str, x):
+  if name == "silu":
+    return jax.nn.silu(x)
+  if name == "gelu_tanh":
+    return jax.nn.gelu(x, approximate=True)
+  if name == "gelu":
+    return jax.nn.gelu(x, approximate=False)
+  return jax.nn.relu(x)
+
+
+def rotary_tables(rope: Rope, positions, dtype) -> tuple:
+  """``(cos, sin)`` of shape ``[T, rotary_dim]`` for integer ``positions``
+  (transformers' ``RotaryEmbedding.forward``: the angles in float32, the
+  halves repeated, times ``attention_scaling``, cast to ``dtype``).
+  LongRoPE picks its long frequencies when the last position reaches past
+  the original length."""
+  inv = jnp.asarray(np.asarray(rope.inv_freq, np.float32))
+  if rope.long_inv_freq is not None:
+    longer = jnp.max(positions) + 1 > rope.original_max
+    inv = jnp.where(longer, jnp.asarray(np.asarray(rope.long_inv_freq, np.float32)), inv)
+  freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]
+  emb = jnp.concatenate([freqs, freqs], -1)
+  scale = np.float32(rope.attention_scaling)
+  return (jnp.cos(emb) * scale).astype(dtype), (jnp.sin(emb) * scale).astype(dtype)
+
+
+def rotate(x, cos, sin):
+  """``x * cos + rotate_half(x) * sin`` on the first ``rotary_dim`` of the
+  last axis of ``x`` ``[B, T, heads, head_dim]`` (Phi's partial rotary
+  passes the rest through)."""
+  d = cos.shape[-1]
+  cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+  rot = x[..., :d]
+  half = d // 2
+  turned = jnp.concatenate([-rot[..., half:], rot[..., :half]], -1)
+  out = rot * cos + turned * sin
+  return out if d == x.shape[-1] else jnp.concatenate([out, x[..., d:]], -1)
+
+
+def attend(q, k, v, *, scale: float, softcap: Optional[float], q_pos, k_pos,
+           window=None, implementation=None):
+  """Causal attention of ``q`` ``[B, T, N, H]`` over ``k``, ``v`` ``[B, S,
+  K, H]`` (``N`` a multiple of ``K``: grouped-query) at positions ``q_pos``
+  ``[T]`` and ``k_pos`` ``[S]``. ``window``: attend to the last ``window``
+  positions only (an int, or a traced int for a scan over mixed layers;
+  None: all).
+
+  Without soft-capping, and with keys at the queries' own positions and a
+  static window (training, a prompt), this is the fused
+  ``jax.nn.dot_product_attention(is_causal=True, local_window_size=...)``;
+  with a cache (keys at other positions) it is the same call with a
+  boolean mask. Soft-capping (``tanh(s / cap) * cap`` before the mask and
+  the softmax, Gemma 2) is computed explicitly."""
+  static_window = window is None or isinstance(window, (int, np.integer))
+  aligned = k_pos is None
+  if softcap is None and aligned and static_window:
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=True,
+        local_window_size=None if window is None else (int(window) - 1, 0),
+        implementation=implementation)
+  if aligned:
+    k_pos = q_pos
+  mask = k_pos[None, :] <= q_pos[:, None]
+  if window is not None:
+    mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
+  if softcap is None:
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], scale=scale,
+                                        implementation=implementation)
+  b, t, n, h = q.shape
+  kv = k.shape[2]
+  qg = q.reshape(b, t, kv, n // kv, h)
+  s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+  s = jnp.tanh(s / softcap) * softcap
+  s = jnp.where(mask[None, None, None], s, MASKED)
+  p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+  return jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(b, t, n, h)
+
+
+def embed_tokens(table, tokens, scale: Optional[float]):
+  """The embedding lookup; Gemma multiplies by ``sqrt(hidden_size)``
+  rounded to the table's dtype."""
+  x = table[tokens]
+  if scale is not None:
+    x = x * jnp.asarray(scale, table.dtype)
+  return x
+
+
+def softcap(x, cap: Optional[float]):
+  return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def mlp(p: dict, x, cfg: ModelConfig, names: tuple):
+  """Gated (``down(act(gate(x)) * up(x))``) or plain (``out(act(in(x)))``)."""
+  if cfg.gated_mlp:
+    gate, up, down = names
+    return dense(p[down], activation(cfg.activation, dense(p[gate], x)) * dense(p[up], x))
+  fc, proj = names
+  return dense(p[proj], activation(cfg.activation, dense(p[fc], x)))
