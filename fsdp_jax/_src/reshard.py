@@ -11,11 +11,13 @@ holds its share of the target layout plus one group in flight.
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fsdp_jax._src import layout, naming, offload
@@ -35,11 +37,11 @@ def reshard_params(state: ShardedTrainState, *, mesh: Optional[Mesh] = None,
   The tree is the one passed to :func:`~fsdp_jax.init_train_state` (its
   names and shapes), with each LoRA target's effective kernel (``base +
   (alpha / rank) * A @ B``, a QLoRA base dequantized) as
-  :func:`~fsdp_jax.summon_full_params` gives it. It is made one unit at a
-  time: each unit's shards are gathered, merged, cast and placed in the
-  target layout, then freed, so no device holds more than its share of
-  the result plus one unit in flight (``summon_full_params`` followed by a
-  resharding holds the whole model on every device first).
+  :func:`~fsdp_jax.summon_full_params` gives it (bit for bit: it is this
+  function with the defaults). It is made one unit at a time: each unit's
+  shards are gathered, merged, cast and placed in the target layout, then
+  freed, so no device holds more than its share of the result plus one
+  unit in flight.
 
   Args:
     state: the sharded train state.
@@ -94,7 +96,15 @@ def reshard_params(state: ShardedTrainState, *, mesh: Optional[Mesh] = None,
       raise ValueError(f"reshard_params(dtype={dtype}): floating leaves are cast to dtype, so "
                        "it must be a floating dtype such as jnp.bfloat16 or jnp.float32.")
   recipe, treedef = _recipe(plan)
-  shardings = _shardings(plan, recipe, target, tensor_parallel)
+  # A program's inputs and outputs must list the devices in one order: it
+  # writes each leaf on a mesh of the target's shape in the state's device
+  # order, from where a target in another order is one copy per leaf away.
+  same_order = list(target.devices.flat) == list(plan.mesh.devices.flat)
+  compute = target if same_order else Mesh(
+      np.asarray(list(plan.mesh.devices.flat)).reshape(target.devices.shape),
+      target.axis_names, axis_types=target.axis_types)
+  specs = _specs(plan, recipe, target, tensor_parallel)
+  shardings = [NamedSharding(compute, s) for s in specs]
   leaves: list = [None] * len(recipe)
   for units, positions in _groups(plan, recipe):
     storage = tuple(tuple(layout.unit_storage(plan, plan.units[u], state.params)) for u in units)
@@ -109,6 +119,8 @@ def reshard_params(state: ShardedTrainState, *, mesh: Optional[Mesh] = None,
         {k: copies[recipe[k]] for k in todo})
     for k in todo:
       leaves[k] = outs[k]
+  if not same_order:
+    leaves = [jax.device_put(x, NamedSharding(target, s)) for x, s in zip(leaves, specs)]
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -149,10 +161,10 @@ def _stored_ids(item) -> tuple:
   return (item.base, item.lora_A, item.lora_B) if lora_lib.is_lora_weight(item) else (item,)
 
 
-def _shardings(plan: Plan, recipe, mesh: Mesh, tp) -> list:
-  """The target sharding of each leaf of the user's tree."""
+def _specs(plan: Plan, recipe, mesh: Mesh, tp) -> list:
+  """The target ``PartitionSpec`` of each leaf of the user's tree."""
   if tp is None:
-    return [NamedSharding(mesh, P())] * len(recipe)
+    return [P()] * len(recipe)
   if not isinstance(tp, TensorParallel):
     raise TypeError("reshard_params(tensor_parallel=...) must be a fsdp_jax.TensorParallel; "
                     f"got {type(tp).__name__}.")
@@ -173,7 +185,7 @@ def _shardings(plan: Plan, recipe, mesh: Mesh, tp) -> list:
     spec = [None] * len(shape)
     if k in dims:
       spec[leads[k] + dims[k]] = tp.axis
-    out.append(NamedSharding(mesh, P(*spec) if k in dims else P()))
+    out.append(P(*spec) if k in dims else P())
   return out
 
 
@@ -218,19 +230,53 @@ def _cast(x, dtype):
 # Programs are kept for the next call (a loop alternating training with
 # sampling reshards the same plan again): at most this many.
 _PROGRAMS = 256
+_programs: collections.OrderedDict = collections.OrderedDict()
 
 
-@functools.lru_cache(maxsize=_PROGRAMS)
+def _signature(plan: Plan, units: tuple, positions: tuple, recipe) -> tuple:
+  """What a group's program depends on, without the units' names and
+  places: the blocks of a model share one program."""
+  where: dict = {}  # stored leaf id -> (unit position, leaf position)
+  unit_keys = []
+  for j, u in enumerate(units):
+    unit = plan.units[u]
+    leaves = [plan.leaves[i] for i in unit.leaf_ids]
+    where.update({l.index: (j, k) for k, l in enumerate(leaves)})
+    unit_keys.append((unit.stacked, unit.num_layers, unit.tensor,
+                      tuple((l.shape, l.layer_shape, l.dtype.name, l.tensor_dim) for l in leaves)))
+  items = []
+  for k in positions:
+    item = recipe[k]
+    if lora_lib.is_lora_weight(item):
+      items.append((where[item.base], where[item.lora_A], where[item.lora_B],
+                    item.quantization, item.width, item.dtype))
+    else:
+      items.append(where[item])
+  scaling = None if plan.config.lora is None else plan.config.lora.scaling
+  return (plan.use_orig_params, plan.n, plan.t, plan.mesh, tuple(unit_keys), tuple(items),
+          scaling)
+
+
 def _group_program(plan: Plan, units: tuple, positions: tuple, shardings: tuple, dtype):
   """The jitted program making a group's leaves of the user's tree from its
-  units' stored arrays (global view), each in its target sharding."""
+  units' stored arrays (global view), each in its target sharding; groups
+  of one signature (:func:`_signature`) share it."""
   recipe, _ = _recipe(plan)
-  scaling = None if plan.config.lora is None else plan.config.lora.scaling
+  key = (_signature(plan, units, positions, recipe), shardings, dtype)
+  if key in _programs:
+    _programs.move_to_end(key)
+    return _programs[key]
+  scaling = key[0][-1]
+  whole = NamedSharding(plan.mesh, P())
 
   def run(storage):
     full = {}
     for u, arrays in zip(units, storage):
-      full.update(layout.unpack_storage_full(plan, plan.units[u], offload.to_device(arrays)))
+      # Gathered whole first: the unpacking (slices of a flat parameter,
+      # padding dropped) is then local, and compiles in a fraction of the
+      # time the partitioner takes for slices of a sharded array.
+      arrays = jax.lax.with_sharding_constraint(offload.to_device(arrays), whole)
+      full.update(layout.unpack_storage_full(plan, plan.units[u], arrays))
     outs = []
     for k in positions:
       item = recipe[k]
@@ -240,10 +286,15 @@ def _group_program(plan: Plan, units: tuple, positions: tuple, shardings: tuple,
         x = lora_lib.merge(node, scaling)
       else:
         x = full[item]
-      outs.append(_cast(x, dtype))
+      # Made whole before it is placed: the arithmetic (a LoRA merge) is
+      # the same program whatever the target layout, and so are its bits.
+      outs.append(jax.lax.with_sharding_constraint(_cast(x, dtype), whole))
     return outs
 
-  return jax.jit(run, out_shardings=list(shardings))
+  _programs[key] = jax.jit(run, out_shardings=list(shardings))
+  while len(_programs) > _PROGRAMS:
+    _programs.popitem(last=False)
+  return _programs[key]
 
 
 @functools.lru_cache(maxsize=_PROGRAMS)
@@ -257,5 +308,5 @@ def _ignored_program(plan: Plan, positions: tuple, shardings: tuple, dtype):
 
 def clear_caches() -> None:
   """Forgets the compiled programs kept for the next call."""
-  _group_program.cache_clear()
+  _programs.clear()
   _ignored_program.cache_clear()
