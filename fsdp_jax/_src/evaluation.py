@@ -1,7 +1,7 @@
-"""``shard_eval_step``: the train step's forward pass for evaluation (PyTorch's
-``model.eval()`` and a forward under ``torch.no_grad()`` on an FSDP model).
+"""``shard_eval_step``: sharded evaluation, the train step's forward alone.
 
-The step runs ``fn`` inside ``jax.shard_map`` on each device's shards, as
+PyTorch's ``model.eval()`` and a forward under ``torch.no_grad()`` on an
+FSDP model. The step runs ``fn`` inside ``jax.shard_map`` on each device's shards, as
 the train step runs the loss (:class:`~fsdp_jax._src.local_loss.LocalForward`):
 each unit is gathered right before its first use, with the train step's
 prefetch and rate limits (:func:`fsdp_jax._src.schedule.ordered`), and freed

@@ -1,5 +1,6 @@
-"""``reshard_params``: the hand-off from training to inference. The user's
-parameter tree (LoRA merged, QLoRA dequantized) as ``jax.Array`` s in the
+"""``reshard_params``: the hand-off from training to inference.
+
+The user's parameter tree (LoRA merged, QLoRA dequantized) as ``jax.Array`` s in the
 layout a plain ``jax.jit`` sampler or serving engine wants: replicated, or
 split over a ``"tensor"`` axis by :class:`~fsdp_jax.TensorParallel` rules.
 
