@@ -142,13 +142,12 @@ CASES = {
     "4-scan-SHARD_GRAD_OP": (dict(shard=4), dict(sharding_strategy=S.SHARD_GRAD_OP,
                                                  use_orig_params=True,
                                                  stacked_layers=("layers",)), "batch"),
-    "8-orig-hpZ-QLoRA": (dict(shard=8), dict(use_orig_params=True, reshard_after_forward=2,
-                                             lora=QLORA), "batch"),
-    "HYBRID-2x2-bf16": (dict(shard=2, replicate=2), dict(
-        sharding_strategy=S.HYBRID_SHARD,
+    "8-HYBRID-2x4-orig-hpZ-QLoRA": (dict(replicate=2, shard=4), dict(
+        sharding_strategy=S.HYBRID_SHARD, use_orig_params=True, reshard_after_forward=2,
+        lora=QLORA), "batch"),
+    "TP-4x2-bf16-split": (dict(shard=4, tensor=2), dict(
+        tensor_parallel=fsdp_jax.TensorParallel(rules=RULES),
         mixed_precision=fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16)), "batch"),
-    "TP-4x2-split": (dict(shard=4, tensor=2), dict(
-        tensor_parallel=fsdp_jax.TensorParallel(rules=RULES)), "batch"),
     "TP-2x4-orig": (dict(shard=2, tensor=4), dict(
         use_orig_params=True, tensor_parallel=fsdp_jax.TensorParallel(rules=RULES)), "mean"),
 }

@@ -68,7 +68,7 @@ TIMEOUT_S = 300  # per subprocess; they normally take 15-60 s on 2 cores
 
 # finetune_llama.py's LoRA and QLoRA runs (the full run's settings).
 FINETUNE_ARGS = ["--steps", "6", "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3",
-                 "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "0"]
+                 "--eval-every", "0", "--sample-tokens", "0"]
 
 EVAL_LINE = re.compile(r"^eval\s+(\d+)\s+held-out loss (\S+)\s+perplexity (\S+)$", re.M)
 STEP_LINE = re.compile(r"^step\s+(\d+)\s+loss (\S+)(?:\s+grad_norm (\S+))?", re.M)
@@ -117,7 +117,8 @@ class Jobs:
         py, "-m", "fsdp_jax.launch", "--nproc", "2", "--devices-per-proc", "4",
         "--platform", "cpu", GPT, *GPT_ARGS,
         "--checkpoint-dir", str(tmp / "ckpt_2proc")], tmp)
-    self.gpt_offload = Job("gpt_offload", [py, GPT, *GPT_ARGS, "--offload"], tmp)
+    self.gpt_offload = Job("gpt_offload", [py, GPT, *GPT_ARGS, "--offload", "--eval-every", "0"],
+                           tmp)
     self.nnx = Job("nnx", [py, str(EXAMPLES / "train_nnx.py"), "--platform", "cpu",
                            "--steps", "40", "--log-every", "10"], tmp)
     self.custom = Job("custom", [py, str(EXAMPLES / "custom_step.py"), "--platform", "cpu",

@@ -156,7 +156,7 @@ class EvalStep:
     self.forward_inputs = forward_inputs
     self._forwards: dict = {}  # plan -> (LocalForward, SplitOutputs or None)
     self._by_mesh: dict = {}  # mesh -> TopLevelJit
-    self._checked_setup: set = set()
+    self._checked_setup: set = set()  # plans whose mesh and config were checked
     self._checked_shapes = None
 
   # ---- the per-device forward ------------------------------------------------
@@ -277,9 +277,9 @@ class EvalStep:
       raise TypeError("eval_step(state, batch) needs the ShardedTrainState built by "
                       f"fsdp_jax.init_train_state; got {type(state).__name__}.")
     plan = state.plan
-    if plan.mesh not in self._checked_setup:
+    if plan not in self._checked_setup:
       check_setup(plan.mesh, plan.config)
-      self._checked_setup.add(plan.mesh)
+      self._checked_setup.add(plan)
     placed, self._checked_shapes = place_checked(plan, batch, self._checked_shapes)
     if rng is not None:
       loss_lib.check_rng(rng)
