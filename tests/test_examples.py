@@ -326,7 +326,7 @@ def test_finetune_llama_loads_tunes_and_saves(jobs):
   assert last < first - 0.1, out
   # The held-out split, before training and every 3 steps: its loss goes down.
   evals = {int(k): (float(l), float(p)) for k, l, p in re.findall(
-      r"^eval at step (\d+): held-out loss (\S+), perplexity (\S+)$", out, re.M)}
+      r"eval at step (\d+): held-out loss (\S+), perplexity (\S+)$", out, re.M)}  # after tqdm's bar
   assert sorted(evals) == [0, 3, 6], out
   assert evals[6][0] < evals[0][0] - 0.1, out
   assert all(abs(p - math.exp(l)) < 0.01 * p for l, p in evals.values())
