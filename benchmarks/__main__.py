@@ -22,6 +22,7 @@
     python -m benchmarks tp_routes      # tensor parallelism left to the compiler vs explicit collectives
     python -m benchmarks mutants        # one-line bugs in the engine: the first test that catches each
     python -m benchmarks families       # fsdp_jax.models' families vs the example Llama (MODELS.md)
+    python -m benchmarks eval           # the eval step and reshard_params: memory (EVAL.md)
 
 ``python -m benchmarks <name> --help`` lists a measurement's options.
 """
@@ -59,6 +60,7 @@ MEASUREMENTS = {
     "tp_routes": ("benchmarks.tp_routes", "main"),
     "mutants": ("benchmarks.mutants", "main"),
     "families": ("benchmarks.families", "main"),
+    "eval": ("benchmarks.eval", "main"),
 }
 
 

@@ -33,6 +33,17 @@ memory each device holds, and writes the adapters in PEFT's format to
 ``--out/adapter`` (``peft.PeftModel.from_pretrained(base_model,
 out/adapter)`` loads them) besides the merged model in ``--out``.
 
+Every ``--eval-every`` steps the held-out tenth of the text is evaluated
+with ``fsdp_jax.shard_eval_step`` (the train step's forward without the
+backward, sharded the same way: PyTorch's ``model.eval()`` and
+``torch.no_grad()``): its loss and perplexity are printed. At the end the
+tuned weights are handed to inference code: ``fsdp_jax.reshard_params``
+gives the model's own tree (LoRA merged, QLoRA decoded) split over a
+``"tensor"`` axis by the family's rules, and ``fsdp_jax.models.generate``
+continues a few held-out prompts with a KV cache, greedily and with
+temperature / top-p sampling (``examples/llama_decode.py`` writes such a
+decode loop out in plain JAX for ``examples/llama.py``).
+
 Without ``--checkpoint`` the script writes a small random model of
 ``--family`` (2 layers, grouped-query attention) with fsdp_jax itself first,
 so it runs anywhere, torch or not. Without a GPU it simulates 8 CPU devices.
@@ -42,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -140,9 +152,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "the short names q, ..., down are accepted)")
   lora.add_argument("--lora-dropout", type=float, default=None,
                     help="dropout on the adapters' input (default: 0.0)")
+  ev = p.add_argument_group("evaluation and sampling")
+  ev.add_argument("--eval-every", type=int, default=10,
+                  help="evaluate the held-out split every N steps, before the first and "
+                  "after the last (0: never)")
+  ev.add_argument("--eval-batches", type=int, default=2,
+                  help="held-out batches (of --batch-size windows) per evaluation")
+  ev.add_argument("--sample-tokens", type=int, default=24,
+                  help="tokens to generate from each held-out prompt at the end (0: none)")
+  ev.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+  ev.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling's p")
   args = p.parse_args(argv)
   if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
     p.error("--steps, --batch-size and --seq-len must be positive (seq-len at least 2)")
+  if args.eval_every < 0 or args.eval_batches < 1 or args.sample_tokens < 0:
+    p.error("--eval-every and --sample-tokens must be >= 0, --eval-batches >= 1")
+  if args.temperature <= 0 or not 0 < args.top_p <= 1:
+    p.error("--temperature must be positive and --top-p in (0, 1]")
   args.lora_mode = "qlora" if args.qlora else "lora" if args.lora else None
   given = [f for f, v in (("--rank", args.rank), ("--alpha", args.alpha),
                           ("--targets", args.targets), ("--lora-dropout", args.lora_dropout))
@@ -241,6 +267,89 @@ def tokenize(text: str, checkpoint: str, vocab_size: int) -> np.ndarray:
     return ids
 
 
+# ---------------------------------------------------------------------------
+# Evaluation: the held-out split, sharded as in training
+
+
+def make_eval_step(model: models.CausalLM):
+  """The train step's forward without the backward (PyTorch's ``model.eval()``
+  and ``torch.no_grad()``): each unit gathered before its first use and
+  freed after, no optimizer state read. The loss is the mean over every
+  predicted token of the global batch (a ``WeightedLoss``: the sum and the
+  count)."""
+
+  def eval_loss(params, batch):
+    logits = model.apply(params, batch["input_ids"])[:, :-1].astype(jnp.float32)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"][:, 1:])
+    return fsdp_jax.WeightedLoss(total=jnp.sum(nll), weight=jnp.float32(nll.size))
+
+  return fsdp_jax.shard_eval_step(eval_loss, forward_inputs=("input_ids",))
+
+
+def held_out_batches(ids: np.ndarray, batch_size: int, seq_len: int, count: int) -> list:
+  """``count`` batches of evenly spaced windows of the held-out tokens."""
+  starts = np.linspace(0, len(ids) - seq_len - 1, batch_size * count).astype(np.int64)
+  windows = np.stack([ids[s:s + seq_len + 1] for s in starts])
+  return [{"input_ids": w, "labels": w} for w in np.split(windows, count)]
+
+
+def evaluate(eval_step, state, batches) -> dict:
+  """Mean next-token loss over the held-out batches (equal sizes) and its
+  perplexity."""
+  loss = float(np.mean([float(eval_step(state, b)) for b in batches]))
+  return {"loss": loss, "perplexity": math.exp(loss)}
+
+
+# ---------------------------------------------------------------------------
+# Sampling: the tuned weights resharded for inference, a KV-cache decode
+
+
+def tensor_size(config: models.ModelConfig, devices: int) -> int:
+  """The largest number of devices (at most 8) that splits every head, MLP
+  column and vocabulary entry of ``config`` evenly."""
+  sizes = (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,
+           config.vocab_size)
+  return max(t for t in range(1, min(devices, 8) + 1)
+             if devices % t == 0 and all(n % t == 0 for n in sizes))
+
+
+def detokenizer(checkpoint: str):
+  """Token ids -> text, the inverse of :func:`tokenize`."""
+  try:
+    import transformers  # pylint: disable=import-outside-toplevel  (optional)
+    tok = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    return lambda ids: tok.decode([int(i) for i in ids])
+  except Exception:  # pylint: disable=broad-except  (bytes, as tokenize falls back to)
+    return lambda ids: bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+def sample(state, model: models.CausalLM, prompts: np.ndarray, args, decode_text) -> dict:
+  """Continues ``prompts`` from the tuned weights: ``reshard_params`` puts
+  the model's own tree (LoRA merged) on a ``"tensor"`` mesh of the state's
+  devices, each device holding its slice of every kernel the family's
+  rules split, and ``models.generate`` decodes with a KV cache (one
+  compiled program), greedily and with temperature / top-p sampling."""
+  devices = list(state.plan.mesh.devices.flat)
+  t = tensor_size(model.config, len(devices))
+  mesh = fsdp_jax.make_mesh(shard=len(devices) // t, tensor=t, devices=devices)
+  params = fsdp_jax.reshard_params(
+      state, mesh=mesh, tensor_parallel=model.tensor_parallel,
+      dtype=jnp.bfloat16 if args.precision == "bf16" else None)
+  out = {}
+  for mode, kw in (("greedy", {}), (f"temperature {args.temperature}, top-p {args.top_p}",
+                                    dict(temperature=args.temperature, top_p=args.top_p,
+                                         rng=jax.random.key(args.seed)))):
+    tokens = np.asarray(models.generate(model, params, prompts,
+                                        max_new_tokens=args.sample_tokens, **kw))
+    out[mode] = tokens
+    for row in tokens:
+      print(f"sample ({mode}): {decode_text(row[:prompts.shape[1]])!r} -> "
+            f"{decode_text(row[prompts.shape[1]:])!r}")
+  print(f"sampled from reshard_params weights on mesh {dict(mesh.shape)} (kernels split over "
+        "'tensor' by the family's tensor-parallel rules)")
+  return out
+
+
 def main(argv=None) -> dict:
   args = parse_args(argv)
   configure_devices(args.platform, args.cpu_devices)
@@ -283,8 +392,11 @@ def main(argv=None) -> dict:
     with open(textwrap.__file__, encoding="utf-8") as f:
       text = f.read()
   ids = tokenize(text, checkpoint, model.config.vocab_size)
-  if len(ids) < args.seq_len + 2:
-    raise SystemExit(f"the text has {len(ids)} tokens, fewer than --seq-len {args.seq_len} + 2")
+  # The last tenth is held out for evaluation and prompts.
+  ids, held_out = ids[:len(ids) * 9 // 10], ids[len(ids) * 9 // 10:]
+  if min(len(ids), len(held_out)) < args.seq_len + 2:
+    raise SystemExit(f"the text has {len(ids) + len(held_out)} tokens: too few for --seq-len "
+                     f"{args.seq_len} in the training split and the held-out tenth")
 
   # The model's causal-LM loss: labels shifted inside, the mean over every
   # device's tokens.
@@ -311,6 +423,18 @@ def main(argv=None) -> dict:
           if "peak" in memory else "")
   print(f"memory per device (bytes): params {memory['params']:,}, grads {memory['grads']:,}, "
         f"optimizer state {memory['optimizer']:,}{peak}")
+  eval_step = make_eval_step(model) if args.eval_every else None
+  eval_batches = held_out_batches(held_out, batch_size, args.seq_len, args.eval_batches)
+  evals = []
+
+  def run_eval(at_step: int) -> None:
+    result = evaluate(eval_step, state, eval_batches)
+    evals.append({"step": at_step, **result})
+    print(f"eval at step {at_step}: held-out loss {result['loss']:.4f}, perplexity "
+          f"{result['perplexity']:.2f}")
+
+  if eval_step is not None:
+    run_eval(0)
   bar = tqdm(range(args.steps), desc="fine-tune") if tqdm is not None else range(args.steps)
   losses = []
   for i in bar:
@@ -320,6 +444,8 @@ def main(argv=None) -> dict:
       bar.set_postfix(loss=f"{losses[-1]:.4f}")
     else:
       print(f"step {len(losses)}: loss {losses[-1]:.4f}")
+    if eval_step is not None and (len(losses) % args.eval_every == 0 or len(losses) == args.steps):
+      run_eval(len(losses))
   print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {args.steps} steps")
   print("loss curve: " + " ".join(f"{x:.4f}" for x in losses))
 
@@ -342,8 +468,13 @@ def main(argv=None) -> dict:
     print(f"saved the PEFT adapter to {adapter} (adapter_model.safetensors, "
           "adapter_config.json): peft.PeftModel.from_pretrained("
           f"AutoModelForCausalLM.from_pretrained({checkpoint!r}), {adapter!r})")
+  samples = {}
+  if args.sample_tokens:
+    prompt_len = min(16, len(held_out) // 4)
+    prompts = np.stack([held_out[:prompt_len], held_out[len(held_out) // 2:][:prompt_len]])
+    samples = sample(state, model, prompts, args, detokenizer(checkpoint))
   return {"losses": losses, "out": out, "checkpoint": checkpoint, "adapter": adapter,
-          "memory": memory}
+          "memory": memory, "evals": evals, "samples": samples}
 
 
 if __name__ == "__main__":

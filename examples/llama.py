@@ -16,8 +16,8 @@ layout, so :func:`weight_map` reorders them with
         init_fn=lambda rng: model.init(rng, jnp.zeros((1, 8), jnp.int32)), rng=key,
         optimizer=opt, mesh=mesh, config=fsdp_jax.FSDPConfig(...), pretrained=source)
 
-``examples/finetune_llama.py`` fine-tunes one and saves it back for
-transformers.
+``examples/finetune.py`` fine-tunes such a model (any ``fsdp_jax.models``
+family) and saves it back for transformers.
 """
 
 from __future__ import annotations

@@ -56,7 +56,11 @@ The steps, in the order PyTorch users know them:
    (with ``max_norm=``: PyTorch's ``clip_grad_norm_``; with
    ``gradient_accumulation_steps=``: ``no_sync()`` accumulation);
    ``loss_fn`` is ordinary single-device code over the full parameter tree;
-5. ``fsdp_jax.summon_full_params(state)`` gathers the parameters back, here to
+5. ``fsdp_jax.shard_eval_step(eval_loss)`` evaluates the held-out tenth of
+   the text every ``--eval-every`` steps: the train step's forward, sharded
+   the same way, without the backward (PyTorch: ``model.eval()`` and a
+   forward under ``torch.no_grad()``); it prints the loss and perplexity;
+6. ``fsdp_jax.summon_full_params(state)`` gathers the parameters back, here to
    generate a sample (PyTorch: ``summon_full_params``).
 """
 
@@ -171,12 +175,14 @@ def load_text(path: str | None) -> tuple[str, str]:
 
 
 class CharData:
-  """A character vocabulary and a random-window batch sampler."""
+  """A character vocabulary, a random-window batch sampler over the first
+  nine tenths of the text, and the last tenth held out for evaluation."""
 
   def __init__(self, text: str, seed: int):
     self.chars = sorted(set(text))
     self.index = {c: i for i, c in enumerate(self.chars)}
-    self.tokens = self.encode(text)
+    tokens = self.encode(text)
+    self.tokens, self.held_out = tokens[:len(tokens) * 9 // 10], tokens[len(tokens) * 9 // 10:]
     self.seed = seed
 
   @property
@@ -205,6 +211,18 @@ class CharData:
     per = batch_size // num_processes
     starts = starts[process * per:(process + 1) * per]
     windows = np.stack([self.tokens[s:s + seq_len + 1] for s in starts])
+    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+  def eval_batch(self, batch_size: int, seq_len: int, *, index: int, count: int,
+                 process: int = 0, num_processes: int = 1) -> dict:
+    """Process ``process``'s rows of held-out batch ``index`` of ``count``:
+    the held-out split cut into ``count * batch_size`` evenly spaced
+    windows, the same in every evaluation."""
+    starts = np.linspace(0, len(self.held_out) - seq_len - 1, count * batch_size)
+    starts = starts.astype(np.int64)[index * batch_size:(index + 1) * batch_size]
+    per = batch_size // num_processes
+    starts = starts[process * per:(process + 1) * per]
+    windows = np.stack([self.held_out[s:s + seq_len + 1] for s in starts])
     return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
 
 
@@ -508,6 +526,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                       f"process's host on CPU (default: {CPU_PEAK_TFLOPS:g} on CPU; "
                       "989 bf16 / 495 fp32 (TF32) on H100/H200; 312/156 on A100; "
                       "else MFU is not shown)")
+  t.add_argument("--eval-every", type=int, default=50, metavar="N",
+                 help="evaluate the held-out tenth of the text every N steps and after the "
+                      "last (0: never)")
+  t.add_argument("--eval-batches", type=int, default=2,
+                 help="held-out batches (of --batch-size windows) per evaluation")
   t.add_argument("--sample-chars", type=int, default=40,
                  help="characters to generate after training (0: none)")
   t.add_argument("--prompt", default=None,
@@ -539,6 +562,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error("--save-every must be at least 1")
   if args.log_every < 1:
     p.error("--log-every must be at least 1")
+  if args.eval_every < 0 or args.eval_batches < 1:
+    p.error("--eval-every must be >= 0 and --eval-batches >= 1")
   if args.resume and args.checkpoint_dir is None:
     p.error("--resume needs --checkpoint-dir")
   return args
@@ -571,10 +596,12 @@ def main(argv=None) -> dict:
   # Data.
   text, source = load_text(args.text)
   data = CharData(text, args.seed)
-  if len(data.tokens) <= args.seq_len + 1:
-    sys.exit(f"The text has {len(data.tokens)} characters; it needs more than "
-             f"--seq-len + 1 = {args.seq_len + 1}.")
-  say(f"text: {source}: {len(data.tokens):,} characters, vocabulary {data.vocab_size}")
+  if min(len(data.tokens), len(data.held_out)) <= args.seq_len + 1:
+    sys.exit(f"The text has {len(data.tokens) + len(data.held_out)} characters; its training "
+             f"nine tenths and its held-out tenth each need more than --seq-len + 1 = "
+             f"{args.seq_len + 1}.")
+  say(f"text: {source}: {len(data.tokens) + len(data.held_out):,} characters "
+      f"({len(data.held_out):,} held out for evaluation), vocabulary {data.vocab_size}")
 
   # 2. Mesh and FSDP options.
   strategy = fsdp_jax.ShardingStrategy[args.strategy]
@@ -667,6 +694,25 @@ def main(argv=None) -> dict:
       forward_inputs=("inputs",))
   batch_sharding = NamedSharding(mesh, fsdp_jax.custom.batch_spec(state.plan))
 
+  # 5. The eval step: the same forward, sharded the same way, no backward and
+  # no optimizer state; the loss is the mean over every held-out token.
+  def eval_loss(params, batch):
+    logits = model.apply(params, batch["inputs"]).astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return fsdp_jax.WeightedLoss(total=jnp.sum(losses), weight=jnp.float32(losses.size))
+
+  eval_step = fsdp_jax.shard_eval_step(eval_loss, forward_inputs=("inputs",))
+  eval_batches = [place_batch(data.eval_batch(args.batch_size, args.seq_len, index=i,
+                                              count=args.eval_batches, process=rank,
+                                              num_processes=nproc), batch_sharding)
+                  for i in range(args.eval_batches)] if args.eval_every else []
+  evals = []
+
+  def evaluate(at_step: int) -> None:
+    loss = float(np.mean([float(eval_step(state, b)) for b in eval_batches]))
+    evals.append((at_step, loss))
+    say(f"eval {at_step:4d}  held-out loss {loss:.4f}  perplexity {math.exp(loss):.2f}")
+
   # Throughput, MFU (an estimate) and the stored state's size.
   bytes_dev, bytes_total = state_bytes_per_device(state)
   where_state = "host bytes/device" if args.offload else "bytes/device"
@@ -726,6 +772,8 @@ def main(argv=None) -> dict:
       if compiling:
         line += "  (first step: includes compilation)"
       say(line)
+    if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+      evaluate(step)
     if manager is None:
       continue
     # True on every process after the same step once a SIGTERM reached any.
@@ -770,7 +818,7 @@ def main(argv=None) -> dict:
           f"(kept: {manager.all_steps()})")
     manager.close()
 
-  # 5. Gather the full parameters (replicated) and sample from the model.
+  # 6. Gather the full parameters (replicated) and sample from the model.
   sample = ""
   if args.sample_chars > 0:
     params = fsdp_jax.summon_full_params(state)  # every process calls it (a collective)
@@ -787,7 +835,8 @@ def main(argv=None) -> dict:
   return {"first_loss": losses[0] if losses else None,
           "final_loss": losses[-1] if losses else None, "losses": losses,
           "grad_norms": norms, "start_step": start_step, "final_step": int(state.step),
-          "saved_steps": saved_steps, "bytes_per_device": bytes_dev, "sample": sample}
+          "saved_steps": saved_steps, "bytes_per_device": bytes_dev, "sample": sample,
+          "evals": evals}
 
 
 if __name__ == "__main__":

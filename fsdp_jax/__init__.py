@@ -60,6 +60,13 @@ from fsdp_jax._src.step import (
     shard_train_step as shard_train_step,
 )
 
+# Evaluation, and the hand-off to inference.
+from fsdp_jax._src.evaluation import (
+    EvalStep as EvalStep,
+    shard_eval_step as shard_eval_step,
+)
+from fsdp_jax._src.reshard import reshard_params as reshard_params
+
 # Full parameters.
 from fsdp_jax._src.full import (
     apply as apply,
@@ -105,7 +112,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackwardPrefetch", "CPUOffload", "CheckpointError",
-    "CheckpointManager", "CustomPolicy", "DistributedInfo", "FSDPConfig", "LoRA",
+    "CheckpointManager", "CustomPolicy", "DistributedInfo", "EvalStep", "FSDPConfig", "LoRA",
     "MixedPrecision", "ModuleWrapPolicy", "MonitoredBarrierError", "Node",
     "NonFiniteError", "OptimStateKeyType", "Plan", "Quantization",
     "ShardedTrainState", "ShardingStrategy", "StateDictType", "TensorParallel", "TrainStep",
@@ -114,8 +121,8 @@ __all__ = [
     "import_params", "init_train_state", "lambda_auto_wrap_policy",
     "load_state_dict", "make_mesh", "module_classes", "monitored_barrier",
     "optim_state_dict", "optim_state_dict_to_load", "rekey_optim_state_dict",
-    "scatter_full_optim_state_dict", "shard_full_optim_state_dict",
-    "shard_train_step", "simulate_cpu_devices", "size_based_auto_wrap_policy",
+    "reshard_params", "scatter_full_optim_state_dict", "shard_eval_step",
+    "shard_full_optim_state_dict", "shard_train_step", "simulate_cpu_devices", "size_based_auto_wrap_policy",
     "state_dict", "summon_full_params", "write_full_params",
 ]
 

@@ -4,7 +4,9 @@ settings and hard timeouts.
 
 * ``train_gpt.py`` with bf16 mixed precision, gradient clipping, gradient
   accumulation and checkpoints: it trains (the loss goes down) and logs loss,
-  grad norm, tokens/s, the MFU estimate and bytes per device;
+  grad norm, tokens/s, the MFU estimate and bytes per device, and evaluates
+  the held-out split with the eval step (loss and perplexity; the same in
+  the 2-process run and after a resume);
 * the same run on 2 processes x 4 simulated CPU devices: each process feeds
   its half of every global batch, only process 0 prints, and the losses are
   those of the 1-process run;
@@ -17,8 +19,10 @@ settings and hard timeouts.
   ``shard_map``, checked against ``shard_train_step``);
 * ``finetune.py`` without ``--checkpoint``: it writes a small random
   Llama (and, with ``--family qwen3 --scan``, a Qwen3 run with stacked
-  layers), loads it shard by shard, fine-tunes it (the loss goes down) and
-  saves it in Hugging Face's layout, which loads again; with ``--lora``
+  layers), loads it shard by shard, fine-tunes it (the loss goes down, and the
+  held-out loss the eval step prints), samples continuations from
+  ``reshard_params`` weights on a tensor mesh with a KV cache (greedy and
+  top-p), and saves it in Hugging Face's layout, which loads again; with ``--lora``
   (rank, alpha, targets in PEFT's names, dropout) and ``--qlora`` (NF4 base):
   the loss goes down, the plan reports the adapters, the memory per device
   drops where LoRA says it does, and the PEFT adapter written to
@@ -35,6 +39,7 @@ one is killed with its process group on the way out. All runs use
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import shutil
@@ -59,12 +64,14 @@ GPT = str(EXAMPLES / "train_gpt.py")
 GPT_ARGS = ["--platform", "cpu", "--steps", "6", "--log-every", "1", "--layers", "1",
             "--d-model", "32", "--seq-len", "32", "--batch-size", "16",
             "--sample-chars", "8", "--precision", "bf16", "--max-norm", "1.0",
-            "--accumulate", "2", "--save-every", "3"]
+            "--accumulate", "2", "--save-every", "3", "--eval-every", "3", "--eval-batches", "1"]
 TIMEOUT_S = 300  # per subprocess; they normally take 15-60 s on 2 cores
 
 # finetune.py's LoRA and QLoRA runs (the full run's settings).
-FINETUNE_ARGS = ["--steps", "6", "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3"]
+FINETUNE_ARGS = ["--steps", "6", "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3",
+                 "--eval-every", "0", "--sample-tokens", "0"]
 
+EVAL_LINE = re.compile(r"^eval\s+(\d+)\s+held-out loss (\S+)\s+perplexity (\S+)$", re.M)
 STEP_LINE = re.compile(r"^step\s+(\d+)\s+loss (\S+)(?:\s+grad_norm (\S+))?", re.M)
 FIRST_FINAL = re.compile(r"first (?:data )?loss (\S+) -> final (?:data )?loss (\S+)")
 
@@ -73,6 +80,16 @@ def Job(name: str, cmd: list[str], log_dir: Path, timeout: float = TIMEOUT_S) ->
   """An example run in the background, output to ``log_dir/name.log``."""
   return Background(cmd, log_dir / f"{name}.log", timeout, name=name,
                     env=subprocess_env(FSDP_JAX_SHUTDOWN_TIMEOUT="60"))  # bound a stuck exit
+
+
+def eval_lines(output: str) -> dict[int, str]:
+  """``{step: held-out loss}`` as printed (strings, for exact checks); the
+  perplexity printed is exp(loss)."""
+  out = {}
+  for m in EVAL_LINE.finditer(output):
+    assert abs(float(m.group(3)) - math.exp(float(m.group(2)))) < 0.01 * float(m.group(3))
+    out[int(m.group(1))] = m.group(2)
+  return out
 
 
 def step_lines(output: str) -> dict[int, tuple[str, str | None]]:
@@ -101,14 +118,16 @@ class Jobs:
         py, "-m", "fsdp_jax.launch", "--nproc", "2", "--devices-per-proc", "4",
         "--platform", "cpu", GPT, *GPT_ARGS,
         "--checkpoint-dir", str(tmp / "ckpt_2proc")], tmp)
-    self.gpt_offload = Job("gpt_offload", [py, GPT, *GPT_ARGS, "--offload"], tmp)
+    self.gpt_offload = Job("gpt_offload", [py, GPT, *GPT_ARGS, "--offload", "--eval-every", "0"],
+                           tmp)
     self.nnx = Job("nnx", [py, str(EXAMPLES / "train_nnx.py"), "--platform", "cpu",
                            "--steps", "40", "--log-every", "10"], tmp)
     self.custom = Job("custom", [py, str(EXAMPLES / "custom_step.py"), "--platform", "cpu",
                                  "--steps", "40", "--log-every", "10", "--verify"], tmp)
     self.finetune = Job("finetune", [
         py, str(EXAMPLES / "finetune.py"), "--platform", "cpu", "--steps", "6",
-        "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3", "--out", str(tmp / "tuned")], tmp)
+        "--batch-size", "8", "--seq-len", "32", "--lr", "3e-3", "--eval-every", "3",
+        "--eval-batches", "1", "--sample-tokens", "6", "--out", str(tmp / "tuned")], tmp)
     self.finetune_qwen3 = Job("finetune_qwen3", [
         py, str(EXAMPLES / "finetune.py"), "--platform", "cpu", *FINETUNE_ARGS, "--family",
         "qwen3", "--scan", "--out", str(tmp / "qwen3")], tmp)
@@ -171,6 +190,11 @@ def test_train_gpt_features(jobs):
   assert f"checkpoint: saved steps [3, 6] in {jobs.tmp / 'ckpt'} (kept: [3, 6])" in out
   assert (jobs.tmp / "ckpt" / "3").is_dir() and (jobs.tmp / "ckpt" / "6").is_dir()
   assert "sample (greedy): 'def " in out
+  assert re.search(r"^text: .*: [\d,]+ characters \([\d,]+ held out for evaluation\), "
+                   r"vocabulary \d+$", out, re.M), out
+  evals = eval_lines(out)
+  assert sorted(evals) == [3, 6], out
+  assert float(evals[6]) < float(evals[3]), out  # the held-out loss goes down too
 
 
 def test_train_gpt_two_processes(jobs):
@@ -188,6 +212,11 @@ def test_train_gpt_two_processes(jobs):
     assert abs(float(two[s][1]) - float(one[s][1])) < 2e-2 * float(one[s][1]), (s, one, two)
   # A checkpoint written by both processes together.
   assert f"checkpoint: saved steps [3, 6] in {jobs.tmp / 'ckpt_2proc'}" in out
+  # The eval step on each process's rows of the held-out batches: one run's loss.
+  evals, evals_one = eval_lines(out), eval_lines(jobs.gpt.ok())
+  assert sorted(evals) == [3, 6]
+  for s in evals:
+    assert abs(float(evals[s]) - float(evals_one[s])) < 2e-3, (evals, evals_one)
 
 
 def test_train_gpt_resume_round_trip(jobs):
@@ -201,6 +230,7 @@ def test_train_gpt_resume_round_trip(jobs):
   # uninterrupted run.
   for s in resumed:
     assert resumed[s] == full[s], (s, resumed, full)
+  assert eval_lines(out) == {6: eval_lines(jobs.gpt.ok())[6]}
   assert f"checkpoint: saved steps [6] in {jobs.tmp / 'ckpt_resume'} (kept: [3, 6])" in out
 
 
@@ -214,7 +244,8 @@ def test_train_gpt_preemption(jobs, tmp_path):
   ckpt = tmp_path / "ckpt"
   cmd = [sys.executable, GPT, "--platform", "cpu", "--steps", "40", "--log-every", "1",
          "--layers", "1", "--d-model", "32", "--seq-len", "32", "--batch-size", "16",
-         "--sample-chars", "0", "--save-every", "100", "--checkpoint-dir", str(ckpt),
+         "--sample-chars", "0", "--eval-every", "0", "--save-every", "100",
+         "--checkpoint-dir", str(ckpt),
          "--resume"]
   job = Job("gpt_preempt", cmd, tmp_path)
   try:
@@ -300,6 +331,17 @@ def test_finetune_loads_tunes_and_saves(jobs):
   assert m, out
   first, last = map(float, m.groups())
   assert last < first - 0.1, out
+  # The held-out split, before training and every 3 steps: its loss goes down.
+  evals = {int(k): (float(l), float(p)) for k, l, p in re.findall(
+      r"eval at step (\d+): held-out loss (\S+), perplexity (\S+)$", out, re.M)}  # after tqdm's bar
+  assert sorted(evals) == [0, 3, 6], out
+  assert evals[6][0] < evals[0][0] - 0.1, out
+  assert all(abs(p - math.exp(l)) < 0.01 * p for l, p in evals.values())
+  # Continuations of 2 held-out prompts, greedy and sampled, from the
+  # reshard_params weights on a tensor mesh (SMALL: 4 heads, 2 key/value heads).
+  assert len(re.findall(r"^sample \(greedy\): '.*' -> '.*'$", out, re.M)) == 2, out
+  assert len(re.findall(r"^sample \(temperature 0\.8, top-p 0\.9\): ", out, re.M)) == 2, out
+  assert "sampled from reshard_params weights on mesh {'shard': 4, 'tensor': 2}" in out, out
   memory = memory_line(out)
   assert memory["grads"] == memory["params"] > 0, out  # every parameter trains
   assert memory["optimizer"] > 2 * memory["params"], out  # AdamW's two moments
@@ -499,12 +541,13 @@ def _load(name: str):
 @pytest.mark.parametrize("name, flags", [
     ("train_gpt", ["--precision", "--checkpoint-dir", "--save-every", "--resume",
                    "--max-norm", "--accumulate", "--peak-tflops", "--strategy",
-                   "--offload"]),
+                   "--offload", "--eval-every", "--eval-batches"]),
     ("train_nnx", ["--strategy", "--use-orig-params", "--steps"]),
     ("custom_step", ["--max-norm", "--ema-decay", "--l2", "--verify"]),
     ("finetune", ["--checkpoint", "--family", "--text", "--out", "--strategy", "--scan",
                   "--precision", "--lora", "--qlora", "--rank", "--alpha", "--targets",
-                  "--lora-dropout"]),
+                  "--lora-dropout", "--eval-every", "--sample-tokens", "--temperature",
+                  "--top-p"]),
 ])
 def test_help(name, flags, capsys):
   with pytest.raises(SystemExit) as e:

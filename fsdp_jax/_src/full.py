@@ -27,11 +27,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import grads as grads_lib
 from fsdp_jax._src import layout, offload
-from fsdp_jax._src import lora as lora_lib
 from fsdp_jax._src import loss as loss_lib
 from fsdp_jax._src import plan as plan_lib
 from fsdp_jax._src.state import (ShardedTrainState, assemble_storage, ignored_storage,
                             pack_ignored, unpack_all)
+from fsdp_jax._src.reshard import reshard_params
 from fsdp_jax._src.step import place_batch
 
 
@@ -59,6 +59,9 @@ def summon_full_params(state: ShardedTrainState, *, rank0_only: bool = False,
       :func:`sharded_grads`). Frozen parameters get ``None``.
     grads: see ``with_grads``.
 
+  The tree is gathered one unit at a time, by the programs of
+  :func:`~fsdp_jax.reshard_params` (whose default layout this is).
+
   Returns:
     The full tree, or ``(params, grads)`` with ``with_grads``. With
     ``FSDPConfig(lora=...)`` the tree is the model's own, each target the
@@ -82,10 +85,8 @@ def summon_full_params(state: ShardedTrainState, *, rank0_only: bool = False,
   plan = state.plan
   replicated = NamedSharding(plan.mesh, P())
   unpack = lambda s: unpack_all(plan, offload.to_device(s), replicate=True)
-  lora = plan.config.lora
-  merged_view = unpack if lora is None else (
-      lambda s: lora_lib.merged_tree(unpack(s), lora.scaling))
-  params = jax.jit(merged_view, out_shardings=replicated)(state.params)
+  # One unit at a time, with reshard_params' programs: the same values.
+  params = reshard_params(state)
   full_grads = None
   if with_grads:
     frozen = plan_lib.split_trainable(plan, state.params)[1]

@@ -63,7 +63,8 @@ class LocalLoss:
   so the caller resets at the start of each trace of its own).
   """
 
-  def __init__(self, loss_fn: Callable, plan: Plan, *, forward_inputs=None):
+  def __init__(self, loss_fn: Callable, plan: Plan, *, forward_inputs=None,
+               split_outputs=None):
     if plan.config.lora is not None:
       # The adapter path: loss_fn sees each target as W + s * A @ B, computed
       # beside the frozen matmul (fsdp_jax._src.adapters).
@@ -80,12 +81,15 @@ class LocalLoss:
                            else len(plan.prefix(plan.units[l.unit])) + l.tensor_dim
                            for l in plan.leaves),
           axis=plan.axes.tensor_axes[0], size=plan.t, axis_env=plan.axis_env,
-          report=plan.tensor_report)
+          report=plan.tensor_report, split_outputs=split_outputs)
     self.loss_fn = loss_fn
     self.plan = plan
     self.forward_inputs = loss_lib.check_forward_inputs(forward_inputs)
     self._takes_rng = loss_lib.takes_rng(loss_fn)
     self._with_model_state = plan.model_state_dtypes is not None
+    # Under the step's remat: save what mixes parameters with activations
+    # (see schedule.placement._saved_if_mixed).
+    self._save_mixed = plan.recomputes_cheap_ops
     self._specs = {u.index: plan.gather_specs(u) for u in plan.units}
     self._axis_map = loss_lib.axis_mapping(plan)
     self._traces: dict = {}
@@ -142,9 +146,13 @@ class LocalLoss:
         warnings.warn(frameworks.per_device_batch_norm_message(per_device_bn, plan),
                       stacklevel=2)
       closed = loss_lib.bind_axis_names(closed, self._axis_map)
-      self._traces[cache_key] = (closed, out_shape,
-                                 loss_lib.check_loss_output(out_shape, self._with_model_state))
+      self._traces[cache_key] = (closed, out_shape, self._check_output(out_shape))
     return self._traces[cache_key]
+
+  def _check_output(self, out_shape):
+    """What the traced output is (:class:`~fsdp_jax._src.loss.OutputKind`),
+    or an error."""
+    return loss_lib.check_loss_output(out_shape, self._with_model_state)
 
   def _prepare(self, batch, model_state, rng):
     """Traces ``loss_fn`` for this batch; returns ``(closed, out_shape,
@@ -168,6 +176,23 @@ class LocalLoss:
   # ---- evaluation with gathers ---------------------------------------------
   def __call__(self, params, batch, model_state=None, probes=None, rng=None, deltas=None,
                gates=None) -> LossOutput:
+    out, closed, out_shape, kind, key_pos = self._evaluate(
+        params, batch, model_state, probes, rng, deltas, gates)
+    new_ms = None
+    if self._with_model_state:
+      out, new_ms = out
+      ms_start = len(self.plan.leaves) + len(jax.tree_util.tree_leaves(batch))
+      new_ms = loss_lib.stored_model_state(model_state, new_ms, key_pos, closed.jaxpr,
+                                           out_shape, ms_start)
+    loss, aux = out if kind.has_aux else (out, None)
+    if kind.weighted:
+      return LossOutput(loss.total, aux, new_ms, loss.weight)
+    return LossOutput(loss, aux, new_ms)
+
+  def _evaluate(self, params, batch, model_state, probes, rng, deltas, gates):
+    """``loss_fn``'s output tree on this device, every unit gathered right
+    before its first use; with the trace: ``(output, closed jaxpr, output
+    shapes, kind, key positions in the model state)``."""
     plan = self.plan
     n_params = len(plan.leaves)
     closed, out_shape, kind, rest, key_pos = self._prepare(batch, model_state, rng)
@@ -181,16 +206,7 @@ class LocalLoss:
       _explain_axis_error(e, plan)
       raise
     out = jax.tree_util.tree_unflatten(jax.tree.structure(out_shape), outs)
-    new_ms = None
-    if self._with_model_state:
-      out, new_ms = out
-      ms_start = n_params + len(jax.tree_util.tree_leaves(batch))
-      new_ms = loss_lib.stored_model_state(model_state, new_ms, key_pos, jaxpr, out_shape,
-                                           ms_start)
-    loss, aux = out if kind.has_aux else (out, None)
-    if kind.weighted:
-      return LossOutput(loss.total, aux, new_ms, loss.weight)
-    return LossOutput(loss, aux, new_ms)
+    return out, closed, out_shape, kind, key_pos
 
   def _gatherer(self, storage, probes, deltas, gates) -> schedule.Gatherer:
     """What :func:`schedule.eval_with_gathers` calls to gather a unit (or one
@@ -241,7 +257,7 @@ class LocalLoss:
         stacked_units={u.index for u in plan.units if u.stacked},
         unit_layers={u.index: u.num_layers for u in plan.units},
         unit_storage=unit_locals,
-        save_mixed=plan.recomputes_cheap_ops,
+        save_mixed=self._save_mixed,
         on_unstacked_scan=lambda ids, length: _warn_unstacked_scan(plan, ids, length),
         loop=plan.loop_prefetch)
 
@@ -290,6 +306,51 @@ class LocalLoss:
     with _compat.classic_tracing():
       closed = self._trace(batch, ms, key)[0]
     return schedule.has_user_checkpoint(closed)
+
+
+class LocalForward(LocalLoss):
+  """``fn`` on this device's shards for evaluation, inside ``jax.shard_map``:
+  its whole output tree, every unit gathered right before its first use
+  and freed after its last (nothing is kept for a backward pass, and no
+  value is put aside for one).
+
+  Called as ``forward(params, batch, model_state=None, rng=None) ->
+  outputs``. ``fn(params, batch[, model_state][, rng=])`` gets the model
+  state when the train state holds one and ``fn`` takes a third argument;
+  a ``(outputs, new_model_state)`` result (a training loss's) gives
+  ``outputs``: evaluation leaves the model state as it is. Under tensor
+  parallelism the outputs ``split_outputs``
+  (:class:`~fsdp_jax._src.tensor_eval.SplitOutputs`) keeps split are this
+  device's slices.
+  """
+
+  def __init__(self, fn: Callable, plan: Plan, *, forward_inputs=None, split_outputs=None):
+    super().__init__(fn, plan, forward_inputs=forward_inputs, split_outputs=split_outputs)
+    self._with_model_state = (plan.model_state_dtypes is not None
+                              and loss_lib.takes_model_state(fn))
+    self._save_mixed = False
+    self._ms_def = None
+
+  def _trace(self, batch, ms, key):
+    self._ms_def = jax.tree.structure(ms)
+    return super()._trace(batch, ms, key)
+
+  def _check_output(self, out_shape) -> bool:
+    """Whether the output is ``(outputs, new_model_state)``."""
+    return (self._with_model_state and isinstance(out_shape, (tuple, list))
+            and len(out_shape) == 2 and jax.tree.structure(out_shape[1]) == self._ms_def)
+
+  def __call__(self, params, batch, model_state=None, rng=None):
+    out, _, _, drop_state, _ = self._evaluate(params, batch, model_state, None, rng, None,
+                                              None)
+    return out[0] if drop_state else out
+
+  def output_shape(self, batch, model_state=None, rng=None):
+    """The outputs' shapes on this device's inputs (shapes), as
+    :meth:`__call__` returns them."""
+    batch, ms, key = jax.eval_shape(self._inputs, batch, model_state, rng)
+    _, out_shape, drop_state = self._trace(batch, ms, key)
+    return out_shape[0] if drop_state else out_shape
 
 
 def hook_gate(hook, spec, prefix):

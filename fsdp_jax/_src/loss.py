@@ -116,6 +116,21 @@ def takes_rng(loss_fn: Callable) -> bool:
                                       inspect.Parameter.KEYWORD_ONLY)
 
 
+def takes_model_state(fn: Callable) -> bool:
+  """Whether ``fn`` accepts a third positional argument (the model state),
+  or a parameter named ``model_state``; True when its signature cannot be
+  read."""
+  try:
+    sig = inspect.signature(fn)
+  except (TypeError, ValueError):
+    return True
+  kinds = [p.kind for p in sig.parameters.values()]
+  positional = sum(k in (inspect.Parameter.POSITIONAL_ONLY,
+                         inspect.Parameter.POSITIONAL_OR_KEYWORD) for k in kinds)
+  return (positional >= 3 or inspect.Parameter.VAR_POSITIONAL in kinds
+          or "model_state" in sig.parameters)
+
+
 def rewrapped(loss_fn: Callable, run: Callable, *, with_rng: bool) -> Callable:
   """A loss with ``loss_fn``'s name and docstring that calls ``run(params,
   args, rng)``: it takes ``rng=`` (a keyword) when ``with_rng``, else

@@ -520,6 +520,21 @@ def place_batch(plan: Plan, batch):
   return jax.tree.map(place, batch)
 
 
+def place_checked(plan: Plan, batch, checked_shapes=None):
+  """Checks the batch and puts it on the mesh (:func:`place_batch`):
+  ``(placed batch, batch shapes checked)``. With several processes the
+  check is a collective, run once per batch shapes (``checked_shapes``: the
+  shapes checked before)."""
+  if jax.process_count() == 1:
+    check_batch(plan, batch)
+  else:
+    shapes = jax.tree.map(np.shape, batch)
+    if checked_shapes != shapes:
+      check_local_batch(plan, batch)
+      checked_shapes = shapes
+  return place_batch(plan, batch), checked_shapes
+
+
 class TrainStep:
   """The step returned by :func:`shard_train_step`.
 
@@ -598,14 +613,8 @@ class TrainStep:
     if not self._checked_setup:  # mesh or config taken from the state
       check_setup(self.mesh or state.plan.mesh, self.config or state.plan.config)
       self._checked_setup = True
-    if jax.process_count() == 1:
-      check_batch(state.plan, batch)
-    else:
-      shapes = jax.tree.map(np.shape, batch)
-      if self._checked_shapes != shapes:  # once per batch shape: it is a collective
-        check_local_batch(state.plan, batch)
-        self._checked_shapes = shapes
-    return place_batch(state.plan, batch)
+    placed, self._checked_shapes = place_checked(state.plan, batch, self._checked_shapes)
+    return placed
 
   @mesh_lib.own_mesh
   def __call__(self, state, batch):

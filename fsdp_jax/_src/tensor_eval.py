@@ -791,11 +791,24 @@ def _scan(eqn, invals, ctx: _Ctx) -> list:
 # The loss on the slices
 
 
+@dataclasses.dataclass(eq=False)
+class SplitOutputs:
+  """Which outputs of the loss stay split over the tensor axis (this
+  device's slice, no all-gather): those split along a dimension of at least
+  ``first_dim``. Tracing the loss fills ``dims`` with ``{flat output
+  position: dimension}`` of the outputs left split."""
+
+  first_dim: int = 0
+  dims: dict = dataclasses.field(default_factory=dict)
+
+
 def wrap_loss(loss_fn: Callable, *, full_shapes: tuple, split_dims: tuple, axis: str,
-              size: int, axis_env: tuple, report: Report) -> Callable:
+              size: int, axis_env: tuple, report: Report,
+              split_outputs: "SplitOutputs | None" = None) -> Callable:
   """``loss_fn`` over the user's tree -> the same loss over each device's
   slices (the gathered tree of a tensor-parallel step). ``full_shapes`` and
-  ``split_dims`` (None: replicated) are per leaf, in tree order."""
+  ``split_dims`` (None: replicated) are per leaf, in tree order. The outputs
+  are gathered whole, except those ``split_outputs`` keeps split."""
   user_rng = loss_lib.takes_rng(loss_fn)
 
   def run(params, args, rng):
@@ -810,7 +823,15 @@ def wrap_loss(loss_fn: Callable, *, full_shapes: tuple, split_dims: tuple, axis:
     report.reset()
     values = [x if d is None else Split(x, d) for x, d in zip(flat, split_dims)]
     outs = evaluate(jaxpr, consts, values + jax.tree.leaves(args), ctx)
-    outs = [ctx.full(o, "an output of the loss") for o in outs]
+    if split_outputs is not None:
+      split_outputs.dims.clear()
+    for k, o in enumerate(outs):
+      if (split_outputs is not None and isinstance(o, Split)
+          and o.dim >= split_outputs.first_dim):
+        split_outputs.dims[k] = o.dim
+        outs[k] = o.x
+      else:
+        outs[k] = ctx.full(o, "an output of the loss")
     report.traced = True
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
