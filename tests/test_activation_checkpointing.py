@@ -44,9 +44,8 @@ from fsdp_jax import hlo as hlo_lib
 from helpers import (assert_trees_close, collective_sizes, collectives_per_call,
                      jit_reference_run, mesh_for, train_steps)
 
-# Each test compiles checkpointed and reference steps and reads their memory.
-pytestmark = pytest.mark.slow
-
+# The tests that compile checkpointed and reference steps are slow; the
+# policy checks on jaxprs run in the fast subset.
 FULL_SHARD = fsdp_jax.ShardingStrategy.FULL_SHARD
 SHARD_GRAD_OP = fsdp_jax.ShardingStrategy.SHARD_GRAD_OP
 HYBRID_SHARD = fsdp_jax.ShardingStrategy.HYBRID_SHARD
@@ -251,6 +250,7 @@ def check_checkpointed_mlp(remat, case, use_orig_params):
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.slow
 def test_per_block_checkpoint_trains_like_unsharded_and_gathers_as_often(case):
   check_checkpointed_mlp(jax.checkpoint, case, use_orig_params=case[1] == 3)
 
@@ -269,6 +269,7 @@ POLICY_CASES = [((FULL_SHARD, 4, None), "dots_with_no_batch_dims_saveable"),
 
 @pytest.mark.parametrize("case, policy", POLICY_CASES,
                          ids=[f"{_id(c)}-{p}" for c, p in POLICY_CASES])
+@pytest.mark.slow
 def test_checkpoint_policies(case, policy):
   remat = functools.partial(jax.checkpoint, policy=POLICIES[policy])
   check_checkpointed_mlp(remat, case, use_orig_params=case[1] == 3)
@@ -314,6 +315,7 @@ MEMORY_CASES = [(FULL_SHARD, 2, None), (SHARD_GRAD_OP, 2, None)]
 
 
 @pytest.mark.parametrize("case", MEMORY_CASES, ids=_id)
+@pytest.mark.slow
 def test_checkpoint_reduces_activation_memory(case):
   """Temporaries per device (MiB, jax 0.10.2, CPU) without / with
   ``jax.checkpoint`` per block: SHARD_GRAD_OP-2 7.59 / 2.76. FULL_SHARD-2
@@ -411,6 +413,7 @@ def linen_setup(scan: bool):
 
 
 @pytest.mark.parametrize("case", [(FULL_SHARD, 3, None), (SHARD_GRAD_OP, 4, None)], ids=_id)
+@pytest.mark.slow
 def test_linen_remat_per_block(case):
   strategy, n, replicate = case
   params, reference = linen_setup(scan=False)
@@ -434,6 +437,7 @@ SCAN_CASES = [(FULL_SHARD, 2, None), (SHARD_GRAD_OP, 3, None), (HYBRID_SHARD, 2,
 
 
 @pytest.mark.parametrize("case", SCAN_CASES, ids=_id)
+@pytest.mark.slow
 def test_linen_scan_of_remat_blocks_gathers_one_layer_per_iteration(case):
   strategy, n, replicate = case
   params, reference = linen_setup(scan=True)
@@ -473,6 +477,7 @@ def test_linen_scan_of_remat_blocks_gathers_one_layer_per_iteration(case):
 
 
 @pytest.mark.parametrize("strategy", [FULL_SHARD, SHARD_GRAD_OP])
+@pytest.mark.slow
 def test_scan_of_remat_blocks_reduces_activation_memory(strategy):
   """nn.scan(nn.remat(Block)) over a stacked unit. Temporaries per device
   (MiB, jax 0.10.2, CPU, 2 devices) without / with nn.remat: FULL_SHARD

@@ -14,9 +14,8 @@ from fsdp_jax import ShardingStrategy as S
 
 from helpers import mesh_for, mlp_batch, mlp_loss, mlp_params
 
-# Each test trains, saves and restores a whole train state.
-pytestmark = pytest.mark.slow
-
+# Training, saving and restoring whole states is slow; the state dicts run
+# in the fast subset.
 
 def loss_with_state(params, batch, model_state):
   return mlp_loss(params, batch), {"steps": model_state["steps"] + 1.0}
@@ -39,6 +38,7 @@ def _setup(use_orig_params, ignored=("out",)):
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+@pytest.mark.slow
 def test_resume_with_frozen_and_model_state_is_bitwise(use_orig_params, tmp_path):
   make, step = _setup(use_orig_params, ignored=())
   batches = [mlp_batch(seed=i) for i in range(4)]
@@ -60,6 +60,7 @@ def test_resume_with_frozen_and_model_state_is_bitwise(use_orig_params, tmp_path
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+@pytest.mark.slow
 def test_checkpoint_keeps_one_copy_of_ignored_states(use_orig_params, tmp_path):
   """Every device trains its own copy of an ignored parameter; a checkpoint
   keeps the first device's copy (PyTorch saves rank 0's), and restoring gives

@@ -23,9 +23,7 @@ import pytest
 import fsdp_jax
 from fsdp_jax import CheckpointManager
 
-# Each test restores stored checkpoints of every layout and trains on.
-pytestmark = pytest.mark.slow
-
+# Restoring stored checkpoints of every layout and training on is slow.
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
 ROOT = GOLDEN / "version_checkpoints"
 
@@ -46,6 +44,7 @@ def test_both_ends_of_the_supported_range_are_committed():
 
 @pytest.mark.parametrize("target_layout", list(gen.LAYOUTS))
 @pytest.mark.parametrize("saved", SAVED, ids=lambda p: f"{p.parent.name}-{p.name}")
+@pytest.mark.slow
 def test_restores_bitwise(saved, target_layout):
   meta = json.loads((saved / "meta.json").read_text())
   _, _, n = gen.LAYOUTS[target_layout]

@@ -27,9 +27,8 @@ import test_activation_checkpointing as ac
 import test_models as tm
 from helpers import collectives_per_call
 
-# Every test compiles a train step under each set of XLA flags.
-pytestmark = pytest.mark.slow
-
+# Compiling train steps under each set of XLA flags is slow; the flags'
+# switch itself runs in the fast subset.
 FLAG_SETS = {
     "remat3": ("jax_remat3",),
     "scan3": ("jax_scan3",),
@@ -102,6 +101,7 @@ def test_flags_switch_the_implementation_and_the_step_pins_the_classic_one(flag_
 
 @pytest.mark.parametrize("case", ["FULL_SHARD-4dev-flat", "SHARD_GRAD_OP-4dev-orig"])
 @pytest.mark.parametrize("flag_set", list(FLAG_SETS))
+@pytest.mark.slow
 def test_stacked_scan_under_flag(flag_set, case):
   flags = FLAG_SETS[flag_set]
   require(flags)
@@ -132,6 +132,7 @@ def test_stacked_scan_under_flag(flag_set, case):
 @pytest.mark.parametrize("case", [(ac.FULL_SHARD, 2, None), (ac.SHARD_GRAD_OP, 3, None)],
                          ids=ac._id)
 @pytest.mark.parametrize("flag_set", list(FLAG_SETS))
+@pytest.mark.slow
 def test_activation_checkpointing_under_flag(flag_set, case):
   """A model's own jax.checkpoint per block, with a policy: the same numbers
   as unsharded training and the same gathers per unit as without the flag

@@ -31,9 +31,8 @@ import fsdp_jax
 import helpers
 from helpers import collective_sizes, collectives_per_call, train_steps
 
-# Each test trains a real model (transformers, nn.scan stacks) and its reference.
-pytestmark = pytest.mark.slow
-
+# Training real models (transformers, nn.scan stacks) against references is
+# slow; the HLO parser's check runs in the fast subset.
 FULL_SHARD = fsdp_jax.ShardingStrategy.FULL_SHARD
 SHARD_GRAD_OP = fsdp_jax.ShardingStrategy.SHARD_GRAD_OP
 HYBRID_SHARD = fsdp_jax.ShardingStrategy.HYBRID_SHARD
@@ -301,6 +300,7 @@ def transformer_reference():
     pytest.param(FULL_SHARD, 8, 0, True, True, id="FULL_SHARD-8dev-orig"),
     pytest.param(SHARD_GRAD_OP, 4, 0, True, False, id="SHARD_GRAD_OP-4dev-orig"),
 ])
+@pytest.mark.slow
 def test_linen_transformer_matches_single_device(strategy, shard, first_device,
                                                  use_orig_params, from_init_fn):
   batches, params0, ref_losses, ref_params = transformer_reference()
@@ -334,6 +334,7 @@ def test_linen_transformer_matches_single_device(strategy, shard, first_device,
   assert_matches_reference(losses, params, ref_losses, ref_params)
 
 
+@pytest.mark.slow
 def test_linen_module_classes_captured_for_a_reused_init_fn():
   mesh = make_mesh(2)
   config = fsdp_jax.FSDPConfig(auto_wrap_policy=fsdp_jax.ModuleWrapPolicy({Block}))
@@ -395,6 +396,7 @@ def nnx_setup():
     pytest.param(FULL_SHARD, 8, None, False, id="FULL_SHARD-8dev-flat"),
     pytest.param(HYBRID_SHARD, 2, 2, True, id="HYBRID_SHARD-2x2-orig"),
 ])
+@pytest.mark.slow
 def test_nnx_model_matches_single_device(strategy, shard, replicate, use_orig_params):
   num_blocks = NNX_BLOCKS
   graphdef, params0, loss_fn, batches, ref_losses, ref_params = nnx_setup()
@@ -540,6 +542,7 @@ def stacked_gather_report(plan, hlo, unit_name):
 
 
 @pytest.mark.parametrize("case", list(SCAN_CASES))
+@pytest.mark.slow
 def test_scan_stacked_layers_match_single_device(case):
   batches, params0, ref_losses, ref_params = scan_reference()
   params, losses, plan, hlo = scan_run(case)
@@ -572,6 +575,7 @@ def test_scan_stacked_layers_match_single_device(case):
 
 
 @pytest.mark.parametrize("case", ["FULL_SHARD-4dev-flat", "HYBRID_SHARD-2x2-orig"])
+@pytest.mark.slow
 def test_scan_full_shard_regathers_each_layer_in_backward_loop(case):
   _, _, plan, hlo = scan_run(case)
   gathers, forward, backward, _ = stacked_gather_report(plan, hlo, "blocks")
@@ -633,6 +637,7 @@ def lscan_reference():
     pytest.param(FULL_SHARD, False, True, id="FULL_SHARD-4dev-flat"),
     pytest.param(SHARD_GRAD_OP, True, False, id="SHARD_GRAD_OP-4dev-orig"),
 ])
+@pytest.mark.slow
 def test_linen_nn_scan_matches_single_device(strategy, use_orig_params, from_init_fn):
   batches, params0, ref_losses, ref_params = lscan_reference()
   config = fsdp_jax.FSDPConfig(sharding_strategy=strategy,
@@ -662,6 +667,7 @@ def test_linen_nn_scan_matches_single_device(strategy, use_orig_params, from_ini
 # 5. Plain-function MLP with lambda_auto_wrap_policy
 
 
+@pytest.mark.slow
 def test_plain_mlp_lambda_policy_matches_single_device():
   d_in, d, d_out, num_layers = 6, 18, 5, 3
   rng = np.random.default_rng(9)

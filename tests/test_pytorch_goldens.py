@@ -22,9 +22,8 @@ from fsdp_jax import ShardingStrategy as S
 
 from helpers import mesh_for, mlp_loss
 
-# Each test trains several steps against stored PyTorch runs.
-pytestmark = pytest.mark.slow
-
+# Training against stored PyTorch runs: the clipped runs (the cheapest) are
+# in the fast subset, the rest slow.
 GOLDEN = pathlib.Path(__file__).parent / "golden"
 WRAP_BLOCKS = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
 
@@ -131,6 +130,7 @@ def assert_params(actual, golden_named, rtol, atol):
     ("NO_SHARD_world3", S.NO_SHARD, None),
     ("HYBRID_SHARD_mesh2x2_world4", S.HYBRID_SHARD, 2),
 ])
+@pytest.mark.slow
 def test_strategies_match_pytorch(case, strategy, replicate):
   g = load("strategies")
   losses, _, final = run(g, case, strategy=strategy, replicate=replicate)
@@ -140,6 +140,7 @@ def test_strategies_match_pytorch(case, strategy, replicate):
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+@pytest.mark.slow
 def test_bf16_mixed_precision_matches_pytorch(world, use_orig_params):
   g = load("mixed_precision_bf16")
   mp = fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
@@ -177,6 +178,7 @@ def _clip_case(norm, world):
 
 @pytest.mark.parametrize("norm", ["norm2", "norminf"])
 @pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.slow
 def test_clip_grad_norm_per_step_matches_pytorch(norm, world):
   """Teacher forcing: from PyTorch's parameters entering each step, the
   sharded step's pre-clip total norm equals PyTorch's to 1e-5 relative."""
@@ -241,6 +243,7 @@ def test_clipped_training_matches_pytorch(norm, world):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=2e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_clip_grad_norm_bf16_grads_matches_pytorch():
   g = load("clip_grad_norm")
   golden = g["cases"]["bf16grads_norm2_world4"]
@@ -259,6 +262,7 @@ def test_clip_grad_norm_bf16_grads_matches_pytorch():
 
 @pytest.mark.parametrize("k", [2, 3, 4])
 @pytest.mark.parametrize("accumulation", ["no_sync", "sharded"])
+@pytest.mark.slow
 def test_accumulation_matches_pytorch_no_sync(k, accumulation):
   g = load("no_sync")
   case = f"accum_k{k}_world4"
