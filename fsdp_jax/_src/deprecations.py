@@ -40,7 +40,7 @@ MOVED_NAMES = {
 # Old public module path (under fsdp_jax.) -> its implementation module.
 MOVED_MODULES = (
     "checkpoint", "collectives", "config", "frameworks", "full", "grads",
-    "layout", "loss", "mesh", "offload", "optim", "plan", "quantization",
+    "layout", "loss", "mesh", "offload", "optim", "quantization",
     "schedule", "state", "state_dict", "step", "wrap",
 )
 # Where an old module's contents live now, when not (only) at
@@ -50,7 +50,6 @@ _IMPLEMENTATION = {
     "grads": ("grads", "local_loss", "loss", "plan"),
     "layout": ("layout", "plan"),
     "hooks": ("hooks", "collectives"),
-    "plan": ("plan", "report"),
     "schedule": ("schedule", "schedule.placement", "schedule.loops", "schedule.checkpoints",
                  "schedule.ordering", "plan"),
     "state": ("state", "frameworks", "naming"),
