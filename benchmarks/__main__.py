@@ -20,6 +20,7 @@
     python -m benchmarks lora           # LoRA and QLoRA against full fine-tuning (LORA.md)
     python -m benchmarks tensor_parallel  # FSDP x tensor parallelism (TENSOR_PARALLEL.md)
     python -m benchmarks tp_routes      # tensor parallelism left to the compiler vs explicit collectives
+    python -m benchmarks planner        # the planner against the compiled step: memory, time, cost, what fits (PLANNER.md)
 
 ``python -m benchmarks <name> --help`` lists a measurement's options.
 """
@@ -55,6 +56,7 @@ MEASUREMENTS = {
     "lora": ("benchmarks.lora", "main"),
     "tensor_parallel": ("benchmarks.tensor_parallel", "main"),
     "tp_routes": ("benchmarks.tp_routes", "main"),
+    "planner": ("benchmarks.planner", "main"),
 }
 
 

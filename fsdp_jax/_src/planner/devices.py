@@ -120,13 +120,15 @@ PRESETS = {
                 "tensor core 36 PFLOPS with sparsity per 8 GPUs (2.25 dense each), fifth-"
                 "generation NVLink 1.8TB/s per GPU (900GB/s per direction), 8 ConnectX-7 "
                 "400Gb/s ports (50GB/s per GPU), PCIe Gen5")),
-    # This machine, measured by measure_local() (benchmarks/planner.py
-    # --measure-cpu): 2 shared x86_64 cores and 24 GiB, simulated devices
-    # sharing them; see docs/planner.md.
+    # This machine, measured by measure_local() (python -m benchmarks planner
+    # --measure-cpu, Nov 2026, under the machine's usual load): 42-62 GFLOP/s
+    # for an f32 1024^3 matmul, 1.6-2.0 GB/s read+write, 0.11-0.13 GB/s per
+    # device all-gathered among 8 simulated devices. 2 shared x86_64 cores
+    # and 24 GiB: the simulated devices share them (docs/planner.md).
     "cpu": DeviceSpec(
-        "cpu", memory_bytes=24 * GiB, peak_flops=40e9, hbm_bytes_per_s=4e9,
-        intra_node_bytes_per_s=2e9, inter_node_bytes_per_s=2e9, devices_per_node=1 << 16,
-        host_bytes_per_s=4e9, host_memory_bytes_per_s=4e9,
+        "cpu", memory_bytes=24 * GiB, peak_flops=50e9, hbm_bytes_per_s=2e9,
+        intra_node_bytes_per_s=0.12e9, inter_node_bytes_per_s=0.12e9,
+        devices_per_node=1 << 16, host_bytes_per_s=2e9, host_memory_bytes_per_s=2e9,
         source=("measured on this machine by fsdp_jax._src.planner.devices.measure_local "
                 "(benchmarks/planner.py --measure-cpu): f32 matmul FLOP/s, copy bandwidth, "
                 "and an all-gather among 8 simulated CPU devices; every simulated device "

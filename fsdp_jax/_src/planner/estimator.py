@@ -231,6 +231,17 @@ class Planner:
     self.optimizer_cache: dict = {}
     self.trace_cache: dict = {}
 
+  def with_batch(self, batch) -> "Planner":
+    """A planner of the same model for another global batch, sharing this
+    one's traces and compiled programs (a per-device program depends on the
+    per-device micro-batch only)."""
+    other = Planner(self.loss_fn, optimizer=self.optimizer, batch=batch,
+                    init_fn=self._init_fn, params=self._params, rng=self.rng)
+    other._user, other._types = self._user, self._types  # pylint: disable=protected-access
+    other.programs_cache, other.optimizer_cache = self.programs_cache, self.optimizer_cache
+    other.trace_cache = self.trace_cache
+    return other
+
   @property
   def batch_rows(self) -> int:
     """The global batch's leading dimension (of its first leaf)."""

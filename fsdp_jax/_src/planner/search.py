@@ -145,6 +145,15 @@ def search(loss_fn: Callable, *, optimizer, batch, devices: int,
     >>> all(a.step_seconds <= b.step_seconds for a, b in zip(found, found[1:]))
     True
   """
+  planner = Planner(loss_fn, optimizer=optimizer, batch=batch, init_fn=init_fn, params=params,
+                    rng=rng)
+  return run(planner, devices=devices, device=device, memory_limit=memory_limit, space=space)
+
+
+def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[int] = None,
+        space: Optional[dict] = None) -> list:
+  """:func:`search` with a planner of one's own (several searches of one
+  model share its traces and compiled programs: :meth:`Planner.with_batch`)."""
   space = _check_space(space)
   device = device_spec(device)
   if not isinstance(devices, int) or devices < 1:
@@ -169,8 +178,6 @@ def search(loss_fn: Callable, *, optimizer, batch, devices: int,
   remats = list(space.get("remat", (False, True)))
   offloads = list(space.get("cpu_offload", (False, True)))
   accumulation = space.get("accumulation", "sharded")
-  planner = Planner(loss_fn, optimizer=optimizer, batch=batch, init_fn=init_fn, params=params,
-                    rng=rng)
   rows = planner.batch_rows
   limit = int(memory_limit) if memory_limit is not None else None
 
@@ -221,12 +228,18 @@ def _first_fit(planner: Planner, cand: _Candidate, device, limit, local_rows: in
   est = planner.estimate(cand.config, cand.mesh_shape, device, memory_limit=limit)
   if est.fits:
     return est
+  b = est.bytes_per_device
+  # What no activation saver changes: the stored state, gathered units, gradients.
+  fixed = b["total"] - b["activations"]
   steps = [s for s in (steps_space or [2 ** k for k in range(1, 12)])
            if s > 1 and local_rows % s == 0]
-  settings = [(False, False, s) for s in steps]
-  if True in remats:
-    settings += [(True, False, s) for s in [1] + steps]
-  if True in offloads:
+  settings = []
+  if fixed < est.memory_limit:
+    settings += [(False, False, s) for s in steps]
+    if True in remats:
+      settings += [(True, False, s) for s in [1] + steps]
+  # CPU offload moves the stored parameters and optimizer state to the host.
+  if True in offloads and fixed - b["params"] - b["optimizer"] < est.memory_limit:
     settings += [(r, True, s) for r in sorted(set(remats)) for s in [1] + steps]
   for remat, offload, s in settings:
     config = cand.config
