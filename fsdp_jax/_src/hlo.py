@@ -273,7 +273,21 @@ def entry_instructions(hlo_text: str) -> list[Instruction]:
     >>> ops[0], "all-reduce" in ops
     ('parameter', True)
   """
-  out, inside = [], False
+  out = []
+  for name, shape, opcode, args, rest, _ in _entry_lines(hlo_text):
+    size = len(re.findall(r"\[[0-9,]*\]", shape)) if shape.startswith("(") else 0
+    index = re.search(r"\bindex=(\d+)", rest)
+    op_name = re.search(r'op_name="([^"]*)"', rest)
+    out.append(Instruction(name, opcode, tuple(re.findall(r"%([\w.\-]+)", args)),
+                           op_name.group(1) if op_name else "", size,
+                           int(index.group(1)) if index else -1))
+  return out
+
+
+def _entry_lines(hlo_text: str):
+  """``(name, result shape text, opcode, operands text, rest, is ROOT)`` of
+  each instruction of the ENTRY computation, in order."""
+  inside = False
   for line in hlo_text.splitlines():
     if line.startswith("ENTRY"):
       inside = True
@@ -282,27 +296,20 @@ def entry_instructions(hlo_text: str) -> list[Instruction]:
       continue
     if line.startswith("}"):
       break
-    m = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+) = ", line)
+    m = re.match(r"\s*(ROOT\s+)?%([\w.\-]+) = ", line)
     if m is None:
       continue
     rest = line[m.end():]
     if rest.startswith("("):
       end = _closing(rest, 0)
       shape, rest = rest[:end + 1], rest[end + 1:].lstrip()
-      size = len(re.findall(r"\[[0-9,]*\]", shape))
     else:
       shape, _, rest = rest.partition(" ")
-      size = 0
     op = re.match(r"([\w\-]+)\(", rest)
     if op is None:
       continue
     args = rest[op.end() - 1:_closing(rest, op.end() - 1) + 1]
-    index = re.search(r"\bindex=(\d+)", rest)
-    op_name = re.search(r'op_name="([^"]*)"', rest)
-    out.append(Instruction(m.group(1), op.group(1), tuple(re.findall(r"%([\w.\-]+)", args)),
-                           op_name.group(1) if op_name else "", size,
-                           int(index.group(1)) if index else -1))
-  return out
+    yield m.group(2), shape, op.group(1), args, rest, bool(m.group(1))
 
 
 def collective_order(hlo_text: str) -> list[tuple[str, str]]:
@@ -407,33 +414,12 @@ _VIEWS = ("bitcast", "get-tuple-element", "tuple", "opt-barrier")
 def _entry_buffers(hlo_text: str) -> list:
   """``[(name, opcode, operands, bytes, parameter number or -1, is ROOT)]``
   of the ENTRY computation, in (scheduled) order."""
-  out, inside = [], False
-  for line in hlo_text.splitlines():
-    if line.startswith("ENTRY"):
-      inside = True
-      continue
-    if not inside:
-      continue
-    if line.startswith("}"):
-      break
-    m = re.match(r"\s*(ROOT\s+)?%([\w.\-]+) = ", line)
-    if m is None:
-      continue
-    rest = line[m.end():]
-    if rest.startswith("("):
-      end = _closing(rest, 0)
-      shape, rest = rest[:end + 1], rest[end + 1:].lstrip()
-    else:
-      shape, _, rest = rest.partition(" ")
-    op = re.match(r"([\w\-]+)\(", rest)
-    if op is None:
-      continue
-    args = rest[op.end() - 1:_closing(rest, op.end() - 1) + 1]
+  out = []
+  for name, shape, opcode, args, _, root in _entry_lines(hlo_text):
     nbytes = sum(int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
                  * _DTYPE_BYTES[dt] for dt, dims in _SHAPE.findall(shape))
-    number = int(args[1:-1]) if op.group(1) == "parameter" and args[1:-1].isdigit() else -1
-    out.append((m.group(2), op.group(1), tuple(re.findall(r"%([\w.\-]+)", args)), nbytes,
-                number, bool(m.group(1))))
+    number = int(args[1:-1]) if opcode == "parameter" and args[1:-1].isdigit() else -1
+    out.append((name, opcode, tuple(re.findall(r"%([\w.\-]+)", args)), nbytes, number, root))
   return out
 
 
