@@ -420,7 +420,7 @@ class _Lowered:
 
   def compile(self) -> "_Raw":
     forward = _compiled(self.forward)
-    backward, peak, residual = None, 0, self.residual_bytes
+    backward, peak, residual, saved_out = None, 0, self.residual_bytes, ()
     if self.backward is not None:
       executable = self.backward.compile()
       backward = _compiled(executable)
@@ -429,7 +429,6 @@ class _Lowered:
       # computed before the backward (in the step the next unit reads them).
       peak = (backward.argument + backward.temp + backward.output - backward.alias
               - self.param_bytes - self.output_bytes)
-      saved_out = ()
       if self.ct_params:
         # What XLA keeps from the forward for the backward, after its
         # fusions: less than the residuals jax.vjp names (a fusion in the

@@ -14,8 +14,7 @@ import itertools
 import math
 from typing import Any, Callable, Optional
 
-from fsdp_jax._src.config import FSDPConfig, ShardingStrategy
-from fsdp_jax._src.config import CPUOffload
+from fsdp_jax._src.config import RESHARD_AFTER_FORWARD, CPUOffload, FSDPConfig, ShardingStrategy
 from fsdp_jax._src.mesh import REPLICATE, SHARD, TENSOR
 from fsdp_jax._src.quantization import Quantization
 from fsdp_jax._src.planner.devices import device_spec
@@ -184,8 +183,14 @@ def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[
   meshes_given = space.get("mesh_shapes")
   candidates = []
   for strategy, orig, lora in itertools.product(strategies, layouts, loras):
+    # The base's reshard_after_forward=True/False is its own strategy's
+    # (resolved); each strategy gets its own. A partial reshard (an int) is
+    # kept for the strategies that free after the forward.
+    reshard = base.reshard_after_forward
+    if isinstance(reshard, bool) or strategy not in RESHARD_AFTER_FORWARD:
+      reshard = None
     config = dataclasses.replace(base, sharding_strategy=strategy, use_orig_params=orig,
-                                 lora=lora, cpu_offload=None)
+                                 lora=lora, cpu_offload=None, reshard_after_forward=reshard)
     if meshes_given is not None:
       meshes = [check_mesh_shape(m, config, devices) for m in meshes_given]
     else:
