@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from fsdp_jax._src import deprecations as _deprecations
-from fsdp_jax._src.config import FSDPConfig, MixedPrecision
+from fsdp_jax._src.config import FSDPConfig, MixedPrecision, ShardingStrategy
 from fsdp_jax._src.lora import LoRA
 from fsdp_jax._src.tensor import TensorParallel
 from fsdp_jax._src.planner import (
@@ -88,6 +88,11 @@ def _parser() -> argparse.ArgumentParser:
                       "reduce_dtype=fp32) over fp32 master weights) or fp32")
   p.add_argument("--tensor-parallel", action="store_true",
                  help="also try the family's tensor-parallel rules (tensor sizes up to 8)")
+  p.add_argument("--strategy", action="append", default=None,
+                 choices=[s.name for s in ShardingStrategy],
+                 help="a sharding strategy to try (repeatable; default: all five)")
+  p.add_argument("--layout", choices=("flat", "orig", "both"), default="both",
+                 help="flat parameters, use_orig_params=True, or both (default)")
   p.add_argument("--memory-limit-gib", type=float, default=None,
                  help="GiB per device to fit in (default: the device's memory)")
   p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
@@ -150,6 +155,14 @@ def main(argv=None, *, model=None) -> int:
   ``model`` (for callers that build their own): a bundle with ``init_fn``,
   ``loss_fn``, ``wrap_policy``, ``tensor_parallel`` and ``lora_targets``,
   used instead of ``from_pretrained(--hf-config)``.
+
+  Example:
+    >>> from fsdp_jax.plan import main
+    >>> main(["--hf-config", "no/such/dir", "--devices", "8", "--seq", "128",
+    ...       "--global-batch", "8"])
+    Traceback (most recent call last):
+    ...
+    SystemExit: --hf-config 'no/such/dir': no config.json there.
   """
   args = _parser().parse_args(argv)
   bundle = model if model is not None else _model(args.hf_config)
@@ -157,9 +170,14 @@ def main(argv=None, *, model=None) -> int:
   batch = {"input_ids": jax.ShapeDtypeStruct((args.global_batch, args.seq), jnp.int32),
            "labels": jax.ShapeDtypeStruct((args.global_batch, args.seq), jnp.int32)}
   limit = None if args.memory_limit_gib is None else int(args.memory_limit_gib * 2**30)
+  space = {"config": config,
+           "use_orig_params": {"flat": [False], "orig": [True], "both": [False, True]}[
+               args.layout]}
+  if args.strategy:
+    space["sharding_strategy"] = [ShardingStrategy[name] for name in args.strategy]
   found = search(bundle.loss_fn, optimizer=optax.adamw(1e-4), batch=batch,
                  devices=args.devices, init_fn=bundle.init_fn, device=args.device,
-                 memory_limit=limit, space={"config": config})
+                 memory_limit=limit, space=space)
   device = DeviceSpec.preset(args.device) if isinstance(args.device, str) else args.device
   print(f"{len(found)} configurations fit {args.devices} x {device.name} "
         f"({(limit or device.memory_bytes) / 2**30:.1f} GiB each), global batch "

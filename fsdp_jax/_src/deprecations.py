@@ -43,6 +43,10 @@ MOVED_MODULES = (
     "layout", "loss", "mesh", "offload", "optim", "quantization",
     "schedule", "state", "state_dict", "step", "wrap",
 )
+# Public modules imported on first use: ``fsdp_jax.plan`` (the planner, also
+# run as ``python -m fsdp_jax.plan``, which must not find it imported by the
+# package) still resolves as an attribute, as it did as an alias.
+LAZY_MODULES = ("plan",)
 # Where an old module's contents live now, when not (only) at
 # fsdp_jax._src.<same name>: the modules searched, in order.
 _IMPLEMENTATION = {
@@ -139,6 +143,8 @@ def package_getattr(package: str):
       return getattr(importlib.import_module(module), attr)
     if name in MOVED_MODULES:  # fsdp_jax.config etc. (fsdp_jax.state_dict is the function)
       return sys.modules[f"{package}.{name}"]
+    if name in LAZY_MODULES:
+      return importlib.import_module(f"{package}.{name}")
     raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
   return __getattr__

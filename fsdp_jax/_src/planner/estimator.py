@@ -61,6 +61,17 @@ class Estimate:
     comm_seconds: ``{mesh axis: (total, exposed)}`` seconds per step.
     tokens: elements of the first batch leaf (global batch x sequence).
     notes: where the estimate is approximate.
+
+  Example:
+    >>> import fsdp_jax
+    >>> est = fsdp_jax.Estimate(
+    ...     config=fsdp_jax.FSDPConfig(), mesh_shape={"replicate": 2, "shard": 4},
+    ...     bytes_per_device={"params": 1, "grads": 1, "optimizer": 2,
+    ...                       "activations": 4, "total": 8},
+    ...     fits=True, step_seconds=0.5, device=fsdp_jax.DeviceSpec.preset("H100-80GB"),
+    ...     memory_limit=80 * 2**30, tokens=4096)
+    >>> est.describe_config(), est.devices, est.tokens_per_second_per_device
+    ('FULL_SHARD flat replicate=2xshard=4', 8, 1024.0)
   """
 
   config: FSDPConfig
