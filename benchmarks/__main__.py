@@ -23,6 +23,7 @@
     python -m benchmarks mutants        # one-line bugs in the engine: the first test that catches each
     python -m benchmarks families       # fsdp_jax.models' families vs the example Llama (MODELS.md)
     python -m benchmarks eval           # the eval step and reshard_params: memory (EVAL.md)
+    python -m benchmarks planner        # the planner against the compiled step: memory, time, cost, what fits (PLANNER.md)
 
 ``python -m benchmarks <name> --help`` lists a measurement's options.
 """
@@ -61,6 +62,7 @@ MEASUREMENTS = {
     "mutants": ("benchmarks.mutants", "main"),
     "families": ("benchmarks.families", "main"),
     "eval": ("benchmarks.eval", "main"),
+    "planner": ("benchmarks.planner", "main"),
 }
 
 

@@ -14,9 +14,13 @@
 #      with a kernel-time split of each;
 #   7. pretrained weights on the GPU: tests/test_pretrained.py, and
 #      benchmarks/pretrained.py --platform gpu (load and save of a Llama in
-#      Hugging Face's layout, against load_file + device_put).
+#      Hugging Face's layout, against load_file + device_put);
+#   8. the planner's calibration: `python -m benchmarks planner --gpu`, the
+#      estimate (with the GPU measured by DeviceSpec's measure_local) against
+#      the compiled peak and the measured step of each configuration whose
+#      mesh the machine has (planner-gpu.json).
 # STAGES picks stages by name (default: all of them, in this order):
-#   machine default tests collectives maxtext overhead pretrained
+#   machine default tests collectives maxtext overhead pretrained planner
 # Wheels under $WHEELS (default ./gpu_wheels), if any, are installed first
 # with --no-index (the machine may reach no package index).
 # Each stage has its own time limit so that a slow one cannot starve the
@@ -35,7 +39,7 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 LOG="$OUT/session.log"
 SIZE=${SIZE:-1b}
-STAGES=" ${STAGES:-machine default tests collectives maxtext overhead pretrained} "
+STAGES=" ${STAGES:-machine default tests collectives maxtext overhead pretrained planner} "
 WHEELS=${WHEELS:-$PWD/gpu_wheels}
 stage() { echo "== $1 ($(date +%T))" >>"$LOG"; }
 want() { [[ "$STAGES" == *" $1 "* ]]; }
@@ -117,6 +121,12 @@ stage "pretrained weights: load and save into the GPU"
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${T_PRE_BENCH:-150}" "$PY" \
   benchmarks/pretrained.py --platform gpu ${PRE_ARGS:-} --out "$OUT/PRETRAINED-gpu.md" \
   >>"$LOG" 2>&1
+echo "exit $?" >>"$LOG"
+fi
+if want planner; then
+stage "planner: estimate against the measured step"
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout "${T_PLANNER:-240}" "$PY" -m benchmarks planner --gpu \
+  >"$OUT/planner-gpu.json" 2>>"$LOG"
 echo "exit $?" >>"$LOG"
 fi
 stage "done"

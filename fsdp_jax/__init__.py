@@ -67,6 +67,14 @@ from fsdp_jax._src.evaluation import (
 )
 from fsdp_jax._src.reshard import reshard_params as reshard_params
 
+# The planner: what fits and how fast.
+from fsdp_jax._src.planner import (
+    DeviceSpec as DeviceSpec,
+    Estimate as Estimate,
+    estimate as estimate,
+    search as search,
+)
+
 # Full parameters.
 from fsdp_jax._src.full import (
     apply as apply,
@@ -112,17 +120,20 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackwardPrefetch", "CPUOffload", "CheckpointError",
-    "CheckpointManager", "CustomPolicy", "DistributedInfo", "EvalStep", "FSDPConfig", "LoRA",
+    "CheckpointManager", "CustomPolicy", "DeviceSpec", "DistributedInfo", "Estimate",
+    "EvalStep", "FSDPConfig", "LoRA",
     "MixedPrecision", "ModuleWrapPolicy", "MonitoredBarrierError", "Node",
     "NonFiniteError", "OptimStateKeyType", "Plan", "Quantization",
     "ShardedTrainState", "ShardingStrategy", "StateDictType", "TensorParallel", "TrainStep",
-    "WeightedLoss", "apply", "constant_key", "custom", "distributed", "export_params",
+    "WeightedLoss", "apply", "constant_key", "custom", "distributed", "estimate",
+    "export_params",
     "full_optim_state_dict", "gradient_divide_factors", "hlo", "hooks",
     "import_params", "init_train_state", "lambda_auto_wrap_policy",
     "load_state_dict", "make_mesh", "module_classes", "monitored_barrier",
     "optim_state_dict", "optim_state_dict_to_load", "rekey_optim_state_dict",
-    "reshard_params", "scatter_full_optim_state_dict", "shard_eval_step",
-    "shard_full_optim_state_dict", "shard_train_step", "simulate_cpu_devices", "size_based_auto_wrap_policy",
+    "reshard_params", "scatter_full_optim_state_dict", "search", "shard_eval_step",
+    "shard_full_optim_state_dict", "shard_train_step", "simulate_cpu_devices",
+    "size_based_auto_wrap_policy",
     "state_dict", "summon_full_params", "write_full_params",
 ]
 

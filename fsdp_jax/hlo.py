@@ -15,6 +15,7 @@ from fsdp_jax._src.hlo import (
     collective_order as collective_order,
     collectives as collectives,
     entry_instructions as entry_instructions,
+    held_across as held_across,
     live_gathered_units as live_gathered_units,
     loop_bodies as loop_bodies,
     replica_groups as replica_groups,
@@ -24,6 +25,7 @@ from fsdp_jax._src.offload import entry_memory_bytes as entry_memory_bytes
 
 __all__ = [
     "Collective", "Instruction", "collective_order", "collectives",
-    "entry_instructions", "entry_memory_bytes", "live_gathered_units", "loop_bodies",
+    "entry_instructions", "entry_memory_bytes", "held_across", "live_gathered_units",
+    "loop_bodies",
     "replica_groups", "summarize",
 ]

@@ -28,7 +28,7 @@ from fsdp_jax._src import deprecations
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLIC_MODULES = ("fsdp_jax", "fsdp_jax.custom", "fsdp_jax.hooks", "fsdp_jax.hlo",
                   "fsdp_jax.pretrained", "fsdp_jax.models", "fsdp_jax.distributed",
-                  "fsdp_jax.launch")
+                  "fsdp_jax.launch", "fsdp_jax.plan")
 
 # Public callables whose docstring has no runnable example: this list may only
 # shrink. Add an example (tiny meshes, tiny params) rather than a name here.
@@ -112,6 +112,18 @@ def test_moved_module_warns_and_works(module):
       assert public[name] in msg, msg
     else:
       assert "internal" in msg, msg
+
+
+def test_plan_module_is_the_planner_and_keeps_its_old_names():
+  """``fsdp_jax.plan`` is the planner's public module; the names it held as
+  an alias of the private plan module still work, with a warning."""
+  plan = importlib.import_module("fsdp_jax.plan")
+  assert plan.estimate is fsdp_jax.estimate and plan.search is fsdp_jax.search
+  with pytest.warns(DeprecationWarning, match=r"fsdp_jax\.plan\.Plan is deprecated: use "
+                                              r"fsdp_jax\.Plan\."):
+    assert plan.Plan is fsdp_jax.Plan
+  with pytest.warns(DeprecationWarning, match=r"use fsdp_jax\.custom\.param_specs"):
+    assert plan.param_specs is fsdp_jax.custom.param_specs
 
 
 def test_from_old_module_path_import_warns():

@@ -40,9 +40,13 @@ MOVED_NAMES = {
 # Old public module path (under fsdp_jax.) -> its implementation module.
 MOVED_MODULES = (
     "checkpoint", "collectives", "config", "frameworks", "full", "grads",
-    "layout", "loss", "mesh", "offload", "optim", "plan", "quantization",
+    "layout", "loss", "mesh", "offload", "optim", "quantization",
     "schedule", "state", "state_dict", "step", "wrap",
 )
+# Public modules imported on first use: ``fsdp_jax.plan`` (the planner, also
+# run as ``python -m fsdp_jax.plan``, which must not find it imported by the
+# package) still resolves as an attribute, as it did as an alias.
+LAZY_MODULES = ("plan",)
 # Where an old module's contents live now, when not (only) at
 # fsdp_jax._src.<same name>: the modules searched, in order.
 _IMPLEMENTATION = {
@@ -50,7 +54,6 @@ _IMPLEMENTATION = {
     "grads": ("grads", "local_loss", "loss", "plan"),
     "layout": ("layout", "plan"),
     "hooks": ("hooks", "collectives"),
-    "plan": ("plan", "report"),
     "schedule": ("schedule", "schedule.placement", "schedule.loops", "schedule.checkpoints",
                  "schedule.ordering", "plan"),
     "state": ("state", "frameworks", "naming"),
@@ -145,6 +148,8 @@ def package_getattr(package: str, lazy: tuple = ()):
       return getattr(importlib.import_module(module), attr)
     if name in MOVED_MODULES:  # fsdp_jax.config etc. (fsdp_jax.state_dict is the function)
       return sys.modules[f"{package}.{name}"]
+    if name in LAZY_MODULES:
+      return importlib.import_module(f"{package}.{name}")
     raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
   return __getattr__

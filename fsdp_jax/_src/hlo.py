@@ -273,7 +273,21 @@ def entry_instructions(hlo_text: str) -> list[Instruction]:
     >>> ops[0], "all-reduce" in ops
     ('parameter', True)
   """
-  out, inside = [], False
+  out = []
+  for name, shape, opcode, args, rest, _ in _entry_lines(hlo_text):
+    size = len(re.findall(r"\[[0-9,]*\]", shape)) if shape.startswith("(") else 0
+    index = re.search(r"\bindex=(\d+)", rest)
+    op_name = re.search(r'op_name="([^"]*)"', rest)
+    out.append(Instruction(name, opcode, tuple(re.findall(r"%([\w.\-]+)", args)),
+                           op_name.group(1) if op_name else "", size,
+                           int(index.group(1)) if index else -1))
+  return out
+
+
+def _entry_lines(hlo_text: str):
+  """``(name, result shape text, opcode, operands text, rest, is ROOT)`` of
+  each instruction of the ENTRY computation, in order."""
+  inside = False
   for line in hlo_text.splitlines():
     if line.startswith("ENTRY"):
       inside = True
@@ -282,27 +296,20 @@ def entry_instructions(hlo_text: str) -> list[Instruction]:
       continue
     if line.startswith("}"):
       break
-    m = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+) = ", line)
+    m = re.match(r"\s*(ROOT\s+)?%([\w.\-]+) = ", line)
     if m is None:
       continue
     rest = line[m.end():]
     if rest.startswith("("):
       end = _closing(rest, 0)
       shape, rest = rest[:end + 1], rest[end + 1:].lstrip()
-      size = len(re.findall(r"\[[0-9,]*\]", shape))
     else:
       shape, _, rest = rest.partition(" ")
-      size = 0
     op = re.match(r"([\w\-]+)\(", rest)
     if op is None:
       continue
     args = rest[op.end() - 1:_closing(rest, op.end() - 1) + 1]
-    index = re.search(r"\bindex=(\d+)", rest)
-    op_name = re.search(r'op_name="([^"]*)"', rest)
-    out.append(Instruction(m.group(1), op.group(1), tuple(re.findall(r"%([\w.\-]+)", args)),
-                           op_name.group(1) if op_name else "", size,
-                           int(index.group(1)) if index else -1))
-  return out
+    yield m.group(2), shape, op.group(1), args, rest, bool(m.group(1))
 
 
 def collective_order(hlo_text: str) -> list[tuple[str, str]]:
@@ -395,3 +402,92 @@ def live_gathered_units(hlo_text: str) -> list[frozenset]:
       for k in range(pos[name], end + 1):
         live[k] |= units
   return [frozenset(s) for s in live]
+
+
+# --------------------------------------------------------------------------
+# What a program's forward part holds for its backward part
+
+# Instructions whose result is (a view of) their operands' buffers.
+_VIEWS = ("bitcast", "get-tuple-element", "tuple", "opt-barrier")
+
+
+def _entry_buffers(hlo_text: str) -> list:
+  """``[(name, opcode, operands, bytes, parameter number or -1, is ROOT)]``
+  of the ENTRY computation, in (scheduled) order."""
+  out = []
+  for name, shape, opcode, args, _, root in _entry_lines(hlo_text):
+    nbytes = sum(int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+                 * _DTYPE_BYTES[dt] for dt, dims in _SHAPE.findall(shape))
+    number = int(args[1:-1]) if opcode == "parameter" and args[1:-1].isdigit() else -1
+    out.append((name, opcode, tuple(re.findall(r"%([\w.\-]+)", args)), nbytes, number, root))
+  return out
+
+
+def held_across(hlo_text: str, parameters) -> int:
+  """Bytes a compiled program computes without the entry parameters
+  numbered ``parameters`` and reads again in computation that uses them:
+  for a program running a forward pass and then its backward from
+  cotangent parameters, what the forward keeps for the backward, after
+  XLA's fusions (a fusion of the backward recomputes cheap values from what
+  is kept, so this is often less than what ``jax.vjp`` names). Parameters,
+  the program's results, values made from constants alone (which can be
+  made when needed) and what ``jax.checkpoint`` recomputes (its barrier
+  takes the cotangents, so the recomputation uses them) are not counted.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, fsdp_jax
+    >>> def fwd_bwd(x, ct):  # sin's backward needs cos(x): recomputed from x
+    ...   return jax.vjp(jnp.sin, x)[1](ct)
+    >>> text = jax.jit(fwd_bwd).lower(jnp.ones(1024), jnp.ones(1024)).compile().as_text()
+    >>> fsdp_jax.hlo.held_across(text, parameters={1})
+    0
+  """
+  return held_and_results(hlo_text, parameters)[0]
+
+
+def held_and_results(hlo_text: str, parameters) -> tuple:
+  """``(bytes, results read)``: :func:`held_across`'s bytes, and the
+  positions among the program's results (its ROOT tuple) of those that
+  do not use the parameters and that computation using them reads."""
+  instrs = _entry_buffers(hlo_text)
+  wanted = set(parameters)
+  by_name = {i[0]: i for i in instrs}
+  dependent, sources, computed = set(), {}, set()
+  for name, opcode, operands, _, number, _ in instrs:
+    if opcode == "parameter":
+      if number in wanted:
+        dependent.add(name)
+      computed.add(name)
+      sources[name] = set()  # parameters are not held here
+      continue
+    if any(o in dependent for o in operands):
+      dependent.add(name)
+    if any(o in computed for o in operands):
+      computed.add(name)  # made from the inputs (not a constant or iota alone)
+    if opcode in _VIEWS:
+      sources[name] = set().union(*(sources.get(o, set()) for o in operands)) if operands else set()
+    elif opcode == "constant":
+      sources[name] = set()
+    else:
+      sources[name] = {name}
+  root = next((i for i in instrs if i[5]), None)
+  results = list(root[2]) if root is not None and root[1] == "tuple" else (
+      [root[0]] if root is not None else [])
+  result_of = {}
+  for k, r in enumerate(results):
+    if r not in dependent:
+      for src in sources.get(r, ()):
+        result_of.setdefault(src, []).append(k)
+  held, read = set(), set()
+  for name, _, operands, _, _, _ in instrs:
+    if name not in dependent:
+      continue
+    for o in operands:
+      for src in sources.get(o, ()):
+        if src in dependent or src not in computed:
+          continue
+        if src in result_of:
+          read.update(result_of[src])
+        else:
+          held.add(src)
+  return sum(by_name[h][3] for h in held), read

@@ -299,13 +299,19 @@ class LocalLoss:
           "or use gradient_accumulation_steps=1.")
     return loss_lib.eval_outputs(jaxpr, closed.consts, [None] * n_params + rest, [pos])[0]
 
+  def traced(self, batch, model_state=None, rng=None):
+    """``(closed jaxpr, output shapes, kind)`` of ``loss_fn`` traced on this
+    device's inputs (shapes), as the step evaluates it: its inputs are the
+    parameter leaves as the gathers return them, then the batch, model
+    state and key leaves ``loss_fn`` receives."""
+    batch, ms, key = jax.eval_shape(self._inputs, batch, model_state, rng)
+    with _compat.classic_tracing():
+      return self._trace(batch, ms, key)
+
   def checkpoints(self, batch, model_state=None, rng=None) -> bool:
     """Whether ``loss_fn``, traced on this device's inputs (shapes), calls
     ``jax.checkpoint`` (``nn.remat``), in any nested computation too."""
-    batch, ms, key = jax.eval_shape(self._inputs, batch, model_state, rng)
-    with _compat.classic_tracing():
-      closed = self._trace(batch, ms, key)[0]
-    return schedule.has_user_checkpoint(closed)
+    return schedule.has_user_checkpoint(self.traced(batch, model_state, rng)[0])
 
 
 class LocalForward(LocalLoss):

@@ -54,7 +54,10 @@ def memory_kinds(device) -> list[str]:
 
 def check_backend(mesh: Mesh) -> None:
   """Raises ``ValueError`` unless every device of ``mesh`` has ``pinned_host``
-  memory (offload needs it)."""
+  memory (offload needs it). An abstract mesh (``jax.sharding.AbstractMesh``:
+  a plan for devices this process does not have) has no devices to check."""
+  if isinstance(mesh, jax.sharding.AbstractMesh):
+    return
   for d in mesh.devices.flat:
     kinds = memory_kinds(d)
     if HOST_MEMORY_KIND not in kinds:

@@ -680,6 +680,47 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
                            rng=None if rng is None else owned(rng), plan=plan)
 
 
+def abstract_plan(*, optimizer, mesh, config: FSDPConfig, params: Any = None,
+                  init_fn: Optional[Callable[..., Any]] = None, rng: Any = None,
+                  module_classes: Optional[dict] = None, requires_grad: Any = None,
+                  update_mode: bool = True):
+  """The plan :func:`init_train_state` would build, with the optimizer's
+  layout (and, with ``update_mode``, how its update runs, which evaluates
+  it once): nothing is allocated.
+
+  ``params`` may be abstract (``jax.ShapeDtypeStruct`` s) and ``mesh`` a
+  ``jax.sharding.AbstractMesh`` (devices this process does not have):
+  ``init_fn`` is traced, never run. Returns ``(plan, model state shapes or
+  None, the user's tree as shapes, module classes found while tracing)``;
+  pass the last two back as ``params`` and ``module_classes`` to plan
+  another mesh or config without tracing ``init_fn`` again.
+  """
+  if (params is None) == (init_fn is None):
+    raise ValueError("pass exactly one of params= or init_fn=.")
+  optimizer = optim.as_transformation(optimizer)
+  init_args = () if rng is None else (rng,)
+  types: dict = {}
+  if params is None:
+    params, types, _ = frameworks.trace_capturing(init_fn, *init_args)
+  user = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), params)
+  types.update(module_classes or {})
+  # Only traced: zeros of the user's shapes (LoRA's adapters drawn on top).
+  init_fn = lambda *_: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), user)
+  if config.lora is not None:
+    _, init_fn = _with_adapters(config, None, init_fn, init_args, rng)
+  abstract = jax.eval_shape(init_fn, *init_args)
+  abstract, ms_abstract, _ = frameworks.split_model_state(abstract)
+  plan = build_plan(abstract, mesh=mesh, config=config, module_types=types,
+                    requires_grad=requires_grad, model_state=ms_abstract)
+  _, init_shapes = optim.trace_init(plan, optimizer)
+  if update_mode:
+    plan = with_optimizer(plan, optimizer, init_shapes=init_shapes)
+  else:
+    plan = dataclasses.replace(plan, opt_layout=optim.layout_for(plan, optimizer, init_shapes),
+                               optimizer=optimizer)
+  return plan, ms_abstract, user, types
+
+
 def _with_adapters(config: FSDPConfig, params, init_fn, init_args, rng):
   """LoRA: ``(params, init_fn)`` giving the stored tree, each target kernel
   a :class:`~fsdp_jax._src.lora.LoRAWeight` (its ``A`` drawn from ``rng``,

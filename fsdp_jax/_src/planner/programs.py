@@ -1,0 +1,524 @@
+"""Each distinct segment of the loss's per-device program
+(:mod:`.segments`), compiled from shapes on the local backend.
+
+Segments whose programs are the same (the blocks of a transformer) are
+compiled once: the forward, and the forward followed by the backward in one
+program (as the step runs them, so that XLA frees each residual at its last
+use), each with its ``memory_analysis()`` and ``cost_analysis()``; what the
+forward keeps for the backward is read from the compiled program
+(:func:`fsdp_jax._src.hlo.held_and_results`), after XLA's fusions.
+:mod:`.schedule` puts them in the step's order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import types
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import PartitionSpec as P
+
+from fsdp_jax._src import _compat, collectives, hlo, mesh as mesh_lib, schedule
+from fsdp_jax._src._compat import Literal
+from fsdp_jax._src.plan import Plan
+from fsdp_jax._src.planner.segments import Segment, is_float, nbytes
+
+# --------------------------------------------------------------------------
+# Compiling a segment
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """``memory_analysis()`` and ``cost_analysis()`` of one program."""
+
+  argument: int
+  output: int
+  temp: int
+  alias: int
+  flops: float
+  bytes_accessed: float
+
+  @property
+  def transient(self) -> int:
+    """Bytes it holds besides its inputs: temporaries and results."""
+    return self.temp + self.output - self.alias
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  """A segment's forward and backward programs (one iteration's for a loop).
+
+  ``backward``: the forward and backward in one program (its flops less
+  the forward's are the backward's); ``backward_peak``: its peak, its
+  inputs and results included, the gathered parameters it reads not;
+  ``residual_bytes``: what the forward saves for the backward beyond its
+  inputs and outputs; ``saved_inputs``: the inputs and outputs it saves
+  (values of the flat program, counted once however many segments save
+  them); ``grad_bytes``: the
+  gradients of the parameters it reads, in their compute dtypes;
+  ``saved_params``: the parameter leaves its backward reads.
+  """
+
+  forward: Compiled
+  backward: Optional[Compiled]
+  backward_peak: int
+  residual_bytes: int
+  saved_inputs: tuple
+  grad_bytes: dict  # leaf id -> bytes
+  saved_params: tuple = ()  # leaf ids the backward reads
+
+
+def _compiled(lowered) -> Compiled:
+  """A lowered (or compiled) program's memory and cost analyses."""
+  c = lowered.compile() if hasattr(lowered, "compile") else lowered
+  m = c.memory_analysis()
+  cost = c.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  cost = cost or {}
+  return Compiled(int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+                  int(m.temp_size_in_bytes), int(m.alias_size_in_bytes),
+                  float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)))
+
+
+def _canonical(eqns, invars, outvars, texts: dict) -> tuple:
+  """A key equal for two runs of equations that compute the same thing
+  from inputs of the same shapes: primitives, params, shapes, and each
+  operand as the position of the value it reads."""
+  names: dict = {}
+
+  def ref(v):
+    if isinstance(v, Literal):
+      return ("lit", repr(v.val), str(v.aval))
+    if v not in names:
+      names[v] = (len(names), str(v.aval))
+    return names[v]
+
+  for v in invars:
+    ref(v)
+  out = []
+  for e in eqns:
+    params = tuple(sorted((k, _param_text(p, texts)) for k, p in e.params.items()))
+    out.append((e.primitive.name, params, tuple(ref(v) for v in e.invars),
+                tuple(ref(v) for v in e.outvars)))
+  return tuple(out), tuple(ref(v) for v in outvars)
+
+
+def _param_text(p, texts: dict) -> str:
+  """A param as text (a nested jaxpr printed once per object: ``texts``
+  maps its id to the object, kept alive there, and its text)."""
+  if isinstance(p, (_compat.ClosedJaxpr, _compat.Jaxpr)):
+    hit = texts.get(id(p))
+    if hit is None or hit[0] is not p:
+      hit = texts[id(p)] = (p, str(p))
+    return hit[1]
+  if isinstance(p, (tuple, list)):
+    return "(" + ",".join(_param_text(x, texts) for x in p) + ")"
+  return repr(p)
+
+
+def _struct(aval):
+  return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
+def _depends_on(jaxpr, sources: set) -> set:
+  """The values of ``jaxpr`` computed from ``sources`` (transitively)."""
+  out = set(sources)
+  for e in jaxpr.eqns:
+    if any(not isinstance(v, Literal) and v in out for v in e.invars):
+      out.update(e.outvars)
+  return out
+
+
+class Compiler:
+  """Compiles segments on the local backend, once per distinct program."""
+
+  def __init__(self, plan: Plan, flat, n_params: int, *, remat: bool = False,
+               checkpointed: bool = True, cache: Optional[dict] = None):
+    self.plan = plan
+    self.flat = flat
+    self.n_params = n_params
+    self.remat = remat
+    jaxpr = flat.jaxpr
+    trainable = {v for v, l in zip(jaxpr.invars[:n_params], plan.leaves) if not l.frozen}
+    self.tangent = _depends_on(jaxpr, trainable)
+    self.consts = dict(zip(jaxpr.constvars, flat.consts))
+    self._cache: dict = {} if cache is None else cache
+    self._pending: dict = {}
+    self._texts: dict = {}
+    regather = any(plan.regather(u) for u in plan.units)
+    self.policy = None
+    if regather:
+      self.policy = (collectives.remat_policy if plan.recomputes_cheap_ops
+                     else collectives.save_all_but_gathers)
+    self.axis_names = tuple(plan.mesh.axis_names)
+    self.axis_env = [(a, 1) for a in self.axis_names]
+    self.mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(
+        self.axis_names)), self.axis_names)
+    # The step's own compiler options: whether the loss checkpoints decides
+    # them (fsdp_jax.custom.compiler_options).
+    self.checkpointed = bool(checkpointed or remat)
+    self.options = local_options(checkpointed=self.checkpointed)
+
+  def _local(self, fn, nargs: int):
+    """``fn`` where the loss's mesh axes are bound, each of size 1: the
+    collectives the trace replaced are stand-ins already, and those a
+    custom differentiation rule runs (tensor parallelism's backward psum)
+    run over one device."""
+    if not self.axis_names:
+      return fn
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=(P(),) * nargs, out_specs=P(),
+                         check_vma=False)
+
+  # ---- the segment as a function -------------------------------------------
+  def _function(self, seg: Segment):
+    """``(fn(theta, acts) -> outs, theta vars, act vars, out vars)`` for a
+    plain segment; for a loop, one iteration of its body."""
+    plan = self.plan
+    if seg.scan is not None:
+      return self._body_function(seg)
+    consts = [v for e in seg.eqns for v in e.invars
+              if not isinstance(v, Literal) and v in self.consts]
+    consts = list(dict.fromkeys(consts))
+    theta_vars = [v for v, _ in seg.params]
+    lazy = {v: i for v, i in seg.params}
+    duck = types.SimpleNamespace(constvars=consts, invars=theta_vars + list(seg.inputs),
+                                 eqns=seg.eqns, outvars=list(seg.outputs))
+    const_vals = [self.consts[v] for v in consts]
+    save_mixed = plan.recomputes_cheap_ops
+
+    def fn(theta, acts):
+      g = _identity_gatherer(plan, dict(zip([i for _, i in seg.params], theta)), save_mixed)
+      return schedule.eval_with_gathers(duck, const_vals, [None] * len(theta_vars) + list(acts),
+                                        lazy, g)
+
+    return fn, theta_vars, list(seg.inputs), list(seg.outputs), False
+
+  def _body_function(self, seg: Segment):
+    plan = self.plan
+    eqn = seg.scan
+    p = _compat.scan_params(eqn)
+    nk, nc = p.num_consts, p.num_carry
+    body = p.body
+    leaf_of = {v: i for i, v in enumerate(self.flat.jaxpr.invars[:self.n_params])}
+    theta_vars, theta_ids, act_vars = [], [], []
+    outer_of = {}
+    for k, (bv, ov) in enumerate(zip(body.invars, eqn.invars)):
+      outer_of[bv] = ov
+      if not isinstance(ov, Literal) and ov in leaf_of:
+        theta_vars.append(bv)
+        theta_ids.append(leaf_of[ov])
+      else:
+        act_vars.append(bv)
+    lazy = dict(zip(theta_vars, theta_ids))
+    duck = types.SimpleNamespace(constvars=list(body.constvars), invars=theta_vars + act_vars,
+                                 eqns=body.eqns, outvars=list(body.outvars))
+    consts = list(p.body_consts)
+
+    def fn(theta, acts):
+      g = _identity_gatherer(plan, dict(zip(theta_ids, theta)), False)
+      return schedule.eval_with_gathers(duck, consts, [None] * len(theta_vars) + list(acts),
+                                        lazy, g)
+
+    self._outer_of = outer_of
+    return fn, theta_vars, act_vars, list(body.outvars), True
+
+  # ---- compiling -----------------------------------------------------------
+  def prepare(self, seg: Segment):
+    """Lowers the segment's programs unless a program of the same text was
+    compiled; returns what :meth:`finish` needs."""
+    fn, theta_vars, act_vars, out_vars, is_loop = self._function(seg)
+    plan = self.plan
+    if is_loop:
+      outer = self._outer_of
+      theta_ids = [self._leaf_id(outer[v]) for v in theta_vars]
+      tangent_in = [is_float(v.aval) and (self._leaf_id(outer[v]) is not None and
+                                           not plan.leaves[self._leaf_id(outer[v])].frozen
+                                           or (not isinstance(outer[v], Literal)
+                                               and outer[v] in self.tangent))
+                    for v in act_vars]
+      # a carry is differentiated when its initial value or the body makes it so
+      p = _compat.scan_params(seg.scan)
+      body_tangent = _depends_on(p.body, {v for v, t in zip(act_vars, tangent_in) if t}
+                                 | set(theta_vars))
+      tangent_out = [(not isinstance(v, Literal)) and v in body_tangent and is_float(v.aval)
+                     for v in out_vars]
+      saved_names = [outer[v] for v in act_vars]
+    else:
+      theta_ids = [i for _, i in seg.params]
+      tangent_in = [is_float(v.aval) and v in self.tangent for v in act_vars]
+      tangent_out = [(not isinstance(v, Literal)) and is_float(v.aval) and v in self.tangent
+                     for v in out_vars]
+      saved_names = list(act_vars)
+    diff_theta = [not plan.leaves[i].frozen and is_float(v.aval)
+                  for v, i in zip(theta_vars, theta_ids)]
+    eqns = _compat.scan_params(seg.scan).body.eqns if is_loop else seg.eqns
+    key = (_canonical(eqns, theta_vars + act_vars, out_vars, self._texts), tuple(diff_theta),
+           tuple(tangent_in), tuple(tangent_out), is_loop, self.remat, self.checkpointed)
+    if key not in self._cache and key not in self._pending:
+      self._pending[key] = self._lower(fn, theta_vars, act_vars, out_vars, diff_theta,
+                                       tangent_in, tangent_out, is_loop)
+    return key, saved_names, theta_ids, ([] if is_loop else list(out_vars))
+
+  def finish(self, keys: list) -> list:
+    """Compiles what :meth:`prepare` lowered (several programs at once:
+    XLA compiles outside Python's lock) and returns each key's
+    :class:`Programs`."""
+    pending, self._pending = self._pending, {}
+    if pending:
+      items = list(pending.items())
+      workers = max(1, min(len(items), os.cpu_count() or 1))
+      with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        done = list(pool.map(lambda kv: (kv[0], kv[1].compile()), items))
+      self._cache.update(done)
+    return [self._rebind(self._cache[k], names, ids, outs) for k, names, ids, outs in keys]
+
+  def _leaf_id(self, v):
+    if isinstance(v, Literal):
+      return None
+    try:
+      return self.flat.jaxpr.invars[:self.n_params].index(v)
+    except ValueError:
+      return None
+
+  @staticmethod
+  def _rebind(progs: "_Raw", saved_names, theta_ids, out_names=()) -> Programs:
+    return Programs(progs.forward, progs.backward, progs.backward_peak, progs.residual_bytes,
+                    tuple(saved_names[k] for k in progs.saved_pos)
+                    + tuple(out_names[k] for k in progs.saved_out if k < len(out_names)),
+                    {i: b for i, b in zip(theta_ids, progs.grads) if b},
+                    tuple(theta_ids[j] for j in progs.theta_saved))
+
+  def _lower(self, fn, theta_vars, act_vars, out_vars, diff_theta, tangent_in, tangent_out,
+             is_loop) -> "_Lowered":
+    plan = self.plan
+    t_structs = [_struct(v.aval) for v in theta_vars]
+    a_structs = [_struct(v.aval) for v in act_vars]
+    policy = self.policy
+    remat = self.remat
+
+    def split(xs, mask):
+      return [x for x, m in zip(xs, mask) if m], [x for x, m in zip(xs, mask) if not m]
+
+    def merge(yes, no, mask):
+      yes, no = iter(yes), iter(no)
+      return [next(yes) if m else next(no) for m in mask]
+
+    def fwd(theta_d, theta_n, acts_d, acts_n):
+      def f(td, ad):
+        outs = fn(merge(td, theta_n, diff_theta), merge(ad, acts_n, tangent_in))
+        d, n = split(outs, tangent_out)
+        return d, n
+
+      g = f
+      if remat:
+        # What jax.checkpoint / nn.remat around the unit's computation keeps:
+        # its inputs (the barrier keeps XLA from reusing the forward's values).
+        g = jax.checkpoint(g, policy=jax.checkpoint_policies.nothing_saveable,
+                           prevent_cse=True)
+      if is_loop:
+        g = jax.checkpoint(g, policy=_loop_policy, prevent_cse=False)
+      elif policy is not None:
+        g = jax.checkpoint(g, policy=policy, prevent_cse=True)
+      d, pullback, n = jax.vjp(g, theta_d, acts_d, has_aux=True)
+      return d, n, pullback
+
+    td, tn = split(t_structs, diff_theta)
+    ad, an = split(a_structs, tangent_in)
+    with _compat.classic_tracing():
+      closed = jax.make_jaxpr(fwd, axis_env=self.axis_env)(td, tn, ad, an)
+      out_shape = jax.eval_shape(self._local(fwd, 4), td, tn, ad, an)
+    n_d = len(jax.tree.leaves(out_shape[0]))
+    n_n = len(jax.tree.leaves(out_shape[1]))
+    res_vars = closed.jaxpr.outvars[n_d + n_n:]
+    invars = closed.jaxpr.invars
+    n_td, n_tn, n_ad = len(td), len(tn), len(ad)
+    theta_in = set(invars[:n_td + n_tn])
+    act_pos = {v: k for k, v in enumerate(invars[n_td + n_tn:])}
+    act_order = [k for k, m in enumerate(tangent_in) if m] + [
+        k for k, m in enumerate(tangent_in) if not m]
+    # Values computed from the parameters alone are recomputed by the loops.
+    from_params = _depends_on(closed.jaxpr, theta_in) if is_loop else set()
+    from_params -= _depends_on(closed.jaxpr, set(invars[n_td + n_tn:]))
+    residual, saved_pos, seen = 0, [], set()
+    for v in res_vars:
+      if isinstance(v, Literal) or v in seen:
+        continue
+      seen.add(v)
+      if v in theta_in or v in from_params:
+        continue
+      if v in act_pos:
+        saved_pos.append(act_order[act_pos[v]])
+        continue
+      residual += nbytes(v.aval)
+    with _compat.classic_tracing():
+      forward = jax.jit(self._local(fwd, 4), compiler_options=self.options).lower(
+          td, tn, ad, an)
+      backward = None
+      grads = [0] * len(theta_vars)
+      if n_d and (td or ad):
+        # The backward as the step runs it: from residuals made by the
+        # forward in the same program, so that XLA frees each residual at
+        # its last use and reuses its memory (a program reading them as
+        # arguments could not). Its peak counts its inputs and results but
+        # not the gathered parameters (the schedule holds those).
+        cts = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(out_shape[0])]
+
+        def both(theta_d, theta_n, acts_d, acts_n, ct):
+          d, n, pullback = fwd(theta_d, theta_n, acts_d, acts_n)
+          # In the step the cotangents arrive once the forward is done (the
+          # later units need its outputs first): the barrier keeps XLA from
+          # deferring the forward into the backward's recomputation. It takes
+          # a sum of the outputs, so that they are not read by the backward.
+          done = sum(jnp.sum(x.astype(jnp.float32)) for x in d)
+          _, ct = jax.lax.optimization_barrier((done, ct))
+          return pullback(ct), d, n
+
+        backward = jax.jit(self._local(both, 5), keep_unused=True,
+                           compiler_options=self.options).lower(
+            td, tn, ad, an, cts)
+        n_in = len(td) + len(tn) + len(ad) + len(an)
+        ct_params = tuple(range(n_in, n_in + len(cts)))
+        k = 0
+        for j, m in enumerate(diff_theta):
+          if m:
+            grads[j] = nbytes(td[k])
+            k += 1
+      theta_saved = tuple(j for j, v in enumerate(invars[:n_td + n_tn]) if v in set(res_vars))
+      # positions among theta_vars: the differentiated ones first, then the rest
+      theta_order = [j for j, m in enumerate(diff_theta) if m] + [
+          j for j, m in enumerate(diff_theta) if not m]
+      theta_saved = tuple(sorted(theta_order[j] for j in theta_saved))
+    return _Lowered(forward, backward, sum(nbytes(x) for x in td + tn), residual,
+                    tuple(saved_pos), tuple(grads), theta_saved,
+                    () if backward is None or is_loop else ct_params,
+                    sum(nbytes(x) for x in jax.tree.leaves(out_shape[:2])),
+                    len(td) + len(ad),
+                    tuple([k for k, m in enumerate(tangent_out) if m]
+                          + [k for k, m in enumerate(tangent_out) if not m]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lowered:
+  forward: Any
+  backward: Any
+  param_bytes: int
+  residual_bytes: int
+  saved_pos: tuple
+  grads: tuple
+  theta_saved: tuple
+  ct_params: tuple  # the cotangents' parameter numbers in the backward program
+  output_bytes: int  # the forward's outputs, which the backward program returns too
+  n_grads: int  # the backward program's results before the forward's outputs
+  out_order: tuple  # those outputs' positions among the segment's outputs
+
+  def compile(self) -> "_Raw":
+    forward = _compiled(self.forward)
+    backward, peak, residual, saved_out = None, 0, self.residual_bytes, ()
+    if self.backward is not None:
+      executable = self.backward.compile()
+      backward = _compiled(executable)
+      # Less the gathered parameters (the schedule holds them) and the
+      # forward's outputs, which the program returns only to keep them
+      # computed before the backward (in the step the next unit reads them).
+      peak = (backward.argument + backward.temp + backward.output - backward.alias
+              - self.param_bytes - self.output_bytes)
+      if self.ct_params:
+        # What XLA keeps from the forward for the backward, after its
+        # fusions: less than the residuals jax.vjp names (a fusion in the
+        # backward recomputes cheap values from what is kept); the outputs
+        # the backward reads are saved values of the flat program.
+        residual, read = hlo.held_and_results(executable.as_text(), self.ct_params)
+        saved_out = tuple(sorted(self.out_order[k - self.n_grads] for k in read
+                                 if 0 <= k - self.n_grads < len(self.out_order)))
+    return _Raw(forward, backward, peak, residual, self.saved_pos, self.grads,
+                self.theta_saved, saved_out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Raw:
+  forward: Compiled
+  backward: Optional[Compiled]
+  backward_peak: int
+  residual_bytes: int
+  saved_pos: tuple
+  grads: tuple
+  theta_saved: tuple
+  saved_out: tuple = ()
+
+
+def _loop_policy(prim, *_, **__) -> bool:
+  """Inside a loop over stacked layers the step saves what is costly to
+  recompute (:mod:`fsdp_jax._src.schedule.loops`)."""
+  return prim.name not in collectives.RECOMPUTED
+
+
+def _identity_gatherer(plan: Plan, values: dict, save_mixed: bool) -> schedule.Gatherer:
+  """A gatherer handing out the given full leaves (the segment's inputs)."""
+  leaf_unit = {i: plan.leaves[i].unit for i in values}
+  direct = {i: values[i] for i in values if plan.leaves[i].ignored}
+  return schedule.Gatherer(
+      gather_unit=lambda u: {i: v for i, v in values.items() if leaf_unit[i] == u},
+      gather_layer=None, leaf_unit={i: u for i, u in leaf_unit.items() if i not in direct},
+      stacked_units=set(), unit_layers={}, unit_storage=None, direct=direct,
+      save_mixed=save_mixed)
+
+
+def compile_segments(segments: list, compiler: Compiler) -> None:
+  """Fills each segment's :class:`Programs`."""
+  keys = [compiler.prepare(seg) for seg in segments]
+  for seg, progs in zip(segments, compiler.finish(keys)):
+    seg.programs = progs
+
+
+def local_options(*, checkpointed: bool = True) -> dict:
+  """fsdp_jax's compiler options for a program on one local device."""
+  device_mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("planner",))
+  return mesh_lib.compiler_options(device_mesh, checkpointed=checkpointed)
+
+
+def optimizer_inputs(plan: Plan) -> list:
+  """The trainable shards one device updates (what ``optimizer.update``
+  runs on in the step): one per flat parameter, or per leaf."""
+  leaves = []
+  for u in plan.trainable_units:
+    prefix = plan.prefix(u)
+    for group, spec in plan.gather_specs(u):
+      ids = [i for i in group if not plan.leaves[i].frozen]
+      if not ids:
+        continue
+      if plan.use_orig_params:
+        for i in ids:
+          l = plan.leaves[i]
+          leaves.append(jax.ShapeDtypeStruct(prefix + (plan.chunk0(l),) + l.rest, l.dtype))
+      else:
+        leaves.append(jax.ShapeDtypeStruct(prefix + (spec.chunk,), spec.stored_dtype))
+  for l in plan.ignored_leaves:
+    if not l.frozen:
+      leaves.append(jax.ShapeDtypeStruct(l.shape, l.dtype))
+  return leaves
+
+
+def optimizer_program(plan: Plan, leaves: list) -> Optional[Compiled]:
+  """The optimizer's update on one device's shards as a program of its own,
+  parameters and state donated as the step donates them (exact for
+  elementwise optimizers: the step runs the same update on the shards)."""
+  if not leaves:
+    return None
+  opt = plan.optimizer
+
+  def update(params, grads, state):
+    updates, new_state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), new_state
+
+  state = jax.eval_shape(opt.init, leaves)
+  with _compat.classic_tracing():
+    lowered = jax.jit(update, donate_argnums=(0, 2), compiler_options=local_options()).lower(
+        leaves, leaves, state)
+  return _compiled(lowered)

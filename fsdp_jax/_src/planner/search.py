@@ -1,0 +1,258 @@
+"""``fsdp_jax.search``: the configurations predicted to fit, fastest first.
+
+Every candidate is an :class:`~fsdp_jax._src.planner.estimator.Estimate`
+of one planner (:class:`~fsdp_jax._src.planner.estimator.Planner`): the
+user's tree is traced once, the loss once per distinct per-device shape,
+and each distinct per-device program is compiled once, however many
+configurations share it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any, Callable, Optional
+
+from fsdp_jax._src.config import RESHARD_AFTER_FORWARD, CPUOffload, FSDPConfig, ShardingStrategy
+from fsdp_jax._src.mesh import REPLICATE, SHARD, TENSOR
+from fsdp_jax._src.quantization import Quantization
+from fsdp_jax._src.planner.devices import device_spec
+from fsdp_jax._src.planner.estimator import Estimate, Planner, check_mesh_shape
+
+_SPACE_KEYS = ("config", "sharding_strategy", "use_orig_params", "mesh_shapes", "tensor",
+               "remat", "cpu_offload", "gradient_accumulation_steps", "accumulation",
+               "lora")
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)  # pylint: disable=protected-access
+
+
+def _divisors(n: int) -> list:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _meshes(devices: int, strategy: ShardingStrategy, tensors, tensor_axis: str) -> list:
+  """The mesh shapes worth estimating for a strategy: a data-parallel axis
+  per tensor size; HYBRID strategies over every replicate x shard split
+  with both at least 2 (a replicate axis under the other strategies shards
+  like one axis of its size, so it adds nothing)."""
+  out = []
+  for t in tensors:
+    if devices % t:
+      continue
+    dp = devices // t
+    extra = {tensor_axis: t} if t > 1 else {}
+    if strategy in _HYBRID:
+      for r in _divisors(dp):
+        if 1 < r < dp:
+          out.append({REPLICATE: r, SHARD: dp // r, **extra})
+    else:
+      out.append({SHARD: dp, **extra})
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+  config: FSDPConfig
+  mesh_shape: dict
+  steps: int = 1
+  remat: bool = False
+
+
+def _check_space(space) -> dict:
+  space = dict(space or {})
+  unknown = sorted(set(space) - set(_SPACE_KEYS))
+  if unknown:
+    raise ValueError(f"search(space=...) has unknown keys {unknown}. Fix: use "
+                     f"{list(_SPACE_KEYS)}.")
+  return space
+
+
+def _lora_choices(config: FSDPConfig, wanted) -> list:
+  """LoRA and QLoRA (the config's quantization, else nf4 in blocks of 64)."""
+  lora = config.lora
+  if lora is None:
+    return [None]
+  quant = lora.base_quantization or Quantization(dtype="nf4", block_size=64)
+  choices = {"lora": dataclasses.replace(lora, base_quantization=None),
+             "qlora": dataclasses.replace(lora, base_quantization=quant)}
+  wanted = ("lora", "qlora") if wanted is None else tuple(wanted)
+  bad = [w for w in wanted if w not in choices]
+  if bad:
+    raise ValueError(f"space['lora'] = {wanted!r}: each entry is 'lora' or 'qlora'.")
+  return [choices[w] for w in wanted]
+
+
+def search(loss_fn: Callable, *, optimizer, batch, devices: int,
+           init_fn: Optional[Callable] = None, params: Any = None, device="cpu",
+           memory_limit: Optional[int] = None, space: Optional[dict] = None,
+           rng: Any = None) -> list:
+  """The configurations predicted to fit, as :class:`~fsdp_jax.Estimate` s
+  ordered by predicted step time, best first.
+
+  Candidates (each estimated as :func:`fsdp_jax.estimate` does, sharing
+  compiled programs between candidates):
+
+  * every sharding strategy and both layouts (flat and
+    ``use_orig_params=True``);
+  * meshes: one data-parallel axis, and for HYBRID_SHARD /
+    _HYBRID_SHARD_ZERO2 every ``replicate x shard`` split; with tensor
+    parallelism (``config.tensor_parallel``) every tensor size dividing
+    ``devices`` up to 8 that divides the ruled dimensions;
+  * with a LoRA config, LoRA and QLoRA;
+  * memory savers, tried only for a candidate that does not fit without
+    them and in this order, the first that fits kept: gradient accumulation
+    over 2, 4, ... microbatches of the same global batch
+    (``accumulation="sharded"``), then each unit under ``jax.checkpoint``
+    (``remat``: ``nn.remat`` / ``jax.checkpoint`` per block in the model),
+    then CPU offload. None of them makes a step faster.
+
+  Args:
+    loss_fn, optimizer, batch, init_fn, params, device, rng: as for
+      :func:`fsdp_jax.estimate` (``batch`` is the global batch).
+    devices: the number of devices.
+    memory_limit: bytes per device to fit in (default: the device's memory).
+    space: narrows or widens the candidates: ``config`` (the base
+      :class:`~fsdp_jax.FSDPConfig`: wrap policy, mixed precision, tensor
+      parallel rules, LoRA), ``sharding_strategy``, ``use_orig_params``,
+      ``mesh_shapes`` (explicit meshes instead of the enumerated ones),
+      ``tensor`` (tensor sizes), ``remat``, ``cpu_offload`` (the savers
+      allowed: iterables of bools), ``gradient_accumulation_steps``,
+      ``accumulation``, ``lora`` (``("lora", "qlora")``).
+
+  Returns:
+    The estimates that fit, fastest first (empty if none does).
+
+  Raises:
+    ValueError: a mesh shape that does not multiply to ``devices``, a tensor
+      size that does not divide a ruled dimension, an unknown device, a
+      batch no data-parallel size divides; each names the fix.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> params = {"w1": jax.ShapeDtypeStruct((256, 512), jnp.float32),
+    ...           "w2": jax.ShapeDtypeStruct((512, 256), jnp.float32)}
+    >>> def loss_fn(p, b):
+    ...   return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+    >>> batch = {"x": jax.ShapeDtypeStruct((64, 256), jnp.float32),
+    ...          "y": jax.ShapeDtypeStruct((64, 256), jnp.float32)}
+    >>> found = fsdp_jax.search(loss_fn, optimizer=optax.adam(1e-3), batch=batch,
+    ...     params=params, devices=8, device="H100-80GB",
+    ...     space={"sharding_strategy": [fsdp_jax.ShardingStrategy.FULL_SHARD,
+    ...                                  fsdp_jax.ShardingStrategy.NO_SHARD]})
+    >>> [e.config.sharding_strategy.name for e in found][:1] in (["FULL_SHARD"], ["NO_SHARD"])
+    True
+    >>> all(a.step_seconds <= b.step_seconds for a, b in zip(found, found[1:]))
+    True
+  """
+  planner = Planner(loss_fn, optimizer=optimizer, batch=batch, init_fn=init_fn, params=params,
+                    rng=rng)
+  return run(planner, devices=devices, device=device, memory_limit=memory_limit, space=space)
+
+
+def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[int] = None,
+        space: Optional[dict] = None) -> list:
+  """:func:`search` with a planner of one's own (several searches of one
+  model share its traces and compiled programs: :meth:`Planner.with_batch`)."""
+  space = _check_space(space)
+  device = device_spec(device)
+  if not isinstance(devices, int) or devices < 1:
+    raise ValueError(f"devices={devices!r} must be a positive int.")
+  base = space.get("config", FSDPConfig())
+  if not isinstance(base, FSDPConfig):
+    raise TypeError(f"space['config'] must be a fsdp_jax.FSDPConfig, got "
+                    f"{type(base).__name__}.")
+  tensor_axis = base.tensor_parallel.axis if base.tensor_parallel is not None else TENSOR
+  strategies = list(space.get("sharding_strategy", list(ShardingStrategy)))
+  layouts = list(space.get("use_orig_params", (False, True)))
+  loras = _lora_choices(base, space.get("lora"))
+  explicit_tensor = "tensor" in space
+  if base.tensor_parallel is None:
+    tensors = [1]
+    if explicit_tensor and any(t != 1 for t in space["tensor"]):
+      raise ValueError("space['tensor'] asks for tensor parallelism but space['config'] "
+                       "has no tensor_parallel rules. Fix: pass config=FSDPConfig("
+                       "tensor_parallel=fsdp_jax.TensorParallel(rules=[...])).")
+  else:
+    tensors = list(space.get("tensor", [t for t in _divisors(devices) if 1 < t <= 8]))
+  remats = list(space.get("remat", (False, True)))
+  offloads = list(space.get("cpu_offload", (False, True)))
+  accumulation = space.get("accumulation", "sharded")
+  rows = planner.batch_rows
+  limit = int(memory_limit) if memory_limit is not None else None
+
+  meshes_given = space.get("mesh_shapes")
+  candidates = []
+  for strategy, orig, lora in itertools.product(strategies, layouts, loras):
+    # The base's reshard_after_forward=True/False is its own strategy's
+    # (resolved); each strategy gets its own. A partial reshard (an int) is
+    # kept for the strategies that free after the forward.
+    reshard = base.reshard_after_forward
+    if isinstance(reshard, bool) or strategy not in RESHARD_AFTER_FORWARD:
+      reshard = None
+    config = dataclasses.replace(base, sharding_strategy=strategy, use_orig_params=orig,
+                                 lora=lora, cpu_offload=None, reshard_after_forward=reshard)
+    if meshes_given is not None:
+      meshes = [check_mesh_shape(m, config, devices) for m in meshes_given]
+    else:
+      meshes = _meshes(devices, strategy, tensors, tensor_axis)
+    for mesh in meshes:
+      candidates.append(_Candidate(config, mesh))
+
+  found, errors, tried = [], [], 0
+  for cand in candidates:
+    dp = math.prod(v for k, v in cand.mesh_shape.items() if k != tensor_axis)
+    if rows % dp:
+      errors.append(ValueError(
+          f"the global batch of {rows} rows is not divisible by the data-parallel size "
+          f"{dp} of mesh {cand.mesh_shape}. Fix: use a global batch that is a multiple of "
+          f"{dp}, e.g. {-(-rows // dp) * dp}."))
+      if meshes_given is not None:
+        raise errors[-1]
+      continue
+    try:
+      est = _first_fit(planner, cand, device, limit, rows // dp, remats, offloads,
+                       space.get("gradient_accumulation_steps"), accumulation)
+    except ValueError as e:
+      if explicit_tensor or meshes_given is not None or "divide" not in str(e):
+        raise
+      errors.append(e)  # an enumerated tensor size the model cannot take
+      continue
+    tried += 1
+    if est is not None:
+      found.append(est)
+  if not tried and errors:
+    raise errors[0]
+  found.sort(key=lambda e: (e.step_seconds, e.bytes_per_device["total"]))
+  return found
+
+
+def _first_fit(planner: Planner, cand: _Candidate, device, limit, local_rows: int, remats,
+               offloads, steps_space, accumulation) -> Optional[Estimate]:
+  """The candidate without memory savers if it fits, else the first saver
+  setting that does (see :func:`search`), else None."""
+  est = planner.estimate(cand.config, cand.mesh_shape, device, memory_limit=limit)
+  if est.fits:
+    return est
+  b = est.bytes_per_device
+  # What no activation saver changes: the stored state, gathered units, gradients.
+  fixed = b["total"] - b["activations"]
+  steps = [s for s in (steps_space or [2 ** k for k in range(1, 12)])
+           if s > 1 and local_rows % s == 0]
+  settings = []
+  if fixed < est.memory_limit:
+    settings += [(False, False, s) for s in steps]
+    if True in remats:
+      settings += [(True, False, s) for s in [1] + steps]
+  # CPU offload moves the stored parameters and optimizer state to the host.
+  if True in offloads and fixed - b["params"] - b["optimizer"] < est.memory_limit:
+    settings += [(r, True, s) for r in sorted(set(remats)) for s in [1] + steps]
+  for remat, offload, s in settings:
+    config = cand.config
+    if offload:
+      config = dataclasses.replace(config, cpu_offload=CPUOffload(offload_params=True))
+    est = planner.estimate(config, cand.mesh_shape, device, memory_limit=limit,
+                           gradient_accumulation_steps=s, accumulation=accumulation,
+                           remat=remat)
+    if est.fits:
+      return est
+  return None

@@ -1,0 +1,399 @@
+"""The loss's per-device program, cut where the step gathers units.
+
+``loss_fn`` is traced as the step traces it (:class:`~fsdp_jax._src.local_loss.LocalLoss`:
+LoRA's adapter path, tensor-parallel slices, the axis names bound), at the
+per-device micro-batch. Calls that read parameters are inlined (as the step
+inlines them to place its gathers) and the collectives the loss itself runs
+(tensor parallelism's over ``"tensor"``, a model's over the data axes) are
+replaced by local stand-ins of the same shapes, each recorded with its bytes.
+The flat program is cut into **segments** (:func:`segment`): a new segment
+starts at the first equation that reads a unit not read before (where the
+step places that unit's all-gather), what follows a segment's last read of
+its units is a segment of its own (the step has freed them by then), and a
+``scan`` over a stacked unit is a segment of its own (one layer per
+iteration). :mod:`.programs` compiles them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fsdp_jax._src import _compat, schedule
+from fsdp_jax._src._compat import Literal
+from fsdp_jax._src.local_loss import LocalLoss
+from fsdp_jax._src.plan import Plan
+
+# Suffixes the plan gives the parts of one wrap-policy unit (LoRA's frozen
+# bases and adapters, tensor-parallel leaves): the parts are gathered
+# together, at the unit's first use.
+_PART_SUFFIXES = (".lora_base", ".lora_adapters", ".trainable", ".tensor_parallel")
+_STAND_IN = "fsdp_planner_"
+
+
+def nbytes(aval) -> int:
+  """Bytes of an array of this shape and dtype (a PRNG key: its key data)."""
+  dtype = aval.dtype
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(aval.shape, dtype))
+    return int(np.prod(data.shape, dtype=np.int64)) * np.dtype(data.dtype).itemsize
+  if dtype == jax.dtypes.float0:
+    return 0
+  return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def is_float(aval) -> bool:
+  return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def unit_group(plan: Plan, unit) -> str:
+  """The wrap-policy unit a planned unit is part of."""
+  if unit.is_root:
+    return ""
+  name = unit.name
+  for suffix in _PART_SUFFIXES:
+    k = name.find(suffix)
+    if k >= 0:
+      return name[:k]
+  return name
+
+
+# --------------------------------------------------------------------------
+# Tracing, inlining, and the loss's own collectives
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """A collective the loss runs (not FSDP's): its kind, mesh axes, and the
+  bytes of its result on each device."""
+
+  kind: str
+  axes: tuple
+  nbytes: int
+
+
+def _axes_of(eqn) -> tuple:
+  out = []
+  for v in _compat.axis_params(eqn).values():
+    for a in (v if isinstance(v, (tuple, list)) else (v,)):
+      if isinstance(a, str):
+        out.append(a)
+  return tuple(out)
+
+
+_IDENTITY = frozenset({"psum", "pmax", "pmin", "ppermute", "pbroadcast", "pvary",
+                       "psum_invariant", "psum2", "pmean", "ppermute_p"})
+
+
+def _stand_in(eqn, invals, sizes: dict) -> list:
+  """A local computation with ``eqn``'s output shapes in place of a
+  collective, wrapped in a named call the segments can find."""
+  name = eqn.primitive.name
+  axes = _axes_of(eqn)
+  outs = [v.aval for v in eqn.outvars]
+
+  def local(*xs):
+    if name in _IDENTITY and len(xs) == len(outs) and all(
+        x.shape == o.shape for x, o in zip(xs, outs)):
+      return [x.astype(o.dtype) for x, o in zip(xs, outs)]
+    if name == "all_gather":
+      x, o = xs[0], outs[0]
+      d = eqn.params.get("all_gather_dimension", 0)
+      n = int(np.prod([sizes.get(a, 1) for a in axes]))
+      if eqn.params.get("tiled", False):
+        return [jnp.concatenate([x] * n, axis=d).astype(o.dtype)]
+      return [jnp.stack([x] * n, axis=d).astype(o.dtype)]
+    if name in ("reduce_scatter", "psum_scatter"):
+      x, o = xs[0], outs[0]
+      d = eqn.params.get("scatter_dimension", 0)
+      idx = [slice(None)] * x.ndim
+      if eqn.params.get("tiled", False):
+        idx[d] = slice(0, o.shape[d])
+        return [x[tuple(idx)].astype(o.dtype)]
+      idx[d] = 0
+      return [x[tuple(idx)].astype(o.dtype)]
+    if len(xs) == len(outs) and all(int(np.prod(x.shape)) == int(np.prod(o.shape))
+                                    for x, o in zip(xs, outs)):
+      return [x.reshape(o.shape).astype(o.dtype) for x, o in zip(xs, outs)]
+    # axis_index and anything else: zeros that depend on the inputs
+    dep = sum((jnp.sum(x).astype(jnp.float32) * 0 for x in xs
+               if jnp.issubdtype(x.dtype, jnp.number)), jnp.float32(0))
+    return [jnp.zeros(o.shape, o.dtype) + dep.astype(o.dtype) for o in outs]
+
+  local.__name__ = f"{_STAND_IN}{name}__{'+'.join(axes)}"
+  return list(jax.jit(local)(*invals))
+
+
+def _contains_collective(jaxpr) -> bool:
+  for e in jaxpr.eqns:
+    if _compat.axis_params(e) and e.primitive.name not in ("pjit", "jit"):
+      return True
+    for j in _compat.nested_jaxprs(e):
+      if _contains_collective(j):
+        return True
+  return False
+
+
+def _localize(value, sizes: dict):
+  """A nested jaxpr (``Jaxpr`` or ``ClosedJaxpr``) with its collectives
+  replaced by stand-ins."""
+  jaxpr, consts = _compat.split_closed(value)
+  if not _contains_collective(jaxpr):
+    return value
+  avals = [v.aval for v in jaxpr.invars]
+  closed = jax.make_jaxpr(lambda *a: _evaluate(jaxpr, consts, list(a), sizes, set()))(*avals)
+  if isinstance(value, _compat.ClosedJaxpr):
+    return closed
+  if closed.consts:
+    raise NotImplementedError("a collective inside a nested computation that closes over "
+                              "constants")
+  return closed.jaxpr
+
+
+def _evaluate(jaxpr, consts, args, sizes: dict, params: set) -> list:
+  """``jaxpr`` re-evaluated with calls reading parameters inlined and
+  collectives replaced by stand-ins. ``params``: the invars holding
+  parameters (or values computed from parameters alone)."""
+  env: dict = {}
+  from_params: set = set()
+
+  def read(v):
+    return v.val if isinstance(v, Literal) else env[v]
+
+  for v, c in zip(jaxpr.constvars, consts):
+    env[v] = c
+  for v, a in zip(jaxpr.invars, args):
+    env[v] = a
+    if v in params:
+      from_params.add(v)
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    reads = [v for v in eqn.invars if not isinstance(v, Literal) and v in from_params]
+    inner = _compat.call_body(eqn) if _compat.is_call(eqn) else None
+    custom = inner is not None and _compat.has_custom_rule(eqn)
+    # A custom rule is kept (its function runs as written) unless its body
+    # runs collectives (tensor parallelism's gathers): their stand-ins need
+    # the body, and a rule would run the collectives themselves.
+    if inner is not None and ((reads and not custom) or (
+        custom and _contains_collective(inner[0]))):
+      body, body_consts = inner
+      inner_params = {bv for bv, ov in zip(body.invars, eqn.invars)
+                      if not isinstance(ov, Literal) and ov in from_params}
+      outs = _evaluate(body, body_consts, invals, sizes, inner_params)
+    elif _compat.axis_params(eqn) and eqn.primitive.name not in ("pjit", "jit"):
+      outs = _stand_in(eqn, invals, sizes)
+    else:
+      if any(_contains_collective(j) for j in _compat.nested_jaxprs(eqn)):
+        eqn = _compat.rebuild_params(eqn, {}, lambda j: _localize(j, sizes))
+      outs = _compat.bind_eqn(eqn, invals)
+    for v, o in zip(eqn.outvars, outs):
+      env[v] = o
+    non_literal = [v for v in eqn.invars if not isinstance(v, Literal)]
+    if non_literal and all(v in from_params for v in non_literal) and not eqn.effects:
+      from_params.update(eqn.outvars)
+  return [read(v) for v in jaxpr.outvars]
+
+
+def trace_loss(loss_fn, plan: Plan, batch, model_state=None, rng=None):
+  """``(flat closed jaxpr, number of parameter inputs, whether the loss
+  calls jax.checkpoint)``: ``loss_fn`` as
+  the step evaluates it on one device, at these (per-device) batch shapes,
+  with calls that read parameters inlined and the loss's collectives
+  replaced by stand-ins. Its inputs are the parameter leaves (as the
+  gathers return them), then the batch, model state and key leaves."""
+  local = LocalLoss(loss_fn, plan)
+  closed, _, _ = local.traced(batch, model_state, rng)
+  checkpointed = schedule.has_user_checkpoint(closed)
+  n = len(plan.leaves)
+  sizes = {**dict(plan.axis_env), **{a: int(s) for a, s in plan.mesh.shape.items()}}
+  avals = [v.aval for v in closed.jaxpr.invars]
+  jaxpr = closed.jaxpr
+  with _compat.classic_tracing():
+    flat = jax.make_jaxpr(lambda *a: _evaluate(jaxpr, closed.consts, list(a), sizes,
+                                               set(jaxpr.invars[:n])))(*avals)
+  return flat, n, checkpointed
+
+
+# --------------------------------------------------------------------------
+# Segments
+
+
+@dataclasses.dataclass
+class Segment:
+  """A run of the flat loss program between two gather points.
+
+  ``units``: the units first gathered here (the step gathers them right
+  before it); ``reads``: every unit it reads; ``scan``: the scan equation
+  when the segment is a loop over stacked units (then ``layers`` is its
+  length and the programs are one iteration's); ``inputs`` / ``outputs``:
+  the flat program's values it reads from earlier segments and hands on.
+  """
+
+  index: int
+  eqns: list
+  units: list
+  reads: set
+  scan: Any = None
+  layers: int = 1
+  inputs: list = dataclasses.field(default_factory=list)
+  outputs: list = dataclasses.field(default_factory=list)
+  params: list = dataclasses.field(default_factory=list)  # (invar, leaf id)
+  collectives: list = dataclasses.field(default_factory=list)
+  programs: Any = None  # Programs, filled by compile_segments
+
+
+def _scan_leaves(eqn, leaf_of: dict, plan: Plan) -> Optional[dict]:
+  """``{xs position: leaf id}`` when ``eqn`` is a scan over leaves of a
+  stacked unit (one layer per iteration), else None."""
+  if not _compat.is_scan(eqn):
+    return None
+  p = _compat.scan_params(eqn)
+  xs = eqn.invars[p.num_consts + p.num_carry:]
+  out = {}
+  for k, v in enumerate(xs):
+    if isinstance(v, Literal) or v not in leaf_of:
+      continue
+    leaf = plan.leaves[leaf_of[v]]
+    if leaf.ignored:
+      continue
+    unit = plan.units[leaf.unit]
+    if unit.stacked and unit.num_layers == p.length:
+      out[k] = leaf.index
+  return out or None
+
+
+def _collectives_in(eqns, mult: int = 1) -> list:
+  out = []
+  for e in eqns:
+    name = _compat.call_name(e) if _compat.is_call(e) else None
+    if name and name.startswith(_STAND_IN):
+      kind, _, axes = name[len(_STAND_IN):].partition("__")
+      size = sum(nbytes(v.aval) for v in e.outvars)
+      out.extend([Collective(kind, tuple(axes.split("+")) if axes else (), size)] * mult)
+      continue
+    inner_mult = mult * (_compat.scan_params(e).length if _compat.is_scan(e) else 1)
+    for j in _compat.nested_jaxprs(e):
+      out.extend(_collectives_in(j.eqns, inner_mult))
+  return out
+
+
+def segment(flat, n_params: int, plan: Plan) -> list:
+  """Cuts the flat program into :class:`Segment` s."""
+  jaxpr = flat.jaxpr
+  leaf_of = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
+  group_of = {u.index: unit_group(plan, u) for u in plan.units}
+  segments: list = []
+  seen_groups: set = set()
+
+  def start(eqn_units=()):
+    segments.append(Segment(len(segments), [], list(eqn_units), set()))
+
+  start()
+  for eqn in jaxpr.eqns:
+    read_leaves = [leaf_of[v] for v in eqn.invars
+                   if not isinstance(v, Literal) and v in leaf_of]
+    read_units = {plan.leaves[i].unit for i in read_leaves if not plan.leaves[i].ignored}
+    stacked = _scan_leaves(eqn, leaf_of, plan)
+    if stacked is not None:
+      new = sorted(u for u in read_units if group_of[u] not in seen_groups)
+      seen_groups.update(group_of[u] for u in new)
+      start(new)
+      seg = segments[-1]
+      seg.eqns.append(eqn)
+      seg.reads |= read_units
+      seg.scan = eqn
+      seg.layers = _compat.scan_params(eqn).length
+      start()
+      continue
+    new_groups = {group_of[u] for u in read_units} - seen_groups
+    if new_groups and (segments[-1].eqns or segments[-1].units):
+      if segments[-1].units or segments[-1].scan is not None:
+        start()
+    seg = segments[-1]
+    for u in sorted(read_units):
+      if group_of[u] in new_groups and u not in seg.units:
+        seg.units.append(u)
+    # every part of a new group is gathered with it
+    for u in plan.units:
+      if group_of[u.index] in new_groups and u.index not in seg.units:
+        seg.units.append(u.index)
+    seen_groups |= new_groups
+    seg.eqns.append(eqn)
+    seg.reads |= read_units
+  segments = [s for s in segments if s.eqns]
+  segments = _split_tails(segments, leaf_of, plan)
+  for k, s in enumerate(segments):
+    s.index = k
+  _wire(segments, jaxpr, leaf_of)
+  for s in segments:
+    s.collectives = _collectives_in(s.eqns)
+  return segments
+
+
+def _split_tails(segments: list, leaf_of: dict, plan: Plan) -> list:
+  """Splits off what a segment computes after its last read of the units it
+  gathers (a block's residual add and the next norm's statistics, the
+  head and loss after the last block): the step has freed those units by
+  then, and in backward gathers them only once that part is done."""
+  out = []
+  for s in segments:
+    if s.scan is not None or not s.units:
+      out.append(s)
+      continue
+    mine = set(s.units)
+    last = max((k for k, e in enumerate(s.eqns) for v in e.invars
+                if not isinstance(v, Literal) and v in leaf_of
+                and plan.leaves[leaf_of[v]].unit in mine), default=len(s.eqns) - 1)
+    if last + 1 >= len(s.eqns):
+      out.append(s)
+      continue
+    head, tail = s.eqns[:last + 1], s.eqns[last + 1:]
+    units_of = lambda eqns: {plan.leaves[leaf_of[v]].unit for e in eqns for v in e.invars
+                             if not isinstance(v, Literal) and v in leaf_of
+                             and not plan.leaves[leaf_of[v]].ignored}
+    out.append(Segment(0, head, list(s.units), units_of(head)))
+    out.append(Segment(0, tail, [], units_of(tail)))
+  return out
+
+
+def _wire(segments: list, jaxpr, leaf_of: dict) -> None:
+  """Each segment's inputs (values defined before it, parameters apart) and
+  outputs (values read after it, or returned by the loss)."""
+  defined_in = {}
+  for k, s in enumerate(segments):
+    for e in s.eqns:
+      for v in e.outvars:
+        defined_in[v] = k
+  later_reads: dict = {}
+  for k, s in enumerate(segments):
+    for e in s.eqns:
+      for v in e.invars:
+        if not isinstance(v, Literal):
+          later_reads.setdefault(v, set()).add(k)
+  final = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+  consts = set(jaxpr.constvars)
+  for k, s in enumerate(segments):
+    ins, params = [], []
+    seen = set()
+    for e in s.eqns:
+      for v in e.invars:
+        if isinstance(v, Literal) or v in seen or defined_in.get(v) == k:
+          continue
+        seen.add(v)
+        if v in leaf_of:
+          params.append((v, leaf_of[v]))
+        elif v not in consts:
+          ins.append(v)
+    s.inputs, s.params = ins, params
+    outs = []
+    for e in s.eqns:
+      for v in e.outvars:
+        if isinstance(v, _compat.DropVar):
+          continue
+        if v in final or any(j > k for j in later_reads.get(v, ())):
+          outs.append(v)
+    s.outputs = outs
