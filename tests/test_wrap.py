@@ -12,7 +12,7 @@ import pytest
 
 import fsdp_jax
 from fsdp_jax._src import lora as lora_lib
-from fsdp_jax._src.state import build_plan
+from fsdp_jax._src.build import build_plan
 
 from helpers import mesh_for
 
