@@ -559,6 +559,12 @@ def _gather_along(eqn, invals, ctx: _Ctx):
     return None
   if isinstance(operand, Split) and not isinstance(indices, Split):
     d = operand.dim
+    # A lookup in a 2-D table split by features (an embedding with the rule
+    # (None, "tensor")) runs on the gathered table: on the slices it would
+    # give feature-split activations, which the next matmul (split by its
+    # output columns) would gather with its kernel, layer after layer.
+    if operand.x.ndim <= 2:
+      return None
     if (d in dn.start_index_map or d in dn.collapsed_slice_dims
         or slice_sizes[d] != _in_shape(eqn, 0)[d]):
       return None
