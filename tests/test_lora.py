@@ -98,23 +98,29 @@ def reference(params, loss_fn, lora, optimizer, batches, *, stacked=(), max_norm
 
   if max_norm is not None:
     optimizer = optax.chain(optax.clip_by_global_norm(max_norm), optimizer)
+
+  @jax.jit  # one program on one device (op by op, each step recompiled its scans)
+  def train_step(train, opt_state, batch):
+    loss, g = jax.value_and_grad(loss_of)(train, batch)
+    updates, opt_state = optimizer.update(g, opt_state, train)
+    return optax.apply_updates(train, updates), opt_state, loss
+
   opt_state = optimizer.init(train)
   losses = []
   for batch in batches:
-    loss, g = jax.value_and_grad(loss_of)(train, batch)
-    updates, opt_state = optimizer.update(g, opt_state, train)
-    train = optax.apply_updates(train, updates)
+    train, opt_state, loss = train_step(train, opt_state, batch)
     losses.append(float(loss))
   return losses, lora_lib.merged_tree(combine(train), lora.scaling)
 
 
 def run(params, loss_fn, lora, optimizer, batches, *, mesh, strategy=S.FULL_SHARD,
-        use_orig_params=True, stacked=(), wrap=None, **step_kw):
+        use_orig_params=True, stacked=(), wrap=None, step=None, **step_kw):
+  """Trains from a fresh state; ``step``: a step built here before (reused)."""
   cfg = fsdp_jax.FSDPConfig(sharding_strategy=strategy, use_orig_params=use_orig_params,
                             lora=lora, stacked_layers=stacked, auto_wrap_policy=wrap)
   state = fsdp_jax.init_train_state(params=params, optimizer=optimizer, mesh=mesh,
                                     config=cfg, rng=KEY)
-  step = fsdp_jax.shard_train_step(loss_fn, mesh=mesh, config=cfg, **step_kw)
+  step = step or fsdp_jax.shard_train_step(loss_fn, mesh=mesh, config=cfg, **step_kw)
   losses = []
   for batch in batches:
     state, metrics = step(state, batch)
@@ -142,20 +148,57 @@ def _mesh(n, r=None):
 # Numbers
 
 
-@pytest.mark.parametrize("strategy,n,r", [
-    (S.FULL_SHARD, 3, None), (S.FULL_SHARD, 4, None), (S.SHARD_GRAD_OP, 3, None),
-    (S.NO_SHARD, 2, None), (S.HYBRID_SHARD, 2, 2), (S._HYBRID_SHARD_ZERO2, 3, 2)])
-@pytest.mark.parametrize("use_orig_params", [True, False])
-def test_matches_single_device_reference(strategy, n, r, use_orig_params):
+ADAMW = optax.adamw(1e-2, weight_decay=0.1)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference():
+  """The unsharded run of tiny_params / LORA / ADAMW over tiny_batches()."""
+  return reference(tiny_params(), tiny_loss, LORA, ADAMW, tiny_batches())
+
+
+# Every strategy, both layouts, 3 and 4 devices (neither divides the sizes)
+# and the HYBRID meshes, each case one compiled step (FULL_SHARD in both
+# layouts; the other strategies in one each).
+@pytest.mark.parametrize("strategy,n,r,use_orig_params", [
+    (S.FULL_SHARD, 3, None, True), (S.FULL_SHARD, 3, None, False),
+    (S.SHARD_GRAD_OP, 4, None, False), (S.NO_SHARD, 2, None, False),
+    (S.HYBRID_SHARD, 2, 2, False), (S._HYBRID_SHARD_ZERO2, 3, 2, True)])
+def test_matches_single_device_reference_and_reduces_only_what_trains(
+    tiny_reference, strategy, n, r, use_orig_params):
+  """The losses and trained parameters are the reference's; only the
+  adapters and trainable leaves are reduce-scattered (and all-reduced over
+  replicas), and print(state.plan) counts what the compiled step does."""
   params, batches = tiny_params(), tiny_batches()
-  opt = optax.adamw(1e-2, weight_decay=0.1)
-  ref_losses, ref_params = reference(params, tiny_loss, LORA, opt, batches)
-  state, losses = run(params, tiny_loss, LORA, opt, batches, mesh=_mesh(n, r),
-                      strategy=strategy, use_orig_params=use_orig_params, wrap=WRAP)
+  ref_losses, ref_params = tiny_reference
+  mesh = _mesh(n, r)
+  cfg = fsdp_jax.FSDPConfig(sharding_strategy=strategy, use_orig_params=use_orig_params,
+                            lora=LORA, auto_wrap_policy=WRAP)
+  state = fsdp_jax.init_train_state(params=params, optimizer=ADAMW, mesh=mesh, config=cfg,
+                                    rng=KEY)
+  step = fsdp_jax.shard_train_step(tiny_loss, mesh=mesh, config=cfg)
+  colls = hlo.collectives(step.lower(state, batches[0]).compile().as_text())
+  count = lambda kind: sum(1 for c in colls if c.kind == kind for shape in c.shapes if shape)
+  planned = state.plan.collectives_per_step()
+  trainable = [l for l in state.plan.leaves if not l.frozen]
+  if strategy is S.NO_SHARD:
+    assert count("reduce-scatter") == 0
+    assert count("all-reduce") == planned["all-reduce"]
+  else:
+    assert count("reduce-scatter") == planned["reduce-scatter"]
+    assert planned["reduce-scatter"] == (len(trainable) if use_orig_params else
+                                         len(state.plan.trainable_units))
+    # Hybrid: one all-reduce over the replicas per trainable unit.
+    assert count("all-reduce") == planned["all-reduce"] == (
+        len(state.plan.trainable_units) if r else 0)
+  losses = []
+  for batch in batches:
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  assert_close(fsdp_jax.summon_full_params(state), ref_params)
-  # The loss changed the adapters and the trainable head, nothing else.
   full = fsdp_jax.summon_full_params(state)
+  assert_close(full, ref_params)
+  # The loss changed the adapters and the trainable head, nothing else.
   np.testing.assert_array_equal(full["emb"], params["emb"])
   np.testing.assert_array_equal(full["layers"][0]["norm"], params["layers"][0]["norm"])
   assert not np.allclose(full["layers"][0]["wq"], params["layers"][0]["wq"])
@@ -176,10 +219,10 @@ def test_stacked_layers_scan_with_accumulation_and_clipping():
     assert state.plan.lora_report.adapter_path == {"layers.wq", "layers.wo"}
 
 
-def test_bf16_mixed_precision_matches_one_device():
+def test_bf16_mixed_precision_matches_one_device(tiny_reference):
   params, batches = tiny_params(), tiny_batches()
   mp = fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
-  opt = optax.adam(1e-2)
+  opt = ADAMW
   results = []
   for n in (1, 4):
     cfg = fsdp_jax.FSDPConfig(lora=LORA, use_orig_params=True, mixed_precision=mp,
@@ -196,7 +239,7 @@ def test_bf16_mixed_precision_matches_one_device():
   np.testing.assert_allclose(results[0][0], results[1][0], rtol=8e-3)  # 2 bf16 ulps
   assert_close(results[0][1], results[1][1], rtol=2e-2, atol=2e-3)
   # And close to the float32 reference (bf16 compute).
-  ref_losses, _ = reference(params, tiny_loss, LORA, opt, batches)
+  ref_losses, _ = tiny_reference
   np.testing.assert_allclose(results[1][0], ref_losses, rtol=2e-2)
 
 
@@ -279,36 +322,6 @@ def test_flax_nnx_model():
                                                  for i in range(2) for c in "qo"}
 
 
-@pytest.mark.parametrize("strategy,n,r", [(S.FULL_SHARD, 3, None), (S.HYBRID_SHARD, 2, 2),
-                                           (S.NO_SHARD, 2, None)])
-@pytest.mark.parametrize("use_orig_params", [True, False])
-def test_frozen_base_is_never_reduced_and_the_plan_counts_it(strategy, n, r, use_orig_params):
-  """Only the adapters and trainable leaves are reduce-scattered (and
-  all-reduced over replicas); print(state.plan) counts what the compiled
-  step does."""
-  params, batch = tiny_params(), tiny_batches(1)[0]
-  mesh = _mesh(n, r)
-  cfg = fsdp_jax.FSDPConfig(sharding_strategy=strategy, use_orig_params=use_orig_params,
-                            lora=LORA, auto_wrap_policy=WRAP)
-  state = fsdp_jax.init_train_state(params=params, optimizer=optax.adam(1e-2), mesh=mesh,
-                                    config=cfg, rng=KEY)
-  step = fsdp_jax.shard_train_step(tiny_loss, mesh=mesh, config=cfg)
-  colls = hlo.collectives(step.lower(state, batch).compile().as_text())
-  count = lambda kind: sum(1 for c in colls if c.kind == kind for shape in c.shapes if shape)
-  planned = state.plan.collectives_per_step()
-  trainable = [l for l in state.plan.leaves if not l.frozen]
-  if strategy is S.NO_SHARD:
-    assert count("reduce-scatter") == 0
-    assert count("all-reduce") == planned["all-reduce"]
-  else:
-    assert count("reduce-scatter") == planned["reduce-scatter"]
-    assert planned["reduce-scatter"] == (len(trainable) if use_orig_params else
-                                         len(state.plan.trainable_units))
-    # Hybrid: one all-reduce over the replicas per trainable unit.
-    assert count("all-reduce") == planned["all-reduce"] == (
-        len(state.plan.trainable_units) if r else 0)
-
-
 def test_adapter_path_skips_the_base_weight_gradient():
   """x @ A @ B beside x @ W: the compiled LoRA step does far fewer flops
   than the same step with the merged weight (which forms dW whole)."""
@@ -375,8 +388,10 @@ def test_dropout_draws_per_step_and_is_refused_on_a_merged_use():
   plain = fsdp_jax.LoRA(targets=("*.wq",), rank=2)
   opt = optax.sgd(1.0)
   # B starts at zero: dropout changes nothing in the first loss, then does.
-  s1, l1 = run(params, tiny_loss, lora, opt, batches, mesh=mesh)
-  s2, l2 = run(params, tiny_loss, lora, opt, batches, mesh=mesh)
+  step = fsdp_jax.shard_train_step(tiny_loss, mesh=mesh,
+                                   config=fsdp_jax.FSDPConfig(lora=lora, use_orig_params=True))
+  s1, l1 = run(params, tiny_loss, lora, opt, batches, mesh=mesh, step=step)
+  s2, l2 = run(params, tiny_loss, lora, opt, batches, mesh=mesh, step=step)  # a rerun
   _, l3 = run(params, tiny_loss, plain, opt, batches, mesh=mesh)
   assert l1 == l2  # deterministic: the masks come from the state's rng
   assert l1[0] == pytest.approx(l3[0], rel=1e-6)
@@ -386,9 +401,10 @@ def test_dropout_draws_per_step_and_is_refused_on_a_merged_use():
     run(params, tiny_loss, bad, opt, batches[:1], mesh=mesh)
 
 
-@pytest.mark.parametrize("q", [fsdp_jax.Quantization(dtype=jnp.int8, block_size=4),
-                               fsdp_jax.Quantization(dtype="nf4", block_size=4)])
-@pytest.mark.parametrize("use_orig_params", [True, False])
+# NF4 with flat parameters here; int8 with original parameters on N-D kernels
+# (test_nd_quantized_base_matches_reference_on_decoded_weights).
+@pytest.mark.parametrize("q,use_orig_params", [
+    (fsdp_jax.Quantization(dtype="nf4", block_size=4), False)])
 def test_quantized_base_matches_reference_on_decoded_weights(q, use_orig_params):
   params, batches = tiny_params(), tiny_batches()
   lora = fsdp_jax.LoRA(targets=("*.wq", "*.wo"), rank=3, base_quantization=q)
@@ -406,8 +422,8 @@ def test_quantized_base_matches_reference_on_decoded_weights(q, use_orig_params)
 def test_quantized_base_keeps_no_decoded_kernel_for_backward():
   """QLoRA decodes each kernel where it is used, and again in backward:
   its compiled step needs no more temporary memory than LoRA's (decoded
-  kernels kept from forward would make it 4x here)."""
-  params, batch = tiny_params(d=256, layers=6), tiny_batches(1, rows=8, seq=4)[0]
+  kernels kept from forward would make it larger)."""
+  params, batch = tiny_params(d=256, layers=2), tiny_batches(1, rows=8, seq=4)[0]
   mesh = _mesh(4)
   temp = {}
   for name, q in [("lora", None), ("qlora", fsdp_jax.Quantization(dtype="nf4", block_size=64))]:
@@ -543,7 +559,9 @@ def test_nd_factors_and_their_merge():
                              1 + 0.5 * jnp.einsum("nhr,rd->nhd", o.lora_A, o.lora_B), rtol=1e-6)
 
 
-@pytest.mark.parametrize("n,use_orig_params", [(3, True), (4, False)])
+# Flat parameters on 4 devices here; original parameters on 3 in
+# test_nd_quantized_base_matches_reference_on_decoded_weights.
+@pytest.mark.parametrize("n,use_orig_params", [(4, False)])
 def test_dense_general_kernels_match_single_device_reference(nd_model, n, use_orig_params):
   """LoRA on DenseGeneral projections [d, heads, head_dim] and an output
   projection [heads, head_dim, d] (input_dims=2): each is a matmul operand of
