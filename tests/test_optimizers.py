@@ -198,9 +198,30 @@ OPTIMIZERS = _every_optimizer()
 NEEDS_VALUE = {"polyak_sgd", "momo", "momo_adam", "reduce_on_plateau"}
 
 
+# The update of these is checked under every strategy and both layouts below
+# (on 3 devices too, FULL_SHARD), with the optimizer state.
+KEY_OPTIMIZERS = ["clip_by_global_norm+adamw", "clip+sgd", "lamb", "adafactor",
+                  "adamw(mask=tree)", "multi_transform", "muon", "MultiSteps"]
+# Purely entrywise updates (no reduction over a leaf or across leaves, no
+# reshape, no random draw, no mask): the stored layout changes nothing in
+# them, so each runs on one layout, alternating; every other optimizer runs
+# on both (a flat unit holds several leaves in one buffer: reductions,
+# reshapes, noise and masks see its leaf boundaries).
+ENTRYWISE = ["acprop", "adabelief", "adadelta", "adagrad", "adam", "adamax", "adamaxw",
+             "adamw", "adan", "ademamix", "adopt", "amsgrad", "cocob", "ema+sgd",
+             "inject_hyperparams", "keep_params_nonnegative", "lion", "madgrad", "nadam",
+             "nadamw", "optimistic_adam", "optimistic_adam_v2", "optimistic_gradient_descent",
+             "radam", "rmsprop", "rprop", "schedule_free", "schedule_free_adamw",
+             "schedule_free_sgd", "sgd", "sgd_momentum", "sign_sgd", "signum",
+             "simplified_ademamix", "yogi"]
+EVERY_RUNS = ([(name, orig) for name in sorted(OPTIMIZERS)
+               if name not in KEY_OPTIMIZERS and name not in ENTRYWISE for orig in (False, True)]
+              + [(name, i % 2 == 1) for i, name in enumerate(ENTRYWISE)])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("name,use_orig_params", EVERY_RUNS,
+                         ids=[f"{n}-{'orig' if o else 'flat'}" for n, o in EVERY_RUNS])
 def test_every_optimizer_update_matches_optax(name, use_orig_params):
   """The sharded update of every optax / optax.contrib optimizer equals
   single-device optax on the same gradients (3 devices: no leaf divides)."""
@@ -211,14 +232,19 @@ def test_every_optimizer_update_matches_optax(name, use_orig_params):
   assert_close_to_largest(got, want)
 
 
-KEY_OPTIMIZERS = ["clip_by_global_norm+adamw", "clip+sgd", "lamb", "adafactor",
-                  "adamw(mask=tree)", "multi_transform", "muon", "MultiSteps"]
+# Each key optimizer on FULL_SHARD over 3 devices in both layouts; on the
+# other cases in one layout, alternating, so that every case runs in both
+# layouts and every optimizer in both layouts off FULL_SHARD-3 too.
+STRATEGY_RUNS = ([(name, (S.FULL_SHARD, 3, None), orig) for name in KEY_OPTIMIZERS
+                  for orig in (False, True)]
+                 + [(name, case, (i + j) % 2 == 1) for i, name in enumerate(KEY_OPTIMIZERS)
+                    for j, case in enumerate(UPDATE_CASES)])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
-@pytest.mark.parametrize("case", UPDATE_CASES, ids=_case_id)
-@pytest.mark.parametrize("name", KEY_OPTIMIZERS)
+@pytest.mark.parametrize("name,case,use_orig_params", STRATEGY_RUNS,
+                         ids=[f"{n}-{_case_id(c)}-{'orig' if o else 'flat'}"
+                              for n, c, o in STRATEGY_RUNS])
 def test_update_matches_optax_on_every_strategy(name, case, use_orig_params):
   opt = OPTIMIZERS[name]
   got, state = _update_run(opt, case, use_orig_params)
@@ -250,11 +276,16 @@ def _named_state(opt_state, plan):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
-def test_global_mode_matches(use_orig_params):
+@pytest.mark.parametrize("use_orig_params,names", [
+    (False, ("clip_by_global_norm+adamw", "adafactor")), (True, ("adafactor", "muon"))],
+    ids=["flat", "orig"])
+def test_global_mode_matches(use_orig_params, names):
   """``optimizer_update="global"`` (the compiler partitions the update)
-  computes the same."""
-  for name in ("clip_by_global_norm+adamw", "adafactor", "muon"):
+  computes the same. Adafactor (state shaped like the parameters and
+  replicated factored state) in both layouts, a global norm and Muon's
+  matrix iterations in one each: the compiler partitions the optimizer's
+  arithmetic, the layout is only packed and unpacked around it."""
+  for name in names:
     opt = OPTIMIZERS[name]
     got = _global_run(opt, use_orig_params)
     want, _ = _reference(opt)
@@ -379,15 +410,23 @@ TRAIN_CASES = [(S.FULL_SHARD, 3, None), (S.SHARD_GRAD_OP, 3, None), (S.NO_SHARD,
                (S.HYBRID_SHARD, 3, 2), (S._HYBRID_SHARD_ZERO2, 3, 2)]
 # Every optimizer on FULL_SHARD; a global norm and factored moments under
 # every strategy (the update alone is checked under every strategy above).
-TRAIN_RUNS = ([(name, TRAIN_CASES[0]) for name in TRAIN_OPTIMIZERS]
-              + [(name, case) for name in ("clip_by_global_norm+adamw", "adafactor")
-                 for case in TRAIN_CASES[1:]])
+# The step around the update is the same for every optimizer: the two with
+# collectives or replicated state in the update run in both layouts on
+# FULL_SHARD, the others and the other strategies in one layout, alternating
+# (each strategy in both layouts across the two optimizers).
+TRAIN_RUNS = ([(name, TRAIN_CASES[0], orig) for name in ("clip_by_global_norm+adamw", "adafactor")
+               for orig in (False, True)]
+              + [(name, TRAIN_CASES[0], i % 2 == 1)
+                 for i, name in enumerate(TRAIN_OPTIMIZERS[1:3] + TRAIN_OPTIMIZERS[4:])]
+              + [(name, case, (i + j) % 2 == 1)
+                 for i, name in enumerate(("clip_by_global_norm+adamw", "adafactor"))
+                 for j, case in enumerate(TRAIN_CASES[1:])])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
-@pytest.mark.parametrize("name,case", TRAIN_RUNS,
-                         ids=[f"{n}-{_case_id(c)}" for n, c in TRAIN_RUNS])
+@pytest.mark.parametrize("name,case,use_orig_params", TRAIN_RUNS,
+                         ids=[f"{n}-{_case_id(c)}-{'orig' if o else 'flat'}"
+                              for n, c, o in TRAIN_RUNS])
 def test_training_matches_single_device(name, case, use_orig_params):
   opt = OPTIMIZERS[name]
   strategy, n, r = case
@@ -564,17 +603,17 @@ def test_step_refuses_a_different_optimizer():
     step(state, _batches(1)[0])
 
 
-@pytest.mark.parametrize("n", [3, 8])
-def test_the_optimizer_is_given_once(n):
+def test_the_optimizer_is_given_once():
   """shard_train_step(loss_fn) takes init_train_state's optimizer: the same
   numbers as passing it, and one step serves states built with different
-  optimizers, each with its own (never a trace made for another)."""
-  mesh = mesh_for(S.FULL_SHARD, n)
+  optimizers (on meshes of 3 and 8 devices), each with its own (never a
+  trace made for another)."""
   config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP)
   chain = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(LR, weight_decay=0.1))
   batches = _batches(2)
   step = fsdp_jax.shard_train_step(_mlp_loss)
-  for opt in (chain, optax.sgd(LR, 0.9), optax.adafactor(LR)):
+  for opt, n in ((chain, 3), (optax.sgd(LR, 0.9), 8), (optax.adafactor(LR), 3)):
+    mesh = mesh_for(S.FULL_SHARD, n)
     given, taken = (fsdp_jax.init_train_state(params=_params(), optimizer=opt, mesh=mesh,
                                               config=config) for _ in range(2))
     explicit = fsdp_jax.shard_train_step(_mlp_loss, opt)
@@ -598,3 +637,5 @@ def test_docs_list_exactly_the_verified_optimizers():
   assert names == set(OPTIMIZERS), names ^ set(OPTIMIZERS)
   for name in KEY_OPTIMIZERS + TRAIN_OPTIMIZERS:
     assert f"`{name}`" in section
+  assert set(ENTRYWISE) <= set(OPTIMIZERS) - set(KEY_OPTIMIZERS)
+  assert {n for n, _ in EVERY_RUNS} | set(KEY_OPTIMIZERS) == set(OPTIMIZERS)
