@@ -252,19 +252,32 @@ def make_random_checkpoint(directory: str, seed: int, family: str = "llama") -> 
   pretrained.save(state, directory, model.weight_map, overwrite=True)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(checkpoint: str):
+  """The checkpoint's tokenizer if transformers and its files are there,
+  else None (transformers may build an empty one from config.json alone)."""
+  if not any(os.path.exists(os.path.join(checkpoint, f)) for f in TOKENIZER_FILES):
+    return None
+  try:
+    import transformers  # pylint: disable=import-outside-toplevel  (optional)
+    return transformers.AutoTokenizer.from_pretrained(checkpoint)
+  except Exception:  # pylint: disable=broad-except  (no transformers, or unreadable files)
+    return None
+
+
 def tokenize(text: str, checkpoint: str, vocab_size: int) -> np.ndarray:
   """The checkpoint's tokenizer if transformers and its files are there,
   else bytes modulo the vocabulary."""
-  try:
-    import transformers  # pylint: disable=import-outside-toplevel  (optional)
-    tok = transformers.AutoTokenizer.from_pretrained(checkpoint)
+  tok = load_tokenizer(checkpoint)
+  if tok is not None:
     ids = np.asarray(tok(text)["input_ids"], np.int32)
     print(f"tokenizer: {type(tok).__name__}, {len(ids):,} tokens")
     return ids
-  except Exception:  # pylint: disable=broad-except  (no transformers, or no tokenizer files)
-    ids = np.frombuffer(text.encode(), np.uint8).astype(np.int32) % vocab_size
-    print(f"tokenizer: bytes modulo {vocab_size}, {len(ids):,} tokens")
-    return ids
+  ids = np.frombuffer(text.encode(), np.uint8).astype(np.int32) % vocab_size
+  print(f"tokenizer: bytes modulo {vocab_size}, {len(ids):,} tokens")
+  return ids
 
 
 # ---------------------------------------------------------------------------
@@ -315,12 +328,10 @@ def tensor_size(config: models.ModelConfig, devices: int) -> int:
 
 def detokenizer(checkpoint: str):
   """Token ids -> text, the inverse of :func:`tokenize`."""
-  try:
-    import transformers  # pylint: disable=import-outside-toplevel  (optional)
-    tok = transformers.AutoTokenizer.from_pretrained(checkpoint)
+  tok = load_tokenizer(checkpoint)
+  if tok is not None:
     return lambda ids: tok.decode([int(i) for i in ids])
-  except Exception:  # pylint: disable=broad-except  (bytes, as tokenize falls back to)
-    return lambda ids: bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+  return lambda ids: bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
 
 def sample(state, model: models.CausalLM, prompts: np.ndarray, args, decode_text) -> dict:
