@@ -263,6 +263,13 @@ def param_items(eqn) -> tuple:
   return tuple(eqn.params.items())
 
 
+def collective_layout(eqn) -> tuple[int, bool]:
+  """An ``all_gather`` or ``reduce_scatter`` equation's ``(dimension,
+  tiled)``: the dimension it gathers along or scatters (0 by default)."""
+  key = "all_gather_dimension" if eqn.primitive.name == "all_gather" else "scatter_dimension"
+  return int(eqn.params.get(key, 0)), bool(eqn.params.get("tiled", False))
+
+
 def remat_params(eqn) -> RematParams:
   p = eqn.params
   return RematParams(p["jaxpr"], p.get("policy"), p.get("prevent_cse", True),

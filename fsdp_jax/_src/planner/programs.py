@@ -104,7 +104,7 @@ def _canonical(eqns, invars, outvars, texts: dict) -> tuple:
     ref(v)
   out = []
   for e in eqns:
-    params = tuple(sorted((k, _param_text(p, texts)) for k, p in e.params.items()))
+    params = tuple(sorted((k, _param_text(p, texts)) for k, p in _compat.param_items(e)))
     out.append((e.primitive.name, params, tuple(ref(v) for v in e.invars),
                 tuple(ref(v) for v in e.outvars)))
   return tuple(out), tuple(ref(v) for v in outvars)

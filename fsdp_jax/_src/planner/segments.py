@@ -102,16 +102,16 @@ def _stand_in(eqn, invals, sizes: dict) -> list:
       return [x.astype(o.dtype) for x, o in zip(xs, outs)]
     if name == "all_gather":
       x, o = xs[0], outs[0]
-      d = eqn.params.get("all_gather_dimension", 0)
+      d, tiled = _compat.collective_layout(eqn)
       n = int(np.prod([sizes.get(a, 1) for a in axes]))
-      if eqn.params.get("tiled", False):
+      if tiled:
         return [jnp.concatenate([x] * n, axis=d).astype(o.dtype)]
       return [jnp.stack([x] * n, axis=d).astype(o.dtype)]
     if name in ("reduce_scatter", "psum_scatter"):
       x, o = xs[0], outs[0]
-      d = eqn.params.get("scatter_dimension", 0)
+      d, tiled = _compat.collective_layout(eqn)
       idx = [slice(None)] * x.ndim
-      if eqn.params.get("tiled", False):
+      if tiled:
         idx[d] = slice(0, o.shape[d])
         return [x[tuple(idx)].astype(o.dtype)]
       idx[d] = 0
