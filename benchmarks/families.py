@@ -228,9 +228,9 @@ def main(argv=None) -> str:
   w("Reading: the families' peak and step time against the example are what their "
     "architectures add at this size (Gemma's four norms per layer and soft-capping, Qwen3's "
     "and Gemma 3's q/k norms, GPT-2's larger MLP and learned positions); the `tensor` "
-    "all-gathers column is the check of the Megatron layout: the example Llama's rotary "
-    "(`jnp.stack` of the rotated pairs) gathers queries and keys over `\"tensor\"`, the "
-    "families' rotate-half does not.")
+    "all-gathers column is the check of the Megatron layout: 0 means queries, keys and the "
+    "MLP stay split over `\"tensor\"` through the rotary (the families' rotate-half, the "
+    "example's `jnp.stack` of rotated pairs).")
   text = "\n".join(lines) + "\n"
   with open(a.out, "w") as f:
     f.write(text)
