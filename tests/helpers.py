@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,14 +21,38 @@ import fsdp_jax
 REPO = Path(__file__).resolve().parents[1]
 
 # The tests' programs on the simulated CPU devices are compiled with LLVM's
-# optimisations off (conftest.py puts this in XLA_FLAGS; the processes the
-# tests launch inherit it, and the docs' and notebooks' fresh processes get
-# it alone). The tests compile hundreds of small programs and run each a few
-# times, so compiling is most of their time: this takes about 30% off the
-# suite's CPU time. It changes no HLO (the schedules, buffer sizes and
-# collectives the tests count) and no floating-point result beyond rounding
-# (XLA's CPU code is compiled without fast-math either way).
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+# optimisations off and, where this XLA has the choice (jaxlib 0.10), with
+# its older fusion emitters instead of the MLIR ones (conftest.py puts these
+# in XLA_FLAGS; the processes the tests launch inherit them, and the docs'
+# and notebooks' fresh processes get them alone). The tests compile hundreds
+# of small programs and run each a few times, so compiling is most of their
+# time: the first flag takes about 30% off the suite's CPU time, the second
+# another third of what is left at jaxlib 0.10. Neither changes the HLO (the
+# schedules, buffer sizes and collectives the tests count) nor any
+# floating-point result beyond rounding (XLA's CPU code is compiled without
+# fast-math either way).
+_OPTIONAL_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+_FLAGS_ENV = "FSDP_JAX_TEST_XLA_FLAGS"  # probed once; launched processes inherit it
+
+
+def _xla_takes(flag: str) -> bool:
+  """Whether this jaxlib's XLA knows ``flag`` (an unknown one aborts the
+  process that reads it, so the probe runs in a fresh one)."""
+  env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+  probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                         capture_output=True, check=False, timeout=120)
+  return probe.returncode == 0
+
+
+def _test_xla_flags() -> str:
+  if _FLAGS_ENV not in os.environ:
+    flags = ["--xla_backend_optimization_level=0",
+             *(f for f in _OPTIONAL_XLA_FLAGS if _xla_takes(f))]
+    os.environ[_FLAGS_ENV] = " ".join(flags)
+  return os.environ[_FLAGS_ENV]
+
+
+TEST_XLA_FLAGS = _test_xla_flags()
 
 HYBRID = (fsdp_jax.ShardingStrategy.HYBRID_SHARD,
           fsdp_jax.ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -75,9 +100,11 @@ def reference_run(loss_fn, params, batches, optimizer):
   return losses, params
 
 
-# Reference steps are compiled without LLVM optimizations (as every test
-# program is: TEST_XLA_FLAGS), also where a test runs with other flags.
-REFERENCE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+# Reference steps are compiled with TEST_XLA_FLAGS' options (as every test
+# program is), also where a test runs with other flags.
+REFERENCE_COMPILER_OPTIONS = {
+    name: {"false": False, "true": True}.get(value, int(value) if value.isdigit() else value)
+    for name, value in (f[2:].split("=", 1) for f in TEST_XLA_FLAGS.split())}
 
 
 def jit_reference_run(loss_fn, params, optimizer, batches):
