@@ -103,7 +103,7 @@ MUTANTS = (
            "return jax.random.fold_in(jax.random.fold_in(key, step), device_index(data_axes))",
            "return jax.random.fold_in(key, step)",
            ("tests/test_rng_checks.py", "tests/test_user_models.py")),
-    Mutant("accumulation-divisor", "no_sync accumulation sums the microbatches' "
+    Mutant("accumulation-divisor", "gradient accumulation sums the microbatches' "
            "gradients without dividing by their number",
            "fsdp_jax/_src/grads.py",
            "else a + x.astype(a.dtype) / k, acc, g)", "else a + x.astype(a.dtype), acc, g)",
@@ -156,9 +156,11 @@ def _apply(repo: str, m: Mutant) -> int:
 _FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
 
 
-def _pytest(repo: str, args: list, timeout: float) -> tuple[str | None, float, str]:
-  """Runs the suite's pytest (its own options) with -x on ``args``; the first
-  failing test id (None if all passed), the seconds and the output's tail."""
+def _pytest(repo: str, args: list, timeout: float) -> tuple[str | None, float, str, str | None]:
+  """Runs the suite's pytest (its own options) with -x on ``args``: the first
+  failing test id (None if none failed), the seconds, the output's tail and
+  what kept the run from finishing (a timeout, pytest's own error; a run that
+  did not finish catches nothing)."""
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("XLA_", "JAX_", "FSDP_JAX_"))}
   env["PYTHONPATH"] = repo
@@ -170,14 +172,14 @@ def _pytest(repo: str, args: list, timeout: float) -> tuple[str | None, float, s
     out = proc.stdout + proc.stderr
   except subprocess.TimeoutExpired as e:
     out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-    return "(timed out)", time.perf_counter() - t0, out[-3000:]
+    return None, time.perf_counter() - t0, out[-3000:], f"timed out after {timeout:.0f} s"
   seconds = time.perf_counter() - t0
   failed = _FAILED.findall(out)
   if failed:
-    return failed[0], seconds, out[-3000:]
+    return failed[0], seconds, out[-3000:], None
   if proc.returncode not in (0, 5):  # 5: nothing collected
-    return f"(pytest exited {proc.returncode})", seconds, out[-3000:]
-  return None, seconds, out[-3000:]
+    return None, seconds, out[-3000:], f"pytest exited {proc.returncode}"
+  return None, seconds, out[-3000:], None
 
 
 def run(mutants, *, timeout: float, log) -> list[dict]:
@@ -187,16 +189,17 @@ def run(mutants, *, timeout: float, log) -> list[dict]:
       _copy_repo(repo)
       line = _apply(repo, m)
       where = "focus"
-      first, seconds, tail = _pytest(repo, list(m.focus), timeout)
-      if first is None:
+      first, seconds, tail, problem = _pytest(repo, list(m.focus), timeout)
+      if first is None and problem is None:
         where = "whole suite"
-        first, more, tail = _pytest(repo, [], timeout)
+        first, more, tail, problem = _pytest(repo, [], timeout)
         seconds += more
     row = {"name": m.name, "what": m.what, "where": f"{m.path}:{line}",
-           "first_failure": first, "found_in": where, "seconds": seconds}
+           "first_failure": first, "found_in": where, "seconds": seconds,
+           "problem": problem}
     log(f"{m.name}: {m.path}:{line}: "
         + (f"caught by {first} ({where}, {seconds:.0f} s)" if first else
-           f"NOT CAUGHT ({seconds:.0f} s)\n{tail}"))
+           f"NOT CAUGHT ({where}: {problem or 'every test passed'}, {seconds:.0f} s)\n{tail}"))
     rows.append(row)
   return rows
 
@@ -217,7 +220,8 @@ def table(rows: list[dict]) -> str:
       "|---|---|---|---|---|---|",
   ]
   for r in rows:
-    first = f"`{r['first_failure']}`" if r["first_failure"] else "**not caught**"
+    first = (f"`{r['first_failure']}`" if r["first_failure"] else
+             f"**not caught** ({r.get('problem') or 'every test passed'})")
     lines.append(f"| {r['name']} | {r['what']} | `{r['where']}` | {first} | "
                  f"{r['found_in']} | {r['seconds']:.0f} |")
   return "\n".join(lines) + "\n"
