@@ -66,10 +66,15 @@ MUTANTS = (
            "return self.flat_numel(unit) // self.n + 1",
            ("tests/test_engine.py", "tests/test_wrap.py")),
     Mutant("tensor-all-reduce", "the all-reduce over \"tensor\" after a row-parallel "
-           "matmul dropped (Megatron's g: forward identity)",
+           "matmul dropped in the training step (Megatron's g: forward identity)",
+           "fsdp_jax/_src/tensor_eval.py",
+           "return lax.psum(x, axis), None", "return x, None",
+           ("tests/test_tensor_parallel.py",)),
+    Mutant("tensor-all-reduce-eval", "the same all-reduce dropped where nothing is "
+           "differentiated (the evaluation step, forward only)",
            "fsdp_jax/_src/tensor_eval.py",
            "return lax.psum(x, axis)", "return x",
-           ("tests/test_tensor_parallel.py",)),
+           ("tests/test_eval.py",)),
     Mutant("lora-scale", "LoRA's adapter scale alpha / rank doubled",
            "fsdp_jax/_src/lora.py",
            "return self.alpha / self.rank", "return 2 * self.alpha / self.rank",
