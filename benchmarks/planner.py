@@ -218,7 +218,7 @@ def child(spec_json: str, measure_time: bool) -> None:
       init_fn=init_fn, rng=jax.random.key(0), optimizer=opt, mesh=mesh, config=config))
   step = fsdp_jax.shard_train_step(loss_fn, gradient_accumulation_steps=spec.accum,
                                    accumulation=spec.accumulation)
-  compiled = step.jitted.lower(state, batch).compile()
+  compiled = step.lower(state, batch).compile()
   ma = compiled.memory_analysis()
   mem = {k: int(getattr(ma, k + "_size_in_bytes")) for k in ("argument", "output", "alias",
                                                              "temp")}

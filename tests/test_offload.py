@@ -193,6 +193,12 @@ def test_compiled_step_keeps_params_and_opt_state_on_host(strategy, n, r):
     mems[offloaded] = entry_memory_bytes(step.lower(state, batch).compile().as_text())
     if offloaded:
       off_state = state
+      # Lowered on shapes alone (jax.eval_shape drops the shardings): the
+      # same program, reading the state from host memory.
+      abstract = jax.eval_shape(lambda: fsdp_jax.init_train_state(  # pylint: disable=cell-var-from-loop
+          params=mlp_params(), optimizer=opt, mesh=mesh, config=config))
+      shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+      assert entry_memory_bytes(step.lower(abstract, shapes).compile().as_text()) == mems[True]
   mem, base = mems[True], mems[False]
   n_params = len(jax.tree.leaves(off_state.params))
   n_opt = len(jax.tree.leaves(off_state.opt_state))

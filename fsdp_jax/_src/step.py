@@ -508,6 +508,8 @@ def place_batch(plan: Plan, batch):
   devices = set(plan.mesh.devices.flat)
 
   def place(x):
+    if isinstance(x, jax.ShapeDtypeStruct):  # lowering on shapes alone
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding or sharding)
     if isinstance(x, jax.Array) and (not multi or not x.is_fully_addressable):
       # A one-process array on other devices (made under a user's
       # jax.set_mesh(other_mesh)) moves to the mesh.
@@ -631,4 +633,27 @@ class TrainStep:
 
   @mesh_lib.own_mesh
   def lower(self, state, batch):
-    return self._jit(self.mesh or state.plan.mesh).lower(state, self._place(state, batch))
+    return self._jit(self.mesh or state.plan.mesh).lower(_with_stored_shardings(state),
+                                                        self._place(state, batch))
+
+
+def _with_stored_shardings(state: ShardedTrainState) -> ShardedTrainState:
+  """``state`` with each abstract parameter and optimizer-state leaf that has
+  no sharding (``jax.eval_shape(init_train_state)`` drops them) given the
+  plan's, memory kind included: with CPU offload the step reads those arrays
+  from host memory, and lowering it on device-memory leaves fails."""
+  plan = state.plan
+
+  def fill(x, stored):
+    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=stored.sharding)
+    return x
+
+  if not any(isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None
+             for x in jax.tree.leaves((state.params, state.opt_state))):
+    return state
+  params = jax.tree.map(fill, state.params, plan.storage_shapes())
+  opt_state = state.opt_state
+  if plan.opt_layout is not None:
+    opt_state = jax.tree.map(fill, opt_state, optim.stored_shapes(plan, plan.opt_layout))
+  return state.replace(params=params, opt_state=opt_state)
