@@ -633,6 +633,10 @@ class TrainStep:
 
   @mesh_lib.own_mesh
   def lower(self, state, batch):
+    """The step lowered for ``state`` and ``batch`` (``jax.jit``'s
+    ``lower``: ``.compile()``, ``.as_text()``, ``memory_analysis()``). Both
+    may be abstract: ``jax.eval_shape`` of :func:`init_train_state` and
+    ``jax.ShapeDtypeStruct`` batches (the global batch)."""
     return self._jit(self.mesh or state.plan.mesh).lower(_with_stored_shardings(state),
                                                         self._place(state, batch))
 
