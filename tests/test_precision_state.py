@@ -156,6 +156,7 @@ def test_batch_norm_state_replicated_and_matches_per_device_reference():
   # Reference: each device normalises with its own batch's statistics (as in
   # PyTorch without SyncBatchNorm); the loss and the gradient are the means
   # over devices, and the running statistics are averaged over devices.
+  @jax.jit  # one program (op by op, each step dispatched every vmapped op)
   def ref_step(params, stats, opt_state, batch):
     chunks = jax.tree.map(lambda a: a.reshape((world, -1) + a.shape[1:]), batch)
 
@@ -308,10 +309,13 @@ def _emulate_low_precision_hook(params, batch, world, dtype):
   return jax.tree.map(lambda x: (x / jnp.asarray(post, dtype)).astype(jnp.float32), summed)
 
 
+# Each hook once, each on its own mesh (the hook's arithmetic does not
+# depend on the mesh: the world size enters through the divide factors).
 @pytest.mark.slow
-@pytest.mark.parametrize("hook,dtype", [(fsdp_jax.hooks.fp16_compress_hook, jnp.float16),
-                                        (fsdp_jax.hooks.bf16_compress_hook, jnp.bfloat16)])
-@pytest.mark.parametrize("strategy,n,r", [(S.FULL_SHARD, 4, None), (S.HYBRID_SHARD, 2, 2)])
+@pytest.mark.parametrize("hook,dtype,strategy,n,r", [
+    (fsdp_jax.hooks.fp16_compress_hook, jnp.float16, S.FULL_SHARD, 4, None),
+    (fsdp_jax.hooks.bf16_compress_hook, jnp.bfloat16, S.HYBRID_SHARD, 2, 2)],
+    ids=["fp16-full-4", "bf16-hybrid-2x2"])
 def test_compress_hooks_reproduce_pytorch(hook, dtype, strategy, n, r):
   params, batch = mlp_params(), mlp_batch()
   world = n * (r or 1)
@@ -421,8 +425,10 @@ def test_hook_with_the_wrong_signature():
 # Ignored states
 
 
-@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
-@pytest.mark.parametrize("strategy,n,r", [(S.FULL_SHARD, 4, None), (S.HYBRID_SHARD, 2, 2)])
+# Both layouts, both mesh shapes, pairwise.
+@pytest.mark.parametrize("strategy,n,r,use_orig_params", [
+    (S.FULL_SHARD, 4, None, False), (S.HYBRID_SHARD, 2, 2, True)],
+    ids=["full-4-flat", "hybrid-2x2-orig"])
 def test_ignored_states_are_per_device_never_gathered_never_reduced(strategy, n, r,
                                                                     use_orig_params):
   params, batch = mlp_params(), mlp_batch()
@@ -548,7 +554,7 @@ def test_16bit_gradients_are_packed_as_bits(use_orig):
 
 
 def _hook_runs(monkeypatch, *, in_backward, strategy, n, r, orig, offload=False, ignored=False,
-               steps=3):
+               steps=2):
   from fsdp_jax._src import grads as grads_lib
   if not in_backward:  # the path kept for stacked units: after the backward pass
     monkeypatch.setattr(grads_lib, "_gates_apply", lambda plan, state: False)
@@ -581,8 +587,8 @@ def _hook_runs(monkeypatch, *, in_backward, strategy, n, r, orig, offload=False,
 def test_stateful_hook_in_the_backward_pass_matches_the_hook_after_it(monkeypatch, strategy, n,
                                                                       r, orig, offload,
                                                                       ignored):
-  """Losses, parameters, optimizer state and the hook's state after three
-  steps: bit for bit those of running the hook on the full gradients after
+  """Losses, parameters, optimizer state and the hook's state after two
+  steps (the second reads the state the first left): bit for bit those of running the hook on the full gradients after
   the backward pass."""
   kw = dict(strategy=strategy, n=n, r=r, orig=orig, offload=offload, ignored=ignored)
   got = _hook_runs(monkeypatch, in_backward=True, **kw)
