@@ -15,9 +15,10 @@
 
 The worker is tests/restart_worker.py (a script written the way
 examples/train_gpt.py shows). Every subprocess runs under a hard timeout and
-is killed with its process group on the way out. The workers share the test
-run's persistent compilation cache: a restarted worker loads the program its
-predecessor compiled.
+is killed with its process group on the way out. The one-process runs get
+the test run's persistent compilation cache: the resumed run loads the
+programs its predecessor compiled. (A 2-process job's programs get other
+cache keys at each start: the launcher's workers go without.)
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ LAUNCH = ["--nproc", "2", "--devices-per-proc", "2", "--platform", "cpu",
 
 
 def _env(**extra) -> dict:
-  return subprocess_env(FSDP_JAX_SHUTDOWN_TIMEOUT="30", **compile_cache_env(), **extra)
+  return subprocess_env(FSDP_JAX_SHUTDOWN_TIMEOUT="30", **extra)
 
 
 def Run(cmd, log: Path, timeout: float, env=None) -> Background:
@@ -182,7 +183,7 @@ def test_one_process_preemption_saves_and_resumes(tmp_path):
   """No launcher, one process with 4 devices: SIGTERM mid-training saves
   the step it stops after and exits 75; the next run resumes there and ends
   bitwise equal to an uninterrupted run."""
-  env = _env(FSDP_JAX_DEVICES_PER_PROC="4", FSDP_JAX_PLATFORM="cpu")
+  env = _env(FSDP_JAX_DEVICES_PER_PROC="4", FSDP_JAX_PLATFORM="cpu", **compile_cache_env())
   py = [sys.executable]
   ref = Run(py + _worker_args(tmp_path / "ref_ckpt", tmp_path / "ref.npz"),
             tmp_path / "ref.log", timeout=300, env=env)
