@@ -185,6 +185,18 @@ def subprocess_env(**extra: str) -> dict:
   return env
 
 
+def compile_cache_env() -> dict:
+  """Environment variables that give a subprocess the test run's JAX
+  persistent compilation cache (conftest.py's directory): a restarted job,
+  or a second process compiling the same program, reads what an earlier one
+  compiled instead of compiling it again (one-process jobs: a multi-process
+  job's programs get other keys at each start). Only for subprocesses whose
+  test does not check compilation itself."""
+  return {"JAX_COMPILATION_CACHE_DIR": os.environ["FSDP_JAX_TEST_COMPILATION_CACHE"],
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
 class Background:
   """A command in the background, in its own process group, output to a log
   file (a pipe could fill up and stall it), with a hard timeout counted from

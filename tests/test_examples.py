@@ -32,7 +32,9 @@ settings and hard timeouts.
 * ``--help`` and argument errors of every example, in this process.
 
 The subprocesses start together (module fixture) so that they overlap; every
-one is killed with its process group on the way out. All runs use
+one is killed with its process group on the way out. They share the test
+run's persistent compilation cache: a resumed run loads the programs the run
+it resumes compiled. All runs use
 ``--platform cpu`` so the numbers compared do not depend on the machine.
 """
 
@@ -50,7 +52,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_jax import pretrained
-from helpers import Background, subprocess_env
+from helpers import Background, compile_cache_env, subprocess_env
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -79,7 +81,8 @@ FIRST_FINAL = re.compile(r"first (?:data )?loss (\S+) -> final (?:data )?loss (\
 def Job(name: str, cmd: list[str], log_dir: Path, timeout: float = TIMEOUT_S) -> Background:
   """An example run in the background, output to ``log_dir/name.log``."""
   return Background(cmd, log_dir / f"{name}.log", timeout, name=name,
-                    env=subprocess_env(FSDP_JAX_SHUTDOWN_TIMEOUT="60"))  # bound a stuck exit
+                    env=subprocess_env(FSDP_JAX_SHUTDOWN_TIMEOUT="60",  # bound a stuck exit
+                                       **compile_cache_env()))
 
 
 def eval_lines(output: str) -> dict[int, str]:
