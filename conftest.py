@@ -86,7 +86,9 @@ def pytest_pyfunc_call(pyfuncitem):
   TEST_XLA_FLAGS: it compares, bit for bit, programs whose loops differ in
   shape (a unit's shards against the whole leaf), and without LLVM's
   optimisations XLA's CPU code for ``log1p``, ``tanh`` and ``erf_inv``
-  rounds the last iterations of a loop differently from the others."""
+  rounds the last iterations of a loop differently from the others (with
+  the older fusion emitters, two differently fused programs can differ in
+  the last bit too)."""
   if _NATIVE or _LLVM_OPTIMIZED or pyfuncitem.get_closest_marker("llvm_optimized") is None:
     return None
   env = dict(os.environ, **{_LLVM_ENV: "1"})
