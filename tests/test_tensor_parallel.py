@@ -31,7 +31,7 @@ RULES = [("*.wq", "colwise"), ("*.wk", "colwise"), ("*.wv", "colwise"), ("*.wo",
          ("head", "colwise"), ("embed.embedding", (None, "tensor"))]
 
 
-def model_params(seed=0, ff=FF, heads=HEADS):
+def model_params(seed=0, ff=FF, heads=HEADS, layers=LAYERS):
   keys = iter(jax.random.split(jax.random.key(seed), 64))
   w = lambda *shape: jax.random.normal(next(keys), shape) * (0.5 / np.sqrt(shape[0]))
   layer = lambda: {
@@ -42,7 +42,7 @@ def model_params(seed=0, ff=FF, heads=HEADS):
       "gate": {"kernel": w(D, ff)}, "up": {"kernel": w(D, ff), "bias": w(1, ff)[0]},
       "down": {"kernel": w(ff, D), "bias": w(1, D)[0]},
   }
-  return {"embed": {"embedding": w(VOCAB, D) * 4}, "layers": [layer() for _ in range(LAYERS)],
+  return {"embed": {"embedding": w(VOCAB, D) * 4}, "layers": [layer() for _ in range(layers)],
           "norm": jnp.ones((D,)), "head": {"kernel": w(D, VOCAB), "bias": w(1, VOCAB)[0]}}
 
 
@@ -120,10 +120,27 @@ def assert_close_relative(actual, expected, rel):
     assert err <= rel, (jax.tree_util.keystr(path), err)
 
 
-def check(params, loss, config, m, data=None, optimizer=None, rtol=1e-4, loss_tol=1e-5):
+_REFERENCES = {}
+
+
+def reference(key, loss, params, optimizer, data):
+  """jit_reference_run, once per ``key`` in this module: the cases that train
+  the same model, loss, optimizer and data share one single-device run."""
+  if key is None or key not in _REFERENCES:
+    result = jit_reference_run(loss, params, optimizer, data)
+    if key is None:
+      return result
+    _REFERENCES[key] = result
+  return _REFERENCES[key]
+
+
+def check(params, loss, config, m, data=None, optimizer=None, rtol=1e-4, loss_tol=1e-5,
+          ref_key=None):
+  """``ref_key``: names the reference run (model, loss, optimizer, data) for
+  the cases that share it."""
   data = batches() if data is None else data
   optimizer = optax.adamw(3e-2) if optimizer is None else optimizer
-  ref_losses, ref_params = jit_reference_run(loss, params, optimizer, data)
+  ref_losses, ref_params = reference(ref_key, loss, params, optimizer, data)
   state, losses, step = run(params, loss, config, m, optimizer, data)
   np.testing.assert_allclose(losses, ref_losses, rtol=loss_tol, atol=loss_tol)
   assert_close_relative(fsdp_jax.summon_full_params(state), ref_params, rtol)
@@ -135,15 +152,18 @@ def check(params, loss, config, m, data=None, optimizer=None, rtol=1e-4, loss_to
 
 
 # Every mesh shape, both layouts, the non-dividing 3 x 2 mesh in both (the
-# other shapes each in one layout: 4 x 2 flat runs in most tests below, and
-# HYBRID with use_orig_params in test_whole_tensor_optimizers).
+# other shapes each in one layout: 4 x 2 flat runs in most tests below,
+# HYBRID with use_orig_params in test_whole_tensor_optimizers, and 2 x 4
+# with use_orig_params against one device in the vocabulary-parallel,
+# rotary and Muon tests).
 @pytest.mark.parametrize("shard,tensor,replicate,orig", [
-    (4, 2, None, True), (2, 4, None, True), (2, 2, 2, False), (3, 2, None, False),
-    (3, 2, None, True), (1, 8, None, True)])
+    (4, 2, None, True), (2, 2, 2, False), (3, 2, None, False), (3, 2, None, True),
+    (1, 8, None, True)])
 def test_matches_single_device(shard, tensor, replicate, orig):
   strategy = S.HYBRID_SHARD if replicate else S.FULL_SHARD
   cfg = tp_config(sharding_strategy=strategy, use_orig_params=orig)
-  state, step = check(model_params(), loss_fn, cfg, mesh(shard, tensor, replicate))
+  state, step = check(model_params(), loss_fn, cfg, mesh(shard, tensor, replicate),
+                      ref_key="adamw")
   # Each device stores 1/(S*T) of every split leaf.
   for leaf, x in zip(state.plan.leaves, jax.tree.leaves(state.params) if orig else []):
     if leaf.tensor_dim is not None:
@@ -155,7 +175,7 @@ def test_every_strategy(strategy):
   replicate = 2 if strategy is S._HYBRID_SHARD_ZERO2 else None
   shard = 2 if replicate else 4
   check(model_params(), loss_fn, tp_config(sharding_strategy=strategy),
-        mesh(shard, 2, replicate))
+        mesh(shard, 2, replicate), ref_key="adamw")
 
 
 @pytest.mark.parametrize("orig", [False, True])
@@ -181,26 +201,34 @@ def test_mixed_precision_bf16(orig):
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
   assert_close_relative(fsdp_jax.summon_full_params(state),
                         fsdp_jax.summon_full_params(ref_state), 1e-3)
-  one_losses, _ = jit_reference_run(bf16_loss, params, opt, data)
+  one_losses, _ = reference("bf16 sgd", bf16_loss, params, opt, data)
   np.testing.assert_allclose(losses, one_losses, rtol=2e-4, atol=2e-4)
 
 
-def test_split_leaves_stored_and_gathered_as_slices():
+def _wrapped_compiled(t):
+  """(state, compiled step's HLO text) of the model wrapped per layer, with
+  tensor parallelism on 4 x 2 (t=2) or FSDP alone on 4 devices (t=1)."""
+  opt = optax.sgd(0.1)
+  kw = dict(use_orig_params=True, auto_wrap_policy=fsdp_jax.ModuleWrapPolicy(["layers.*"]))
+  cfg = tp_config(**kw) if t > 1 else fsdp_jax.FSDPConfig(**kw)
+  m = mesh(4, 2) if t > 1 else fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4])
+  state = fsdp_jax.init_train_state(params=model_params(), optimizer=opt, mesh=m, config=cfg)
+  step = fsdp_jax.shard_train_step(loss_fn, opt, mesh=m, config=cfg)
+  return state, step.lower(state, batches(1)[0]).compile().as_text()
+
+
+@pytest.fixture(scope="module")
+def wrapped_tp():
+  """One compile of the per-layer-wrapped tensor-parallel step, read by the
+  tests of its stored slices, collectives and plan."""
+  return _wrapped_compiled(2)
+
+
+def test_split_leaves_stored_and_gathered_as_slices(wrapped_tp):
   """Stored 1/(S*T) per device; the FSDP all-gathers over 'shard' move 1/T
   of FSDP alone's bytes for the split leaves; Megatron's all-reduces run
   over 'tensor' (one forward per row-parallel matmul)."""
-  params = model_params()
-  data = batches(1)
-  opt = optax.sgd(0.1)
-  results = {}
-  for t in (1, 2):
-    kw = dict(use_orig_params=True, auto_wrap_policy=fsdp_jax.ModuleWrapPolicy(["layers.*"]))
-    cfg = tp_config(**kw) if t > 1 else fsdp_jax.FSDPConfig(**kw)
-    m = mesh(4, 2) if t > 1 else fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4])
-    state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=m, config=cfg)
-    step = fsdp_jax.shard_train_step(loss_fn, opt, mesh=m, config=cfg)
-    text = step.lower(state, data[0]).compile().as_text()
-    results[t] = (state, text)
+  results = {1: _wrapped_compiled(1), 2: wrapped_tp}
   state2, text2 = results[2]
   for leaf, x in zip(state2.plan.leaves, jax.tree.leaves(state2.params)):
     local = x.addressable_shards[0].data.size
@@ -259,6 +287,10 @@ WHOLE_TENSOR = {
     "clip_by_global_norm": lambda: optax.chain(optax.clip_by_global_norm(0.05),
                                                optax.adamw(3e-2)),
     "adafactor": lambda: optax.adafactor(3e-2),
+    # The global view of both at once: the clipped gradients' squares are
+    # Adafactor's statistics (compared with FSDP alone's below).
+    "clip_by_global_norm+adafactor": lambda: optax.chain(optax.clip_by_global_norm(0.05),
+                                                         optax.adafactor(3e-2)),
     "muon": lambda: optax.contrib.muon(3e-2),
     "lamb": lambda: optax.lamb(3e-2),
 }
@@ -266,8 +298,7 @@ WHOLE_TENSOR = {
 
 @pytest.mark.parametrize("name,mode,shape,orig,stacked", [
     ("clip_by_global_norm", "sharded", (3, 2, None), True, True),
-    ("clip_by_global_norm", "global", (2, 2, 2), False, False),
-    ("adafactor", "global", (4, 2, None), False, True),
+    ("clip_by_global_norm+adafactor", "global", (2, 2, 2), False, True),
     ("adafactor", "sharded", (1, 8, None), False, True),
     ("muon", "sharded", (4, 2, None), False, False),
     ("muon", "global", (2, 4, None), True, False),
@@ -278,13 +309,16 @@ def test_whole_tensor_optimizers(name, mode, shape, orig, stacked):
   leaf whole: a global norm sums the slices over the tensor axis too,
   Adafactor's row and column moments and Muon's orthogonalisation read the
   whole matrix (on the shards, or in the global view)."""
-  params, loss = (_stacked(model_params()), scan_loss_fn) if stacked else (model_params(),
-                                                                          loss_fn)
+  # One layer unstacked (a layer's matrices are what these optimizers read
+  # whole; each compile of the global view is about half a two-layer one's).
+  params, loss = ((_stacked(model_params()), scan_loss_fn) if stacked else
+                  (model_params(layers=1), loss_fn))
   cfg = tp_config(optimizer_update=mode, use_orig_params=orig,
                   stacked_layers=("layers",) if stacked else ())
-  state, _ = check(params, loss, cfg, mesh(*shape), optimizer=WHOLE_TENSOR[name]())
+  state, _ = check(params, loss, cfg, mesh(*shape), optimizer=WHOLE_TENSOR[name](),
+                   ref_key=(name, stacked))
   assert state.plan.opt_update.mode == mode, state.plan.opt_update
-  if name == "adafactor":
+  if "adafactor" in name:
     # The optimizer state is the whole leaves' (factored statistics over
     # whole rows and columns), as FSDP alone keeps it.
     alone = run(params, loss, fsdp_jax.FSDPConfig(use_orig_params=orig,
@@ -301,7 +335,7 @@ def test_zeropp_quantized_gathers_and_hpz():
   run within each tensor slice; against one device with the same
   quantization error bound as FSDP alone (tests/test_zeropp.py)."""
   q = fsdp_jax.Quantization(dtype=jnp.int8, block_size=32)
-  params = model_params()
+  params = model_params(layers=1)
   data = batches(2)
   ref_losses, ref_params = jit_reference_run(loss_fn, params, optax.sgd(0.1), data)
   for cfg in (tp_config(reshard_after_forward=2, use_orig_params=True),
@@ -320,8 +354,9 @@ def test_cpu_offload_clip_grad_norm_and_summon_write():
   cfg = tp_config(cpu_offload=fsdp_jax.CPUOffload(offload_params=True))
   ref_opt = optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(0.5))
   data = batches(2)
-  ref_losses, ref_params = jit_reference_run(loss_fn, model_params(), ref_opt, data)
-  state, losses, _ = run(model_params(), loss_fn, cfg, mesh(4, 2), optax.sgd(0.5), data,
+  params = model_params(layers=1)
+  ref_losses, ref_params = jit_reference_run(loss_fn, params, ref_opt, data)
+  state, losses, _ = run(params, loss_fn, cfg, mesh(4, 2), optax.sgd(0.5), data,
                          max_norm=0.1)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_params, rtol=1e-4, atol=1e-6)
@@ -348,8 +383,9 @@ def test_checkpoint_reshards_across_meshes(tmp_path):
     same = mgr.restore(state)
     for a, b in zip(jax.tree.leaves(same.params), jax.tree.leaves(state.params)):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    s1, l1 = train_steps(step, same, data[1:])
     full = fsdp_jax.summon_full_params(state)
+    moments = plain(fsdp_jax.optim_state_dict(state)["state"])
+    s1, l1 = train_steps(step, same, data[1:])
     targets = [(fsdp_jax.FSDPConfig(), fsdp_jax.make_mesh(shard=8)),
                (tp_config(), mesh(2, 4)),
                (fsdp_jax.FSDPConfig(), fsdp_jax.make_mesh(shard=1, devices=jax.devices()[:1]))]
@@ -357,9 +393,13 @@ def test_checkpoint_reshards_across_meshes(tmp_path):
       target = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=m, config=c)
       restored = mgr.restore(target)
       assert_trees_close(fsdp_jax.summon_full_params(restored), full, rtol=0, atol=0)
-      step2 = fsdp_jax.shard_train_step(loss_fn, opt, mesh=m, config=c)
-      _, l2 = train_steps(step2, restored, data[1:])
-      np.testing.assert_allclose(l2, l1, rtol=1e-5)
+      # Adam's moments resharded exactly (the state the next steps read).
+      assert_trees_close(plain(fsdp_jax.optim_state_dict(restored)["state"]), moments,
+                         rtol=0, atol=0)
+      if c.tensor_parallel is not None:  # and it trains on: the same losses
+        step2 = fsdp_jax.shard_train_step(loss_fn, opt, mesh=m, config=c)
+        _, l2 = train_steps(step2, restored, data[1:])
+        np.testing.assert_allclose(l2, l1, rtol=1e-5)
 
 
 def test_state_dicts_full_and_sharded():
@@ -419,9 +459,8 @@ def test_vocab_parallel_embedding_and_cross_entropy_gather_nothing(shape, orig):
 # The plan
 
 
-def test_plan_shows_the_2d_layout_and_collectives():
-  cfg = tp_config(auto_wrap_policy=fsdp_jax.ModuleWrapPolicy(["layers.*"]))
-  state, _, step = run(model_params(), loss_fn, cfg, mesh(4, 2), optax.sgd(0.1), batches(1))
+def test_plan_shows_the_2d_layout_and_collectives(wrapped_tp):
+  state = wrapped_tp[0]
   text = str(state.plan)
   assert "mesh {'shard': 4, 'tensor': 2}" in text
   assert "layers.0.tensor_parallel [tensor x2]" in text
@@ -629,7 +668,8 @@ def test_lora_adapters_split_with_their_kernel(orig, quantized):
   targets = ("*.wo", "*.down") if quantized else ("*.wq", "*.wv", "*.wo", "*.down")
   lora = fsdp_jax.LoRA(targets=targets, rank=4, alpha=8.0, trainable=("head",),
                        base_quantization=q)
-  runs = _lora_runs(model_params(), loss_fn, lora, RULES, mesh(4, 2), batches(3), orig=orig)
+  runs = _lora_runs(model_params(layers=1), loss_fn, lora, RULES, mesh(4, 2), batches(3),
+                    orig=orig)
   np.testing.assert_allclose(runs[2][1], runs[1][1], rtol=1e-5, atol=1e-5)
   assert runs[1][1][-1] < runs[1][1][0]
   assert_close_relative(fsdp_jax.summon_full_params(runs[2][0]),
@@ -657,7 +697,7 @@ def test_pretrained_into_lora_tensor_parallel(tmp_path, quantized):
   device reads its slice of the base (QLoRA: its rows, encoded on the host
   as at init), the factors start as at init (B = 0), and the merged model
   is the checkpoint (exactly; within int8 rounding for QLoRA)."""
-  params = model_params()
+  params = model_params(layers=1)
   wm = _weight_map(params)
   src = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1),
                                   mesh=fsdp_jax.make_mesh(shard=8), config=fsdp_jax.FSDPConfig())
@@ -667,7 +707,7 @@ def test_pretrained_into_lora_tensor_parallel(tmp_path, quantized):
   cfg = fsdp_jax.FSDPConfig(lora=lora, use_orig_params=True,
                             tensor_parallel=fsdp_jax.TensorParallel(rules=RULES))
   load = lambda c, m: fsdp_jax.summon_full_params(fsdp_jax.init_train_state(
-      init_fn=lambda rng: model_params(seed=5), rng=jax.random.key(0),
+      init_fn=lambda rng: model_params(seed=5, layers=1), rng=jax.random.key(0),
       optimizer=optax.sgd(0.1), mesh=m, config=c,
       pretrained=pretrained.load(tmp_path / "in", wm)))
   full = load(cfg, mesh(4, 2))

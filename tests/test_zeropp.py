@@ -22,7 +22,7 @@ import pytest
 import fsdp_jax
 from fsdp_jax._src import hlo, quantization
 from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_params,
-                     reference_run, sharded_run, train_steps)
+                     jit_reference_run, sharded_run, train_steps)
 
 S = fsdp_jax.ShardingStrategy
 Q = fsdp_jax.Quantization
@@ -64,23 +64,28 @@ def _compile(params, batch, mesh, loss=mlp_loss, opt=None, **kw):
 # reshard_after_forward=k (hpZ): exact, backward gathers within groups
 
 
-HPZ_CASES = [  # (strategy, shard size, replicate, k)
-    (S.FULL_SHARD, 8, None, 4), (S.FULL_SHARD, 8, None, 2), (S.FULL_SHARD, 6, None, 3),
-    (S.FULL_SHARD, 4, None, 2), (S.HYBRID_SHARD, 4, 2, 2), (S.FULL_SHARD, 4, 2, 4)]
+HPZ_CASES = [  # (strategy, shard size, replicate, k, use_orig_params)
+    # Each case in one layout, both layouts for each k and for the 2-D
+    # meshes: the flat and per-leaf gathers share the grouping code.
+    (S.FULL_SHARD, 8, None, 4, False), (S.FULL_SHARD, 8, None, 2, True),
+    (S.FULL_SHARD, 6, None, 3, False), (S.FULL_SHARD, 4, None, 2, False),
+    (S.HYBRID_SHARD, 4, 2, 2, True), (S.FULL_SHARD, 4, 2, 4, True)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("orig", [False, True], ids=["flat", "orig"])
-@pytest.mark.parametrize("case", HPZ_CASES,
-                         ids=lambda c: f"{c[0].name}-{c[2] or 1}x{c[1]}-k{c[3]}")
-def test_reshard_after_forward_k_equals_full_shard_bitwise(case, orig):
-  """7x7 blocks and a 5x7 input layer: no mesh size here divides the units."""
-  strategy, n, replicate, k = case
-  ref_losses, ref_params = _run(strategy, n, replicate, orig)
-  losses, params = _run(strategy, n, replicate, orig, reshard_after_forward=k)
-  assert losses == ref_losses
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-               params, ref_params)
+@pytest.mark.llvm_optimized
+def test_reshard_after_forward_k_equals_full_shard_bitwise():
+  """7x7 blocks and a 5x7 input layer: no mesh size here divides the units.
+  The cases run in one process (the bitwise comparison needs XLA's default
+  LLVM optimisations: conftest.py)."""
+  for strategy, n, replicate, k, orig in HPZ_CASES:
+    case = f"{strategy.name} {replicate or 1}x{n} k={k} use_orig_params={orig}"
+    ref_losses, ref_params = _run(strategy, n, replicate, orig)
+    losses, params = _run(strategy, n, replicate, orig, reshard_after_forward=k)
+    assert losses == ref_losses, case
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                                            err_msg=case),
+                 params, ref_params)
 
 
 @pytest.mark.slow
@@ -328,6 +333,13 @@ def test_non_finite_values_are_never_hidden():
 WIDE = dict(d=64, d_in=32)  # 8 x 520 elements per block unit: whole quant blocks
 
 
+@functools.lru_cache(maxsize=None)
+def _wide_fp32_step():
+  """The unquantized step of the wide MLP on 8 devices: the byte-count
+  tests' baseline, compiled once."""
+  return _compile(mlp_params(**WIDE), mlp_batch(d_in=32), mesh_for(None, 8))[1]
+
+
 def _bytes(compiled, kind):
   cs = [c for c in hlo.collectives(compiled.as_text()) if c.kind == kind and c.shapes[0] != ()]
   return cs, sum(c.bytes for c in cs)
@@ -341,7 +353,7 @@ def _bytes(compiled, kind):
 def test_quantized_gathers_move_fewer_bytes(q, ratio):
   """All-gather bytes in the compiled HLO, scales included, against fp32."""
   params, batch, mesh = mlp_params(**WIDE), mlp_batch(d_in=32), mesh_for(None, 8)
-  _, base = _compile(params, batch, mesh)
+  base = _wide_fp32_step()
   _, quant = _compile(params, batch, mesh, all_gather_quantization=q)
   base_gathers, base_bytes = _bytes(base, "all-gather")
   gathers, got = _bytes(quant, "all-gather")
@@ -358,7 +370,7 @@ def test_quantized_reduction_moves_fewer_bytes(q, ratio):
   """qgZ: the gradient moves as quantized all-to-all, no reduce-scatter left;
   bytes against the reduce-scatter's payload (its result x N)."""
   params, batch, mesh = mlp_params(**WIDE), mlp_batch(d_in=32), mesh_for(None, 8)
-  _, base = _compile(params, batch, mesh)
+  base = _wide_fp32_step()
   _, quant = _compile(params, batch, mesh, reduce_scatter_quantization=q)
   scatters, base_bytes = _bytes(base, "reduce-scatter")
   assert _bytes(quant, "reduce-scatter")[0] == []
@@ -394,12 +406,17 @@ def _local_grads(params, batch, devices):
           for j in range(devices)]
 
 
+INT8_NEAREST, INT4_STOCHASTIC = Q(dtype=jnp.int8, rounding="nearest"), Q(dtype="int4",
+                                                                           block_size=32)
+
+
+# Each hop count with one rounding, the three hops with both.
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,n,replicate,hops", [
-    (S.FULL_SHARD, 8, None, 1), (S.FULL_SHARD, 4, 2, 2), (S.HYBRID_SHARD, 4, 2, 3)])
-@pytest.mark.parametrize("q", [Q(dtype=jnp.int8, rounding="nearest"),
-                               Q(dtype="int4", block_size=32)],
-                         ids=["int8-nearest", "int4-stochastic"])
+@pytest.mark.parametrize("strategy,n,replicate,hops,q", [
+    (S.FULL_SHARD, 8, None, 1, INT8_NEAREST), (S.FULL_SHARD, 4, 2, 2, INT4_STOCHASTIC),
+    (S.HYBRID_SHARD, 4, 2, 3, INT8_NEAREST), (S.HYBRID_SHARD, 4, 2, 3, INT4_STOCHASTIC)],
+    ids=["full-8-int8-nearest", "full-2x4-int4-stochastic", "hybrid-2x4-int8-nearest",
+         "hybrid-2x4-int4-stochastic"])
 def test_quantized_reduction_error_is_bounded(strategy, n, replicate, hops, q):
   """The reduced gradient g = (1/W) sum_j g_j. Each hop rounds every value it
   sends to within one step of its block's scale, max|block| / M (half a step
@@ -441,9 +458,10 @@ def test_quantized_gather_is_straight_through_and_masters_stay_exact():
   mesh = mesh_for(None, 8)
   cfg = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP, all_gather_quantization=q,
                             use_orig_params=True)
-  state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(1.0), mesh=mesh,
-                                    config=cfg)
-  step = fsdp_jax.shard_train_step(loss_fn, optax.sgd(1.0), mesh=mesh, config=cfg)
+  # Learning rate 1 for the first step, 0 after it (one compiled step).
+  opt = optax.sgd(lambda count: jnp.where(count == 0, 1.0, 0.0))
+  state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=cfg)
+  step = fsdp_jax.shard_train_step(loss_fn, opt, mesh=mesh, config=cfg)
   new, metrics = step(state, batch)
   seen = metrics["aux"]
   # A scale covers a block of one device's shard of one unit: bounded by the
@@ -461,18 +479,20 @@ def test_quantized_gather_is_straight_through_and_masters_stay_exact():
   got = jax.tree.map(lambda a, b: a - b, params, fsdp_jax.summon_full_params(new))  # sgd(1.0)
   dist = lambda a, b: max(float(jnp.max(jnp.abs(x - y)))
                           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-  at_seen, at_exact = jax.grad(mlp_loss)(seen, batch), jax.grad(mlp_loss)(params, batch)
+  grad = jax.jit(jax.grad(mlp_loss))
+  at_seen, at_exact = grad(seen, batch), grad(params, batch)
   # Summation order (8 devices against one) and p - (p - g) rounding: ~1e-5
   # of the largest gradient; the exact parameters' gradient is far off.
   tol = 1e-5 * max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(at_exact))
   assert dist(got, at_seen) <= tol < dist(got, at_exact) / 100
-  frozen = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.0), mesh=mesh,
-                                     config=cfg)
-  step0 = fsdp_jax.shard_train_step(loss_fn, optax.sgd(0.0), mesh=mesh, config=cfg)
+  # At learning rate 0 the stored masters never change (never the
+  # dequantized copy the forward saw).
+  masters = fsdp_jax.summon_full_params(new)
+  frozen = new
   for _ in range(2):
-    frozen, _ = step0(frozen, batch)
+    frozen, _ = step(frozen, batch)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-               fsdp_jax.summon_full_params(frozen), params)
+               fsdp_jax.summon_full_params(frozen), masters)
 
 
 @pytest.mark.slow
@@ -494,12 +514,18 @@ def test_quantized_training_stays_close_to_unquantized():
               "ZeRO++": dict(all_gather_quantization=Q(), reshard_after_forward=4,
                              reduce_scatter_quantization=Q(dtype="int4", block_size=32))}
   gaps = {name: [] for name in settings}
+  opt = optax.adam(3e-3)
+  configs = {name: fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP, **kw)
+             for name, kw in settings.items()}
+  # One compiled step per setting, run from a fresh state for each seed.
+  steps = {name: fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=cfg)
+           for name, cfg in configs.items()}
   for seed in (0, 100, 200):
     batches = [mlp_batch(seed=seed + i, d_in=16, n=32) for i in range(30)]
     final = {}
-    for name, kw in settings.items():
-      cfg = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP, **kw)
-      losses, _ = sharded_run(mlp_loss, params, batches, optax.adam(3e-3), mesh, cfg)
+    for name, cfg in configs.items():
+      state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=cfg)
+      _, losses = train_steps(steps[name], state, batches)
       final[name] = losses[-1]
     assert final["exact"] < 0.8 * mlp_loss(params, batches[0])  # it trained
     for name, loss in final.items():
@@ -571,7 +597,7 @@ def test_backward_prefetch_units_gather_before_the_units_reduce_scatter():
 def test_explicit_prefetch_keeps_the_numbers():
   params, batch = mlp_params(blocks=4), mlp_batch(n=12)
   opt = optax.adam(1e-2)
-  ref_losses, ref_params = reference_run(mlp_loss, params, [batch] * 3, opt)
+  ref_losses, ref_params = jit_reference_run(mlp_loss, params, opt, [batch] * 3)
   cfg = fsdp_jax.FSDPConfig(auto_wrap_policy=PF_WRAP, reshard_after_forward=2,
                             forward_prefetch_units={"inp": ["blocks.0", "blocks.1"]},
                             backward_prefetch_units={"blocks.3": ["blocks.1"]})
