@@ -37,7 +37,7 @@ import jax
 import pytest
 
 import fsdp_jax
-from tests.helpers import TEST_XLA_FLAGS
+from tests.helpers import OPTIONAL_XLA_FLAGS, TEST_FLAGS_ENV, TEST_XLA_FLAGS
 
 _NATIVE = os.environ.get("FSDP_JAX_TEST_DEVICES", "") == "native"
 # Set in the process that runs an ``llvm_optimized`` test (see
@@ -81,26 +81,46 @@ def _skip_when_too_few_devices():
     raise
 
 
-def pytest_pyfunc_call(pyfuncitem):
-  """A test marked ``llvm_optimized`` runs in a fresh pytest process without
-  TEST_XLA_FLAGS: it compares, bit for bit, programs whose loops differ in
-  shape (a unit's shards against the whole leaf), and without LLVM's
-  optimisations XLA's CPU code for ``log1p``, ``tanh`` and ``erf_inv``
-  rounds the last iterations of a loop differently from the others (with
-  the older fusion emitters, two differently fused programs can differ in
-  the last bit too)."""
-  if _NATIVE or _LLVM_OPTIMIZED or pyfuncitem.get_closest_marker("llvm_optimized") is None:
+def _own_process_flags(item):
+  """The XLA flags a test runs with in its own process, or None to run it
+  here. ``llvm_optimized``: without TEST_XLA_FLAGS. It compares, bit for
+  bit, programs whose loops differ in shape (a unit's shards against the
+  whole leaf), and without LLVM's optimisations XLA's CPU code for
+  ``log1p``, ``tanh`` and ``erf_inv`` rounds the last iterations of a loop
+  differently from the others. ``fusion_emitters``: without the older
+  fusion emitters TEST_XLA_FLAGS chose (jaxlib 0.10; elsewhere the test runs
+  here). It compares two differently fused programs bit for bit, and the
+  older emitters round some fusions' results differently in the last bit."""
+  ours = TEST_XLA_FLAGS.split()
+  if item.get_closest_marker("llvm_optimized") is not None:
+    drop = ours
+  elif item.get_closest_marker("fusion_emitters") is not None:
+    drop = [f for f in ours if f in OPTIONAL_XLA_FLAGS]
+    if not drop:
+      return None
+  else:
     return None
-  env = dict(os.environ, **{_LLVM_ENV: "1"})
-  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                              if f not in TEST_XLA_FLAGS.split())
+  return [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in drop], \
+      [f for f in ours if f not in drop]
+
+
+def pytest_pyfunc_call(pyfuncitem):
+  """A test marked ``llvm_optimized`` or ``fusion_emitters`` runs in a fresh
+  pytest process with some of TEST_XLA_FLAGS left out
+  (:func:`_own_process_flags`)."""
+  flags = None if _NATIVE or _LLVM_OPTIMIZED else _own_process_flags(pyfuncitem)
+  if flags is None:
+    return None
+  xla_flags, test_flags = flags
+  env = dict(os.environ, **{_LLVM_ENV: "1", "XLA_FLAGS": " ".join(xla_flags),
+                            TEST_FLAGS_ENV: " ".join(test_flags)})
   proc = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
        "-o", "addopts=", pyfuncitem.nodeid],
       cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True, timeout=600)
   if proc.returncode != 0:
-    pytest.fail(f"{pyfuncitem.nodeid} failed in its own process (XLA's default LLVM "
-                f"optimisations):\n{(proc.stdout + proc.stderr)[-6000:]}", pytrace=False)
+    pytest.fail(f"{pyfuncitem.nodeid} failed in its own process (XLA_FLAGS="
+                f"{env['XLA_FLAGS']!r}):\n{(proc.stdout + proc.stderr)[-6000:]}", pytrace=False)
   return True
 
 

@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 # schedules, buffer sizes and collectives the tests count) nor any
 # floating-point result beyond rounding (XLA's CPU code is compiled without
 # fast-math either way).
-_OPTIONAL_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
-_FLAGS_ENV = "FSDP_JAX_TEST_XLA_FLAGS"  # probed once; launched processes inherit it
+OPTIONAL_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
+TEST_FLAGS_ENV = "FSDP_JAX_TEST_XLA_FLAGS"  # probed once; launched processes inherit it
 
 
 def _xla_takes(flag: str) -> bool:
@@ -45,11 +45,11 @@ def _xla_takes(flag: str) -> bool:
 
 
 def _test_xla_flags() -> str:
-  if _FLAGS_ENV not in os.environ:
+  if TEST_FLAGS_ENV not in os.environ:
     flags = ["--xla_backend_optimization_level=0",
-             *(f for f in _OPTIONAL_XLA_FLAGS if _xla_takes(f))]
-    os.environ[_FLAGS_ENV] = " ".join(flags)
-  return os.environ[_FLAGS_ENV]
+             *(f for f in OPTIONAL_XLA_FLAGS if _xla_takes(f))]
+    os.environ[TEST_FLAGS_ENV] = " ".join(flags)
+  return os.environ[TEST_FLAGS_ENV]
 
 
 TEST_XLA_FLAGS = _test_xla_flags()
