@@ -78,7 +78,7 @@ MUTANTS = (
     Mutant("lora-scale", "LoRA's adapter scale alpha / rank doubled",
            "fsdp_jax/_src/lora.py",
            "return self.alpha / self.rank", "return 2 * self.alpha / self.rank",
-           ("tests/test_lora_pretrained.py", "tests/test_lora.py")),
+           ("tests/test_lora.py", "tests/test_lora_pretrained.py")),
     Mutant("nf4-nibble-order", "NF4 codes packed low nibble first (bitsandbytes packs "
            "the first value in the high nibble)",
            "fsdp_jax/_src/quantization.py",

@@ -95,7 +95,9 @@ def reference(params, loss_fn, lora, optimizer, batches, *, stacked=(), max_norm
     return jax.tree.unflatten(treedef, [a if a is not None else b for a, b in zip(t, frozen)])
 
   def loss_of(t, batch):
-    return loss_fn(lora_lib.merged_tree(combine(t), lora.scaling), batch)
+    # alpha / rank written out, not LoRA.scaling: the reference does not
+    # share the engine's scale.
+    return loss_fn(lora_lib.merged_tree(combine(t), lora.alpha / lora.rank), batch)
 
   if max_norm is not None:
     optimizer = optax.chain(optax.clip_by_global_norm(max_norm), optimizer)
@@ -111,7 +113,7 @@ def reference(params, loss_fn, lora, optimizer, batches, *, stacked=(), max_norm
   for batch in batches:
     train, opt_state, loss = train_step(train, opt_state, batch)
     losses.append(float(loss))
-  return losses, lora_lib.merged_tree(combine(train), lora.scaling)
+  return losses, lora_lib.merged_tree(combine(train), lora.alpha / lora.rank)
 
 
 def run(params, loss_fn, lora, optimizer, batches, *, mesh, strategy=S.FULL_SHARD,
