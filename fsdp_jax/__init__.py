@@ -18,127 +18,154 @@ Example:
   FSDP plan: FULL_SHARD, flat parameters, mesh {'shard': 2}, ...
 """
 
-# Configuration: the FSDP constructor's options, as values.
-from fsdp_jax._src.config import (
-    BackwardPrefetch as BackwardPrefetch,
-    CPUOffload as CPUOffload,
-    FSDPConfig as FSDPConfig,
-    MixedPrecision as MixedPrecision,
-    ShardingStrategy as ShardingStrategy,
-    StateDictType as StateDictType,
-    gradient_divide_factors as gradient_divide_factors,
-)
-from fsdp_jax._src.quantization import Quantization as Quantization
-from fsdp_jax._src.lora import LoRA as LoRA
-from fsdp_jax._src.tensor import TensorParallel as TensorParallel
-from fsdp_jax._src.wrap import (
-    CustomPolicy as CustomPolicy,
-    ModuleWrapPolicy as ModuleWrapPolicy,
-    Node as Node,
-    lambda_auto_wrap_policy as lambda_auto_wrap_policy,
-    size_based_auto_wrap_policy as size_based_auto_wrap_policy,
-)
-
-# Devices.
-from fsdp_jax._src.mesh import (
-    make_mesh as make_mesh,
-    simulate_cpu_devices as simulate_cpu_devices,
-)
-
-# State and the train step.
-from fsdp_jax._src.loss import WeightedLoss as WeightedLoss
-from fsdp_jax._src.loss import constant_key as constant_key
-from fsdp_jax._src.plan import Plan as Plan
-from fsdp_jax._src.frameworks import module_classes as module_classes
-from fsdp_jax._src.state import (
-    ShardedTrainState as ShardedTrainState,
-    init_train_state as init_train_state,
-)
-from fsdp_jax._src.step import (
-    NonFiniteError as NonFiniteError,
-    TrainStep as TrainStep,
-    shard_train_step as shard_train_step,
-)
-
-# Evaluation, and the hand-off to inference.
-from fsdp_jax._src.evaluation import (
-    EvalStep as EvalStep,
-    shard_eval_step as shard_eval_step,
-)
-from fsdp_jax._src.reshard import reshard_params as reshard_params
-
-# The planner: what fits and how fast.
-from fsdp_jax._src.planner import (
-    DeviceSpec as DeviceSpec,
-    Estimate as Estimate,
-    estimate as estimate,
-    search as search,
-)
-
-# Full parameters.
-from fsdp_jax._src.full import (
-    apply as apply,
-    summon_full_params as summon_full_params,
-    write_full_params as write_full_params,
-)
-
-# State dicts and checkpoints.
-from fsdp_jax._src.state_dicts import (
-    OptimStateKeyType as OptimStateKeyType,
-    full_optim_state_dict as full_optim_state_dict,
-    load_state_dict as load_state_dict,
-    optim_state_dict as optim_state_dict,
-    optim_state_dict_to_load as optim_state_dict_to_load,
-    rekey_optim_state_dict as rekey_optim_state_dict,
-    scatter_full_optim_state_dict as scatter_full_optim_state_dict,
-    shard_full_optim_state_dict as shard_full_optim_state_dict,
-    state_dict as state_dict,
-)
-from fsdp_jax._src.checkpoint import (
-    CheckpointError as CheckpointError,
-    CheckpointManager as CheckpointManager,
-    export_params as export_params,
-    import_params as import_params,
-)
-
-# Multi-process.
-from fsdp_jax._src.runtime.cluster import DistributedInfo as DistributedInfo
-from fsdp_jax._src.runtime.distributed import (
-    MonitoredBarrierError as MonitoredBarrierError,
-    monitored_barrier as monitored_barrier,
-)
-
-# Public submodules.
-from fsdp_jax import custom as custom
-from fsdp_jax import distributed as distributed
-from fsdp_jax import hlo as hlo
-from fsdp_jax import hooks as hooks
+import sys
+from typing import TYPE_CHECKING
 
 from fsdp_jax._src import deprecations as _deprecations
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BackwardPrefetch", "CPUOffload", "CheckpointError",
-    "CheckpointManager", "CustomPolicy", "DeviceSpec", "DistributedInfo", "Estimate",
-    "EvalStep", "FSDPConfig", "LoRA",
-    "MixedPrecision", "ModuleWrapPolicy", "MonitoredBarrierError", "Node",
-    "NonFiniteError", "OptimStateKeyType", "Plan", "Quantization",
-    "ShardedTrainState", "ShardingStrategy", "StateDictType", "TensorParallel", "TrainStep",
-    "WeightedLoss", "apply", "constant_key", "custom", "distributed", "estimate",
-    "export_params",
-    "full_optim_state_dict", "gradient_divide_factors", "hlo", "hooks",
-    "import_params", "init_train_state", "lambda_auto_wrap_policy",
-    "load_state_dict", "make_mesh", "module_classes", "monitored_barrier",
-    "optim_state_dict", "optim_state_dict_to_load", "rekey_optim_state_dict",
-    "reshard_params", "scatter_full_optim_state_dict", "search", "shard_eval_step",
-    "shard_full_optim_state_dict", "shard_train_step", "simulate_cpu_devices",
-    "size_based_auto_wrap_policy",
-    "state_dict", "summon_full_params", "write_full_params",
-]
+# The public names, by the module that defines each. They are imported on
+# first use (PEP 562): ``import fsdp_jax`` itself imports neither JAX nor the
+# engine, so ``python -m fsdp_jax.launch`` and the workers it starts begin at
+# once, and a script pays for what it uses (reading ``fsdp_jax.FSDPConfig``
+# imports the configuration, ``fsdp_jax.shard_train_step`` the engine).
+_PUBLIC = {
+    # Configuration: the FSDP constructor's options, as values.
+    "fsdp_jax._src.config": ("BackwardPrefetch", "CPUOffload", "FSDPConfig", "MixedPrecision",
+        "ShardingStrategy", "StateDictType", "gradient_divide_factors"),
+    "fsdp_jax._src.quantization": ("Quantization",),
+    "fsdp_jax._src.lora": ("LoRA",),
+    "fsdp_jax._src.tensor": ("TensorParallel",),
+    "fsdp_jax._src.wrap": ("CustomPolicy", "ModuleWrapPolicy", "Node", "lambda_auto_wrap_policy",
+        "size_based_auto_wrap_policy"),
+    # Devices.
+    "fsdp_jax._src.mesh": ("make_mesh", "simulate_cpu_devices"),
+    # State and the train step.
+    "fsdp_jax._src.loss": ("WeightedLoss", "constant_key"),
+    "fsdp_jax._src.plan": ("Plan",),
+    "fsdp_jax._src.frameworks": ("module_classes",),
+    "fsdp_jax._src.state": ("ShardedTrainState", "init_train_state"),
+    "fsdp_jax._src.step": ("NonFiniteError", "TrainStep", "shard_train_step"),
+    # Evaluation, and the hand-off to inference.
+    "fsdp_jax._src.evaluation": ("EvalStep", "shard_eval_step"),
+    "fsdp_jax._src.reshard": ("reshard_params",),
+    # The planner: what fits and how fast.
+    "fsdp_jax._src.planner": ("DeviceSpec", "Estimate", "estimate", "search"),
+    # Full parameters.
+    "fsdp_jax._src.full": ("apply", "summon_full_params", "write_full_params"),
+    # State dicts and checkpoints.
+    "fsdp_jax._src.state_dicts": ("OptimStateKeyType", "full_optim_state_dict", "load_state_dict",
+        "optim_state_dict", "optim_state_dict_to_load", "rekey_optim_state_dict",
+        "scatter_full_optim_state_dict", "shard_full_optim_state_dict", "state_dict"),
+    "fsdp_jax._src.checkpoint": ("CheckpointError", "CheckpointManager", "export_params",
+        "import_params"),
+    # Multi-process.
+    "fsdp_jax._src.runtime.cluster": ("DistributedInfo",),
+    "fsdp_jax._src.runtime.distributed": ("MonitoredBarrierError", "monitored_barrier"),
+}
+# Public submodules, also imported on first use (``fsdp_jax.models``,
+# ``fsdp_jax.pretrained``: without safetensors and the model code).
+_SUBMODULES = ("custom", "distributed", "hlo", "hooks", "models", "pretrained")
+
+if TYPE_CHECKING:  # the same names, for type checkers and editors
+  # Configuration: the FSDP constructor's options, as values.
+  from fsdp_jax._src.config import (
+      BackwardPrefetch as BackwardPrefetch,
+      CPUOffload as CPUOffload,
+      FSDPConfig as FSDPConfig,
+      MixedPrecision as MixedPrecision,
+      ShardingStrategy as ShardingStrategy,
+      StateDictType as StateDictType,
+      gradient_divide_factors as gradient_divide_factors,
+  )
+  from fsdp_jax._src.quantization import Quantization as Quantization
+  from fsdp_jax._src.lora import LoRA as LoRA
+  from fsdp_jax._src.tensor import TensorParallel as TensorParallel
+  from fsdp_jax._src.wrap import (
+      CustomPolicy as CustomPolicy,
+      ModuleWrapPolicy as ModuleWrapPolicy,
+      Node as Node,
+      lambda_auto_wrap_policy as lambda_auto_wrap_policy,
+      size_based_auto_wrap_policy as size_based_auto_wrap_policy,
+  )
+
+  # Devices.
+  from fsdp_jax._src.mesh import (
+      make_mesh as make_mesh,
+      simulate_cpu_devices as simulate_cpu_devices,
+  )
+
+  # State and the train step.
+  from fsdp_jax._src.loss import WeightedLoss as WeightedLoss
+  from fsdp_jax._src.loss import constant_key as constant_key
+  from fsdp_jax._src.plan import Plan as Plan
+  from fsdp_jax._src.frameworks import module_classes as module_classes
+  from fsdp_jax._src.state import (
+      ShardedTrainState as ShardedTrainState,
+      init_train_state as init_train_state,
+  )
+  from fsdp_jax._src.step import (
+      NonFiniteError as NonFiniteError,
+      TrainStep as TrainStep,
+      shard_train_step as shard_train_step,
+  )
+
+  # Evaluation, and the hand-off to inference.
+  from fsdp_jax._src.evaluation import (
+      EvalStep as EvalStep,
+      shard_eval_step as shard_eval_step,
+  )
+  from fsdp_jax._src.reshard import reshard_params as reshard_params
+
+  # The planner: what fits and how fast.
+  from fsdp_jax._src.planner import (
+      DeviceSpec as DeviceSpec,
+      Estimate as Estimate,
+      estimate as estimate,
+      search as search,
+  )
+
+  # Full parameters.
+  from fsdp_jax._src.full import (
+      apply as apply,
+      summon_full_params as summon_full_params,
+      write_full_params as write_full_params,
+  )
+
+  # State dicts and checkpoints.
+  from fsdp_jax._src.state_dicts import (
+      OptimStateKeyType as OptimStateKeyType,
+      full_optim_state_dict as full_optim_state_dict,
+      load_state_dict as load_state_dict,
+      optim_state_dict as optim_state_dict,
+      optim_state_dict_to_load as optim_state_dict_to_load,
+      rekey_optim_state_dict as rekey_optim_state_dict,
+      scatter_full_optim_state_dict as scatter_full_optim_state_dict,
+      shard_full_optim_state_dict as shard_full_optim_state_dict,
+      state_dict as state_dict,
+  )
+  from fsdp_jax._src.checkpoint import (
+      CheckpointError as CheckpointError,
+      CheckpointManager as CheckpointManager,
+      export_params as export_params,
+      import_params as import_params,
+  )
+
+  # Multi-process.
+  from fsdp_jax._src.runtime.cluster import DistributedInfo as DistributedInfo
+  from fsdp_jax._src.runtime.distributed import (
+      MonitoredBarrierError as MonitoredBarrierError,
+      monitored_barrier as monitored_barrier,
+  )
+  from fsdp_jax import custom, distributed, hlo, hooks, models, pretrained
+
+__all__ = sorted([n for names in _PUBLIC.values() for n in names]
+                 + ["custom", "distributed", "hlo", "hooks"])
 
 # Names that moved (to fsdp_jax.custom, or merged into one) and the old module
 # paths (fsdp_jax.config, fsdp_jax.state_dict, ...) keep working with a
 # DeprecationWarning; see fsdp_jax/_src/deprecations.py.
 _deprecations.register_moved_modules(__name__)
-__getattr__ = _deprecations.package_getattr(__name__, lazy=("models", "pretrained"))
+__getattr__, __dir__ = _deprecations.package_getattr(
+    __name__, public=_PUBLIC, lazy=_SUBMODULES, namespace=sys.modules[__name__].__dict__)

@@ -6,7 +6,7 @@ Usage::
     python -m fsdp_jax.launch --nproc 2 --devices-per-proc 4 train.py --lr 1e-3
 
 :class:`WorkerGroup` and :func:`worker_env` start workers from Python (tests,
-notebooks). The launcher never imports JAX's backends.
+notebooks). The launcher never imports JAX: it starts at once and takes no GPU memory.
 """
 
 import sys

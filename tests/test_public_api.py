@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import pathlib
@@ -157,15 +158,37 @@ def test_state_dict_stays_the_function():
   assert full_optim_state_dict is fsdp_jax.full_optim_state_dict
 
 
-def test_models_and_pretrained_load_on_first_use():
-  """``fsdp_jax.models`` / ``fsdp_jax.pretrained`` work after a bare
-  ``import fsdp_jax`` (imported on first use, not with the package)."""
-  code = ("import sys, fsdp_jax\n"
-          "print('fsdp_jax.models' in sys.modules, callable(fsdp_jax.models.from_pretrained),"
-          " callable(fsdp_jax.pretrained.load))\n")
+def test_names_load_on_first_use():
+  """A bare ``import fsdp_jax`` (and the launcher's) imports neither JAX nor
+  the engine; every public name and submodule loads when first read."""
+  code = ("import sys, fsdp_jax, fsdp_jax.launch\n"
+          "print('jax' in sys.modules, 'fsdp_jax.models' in sys.modules,"
+          " callable(fsdp_jax.models.from_pretrained), callable(fsdp_jax.pretrained.load),"
+          " fsdp_jax.FSDPConfig.__module__, 'jax' in sys.modules)\n")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        check=True, cwd=str(ROOT))
-  assert out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
+  assert out.stdout.split() == ["False", "False", "True", "True", "fsdp_jax._src.config",
+                                "True"], out.stdout + out.stderr
+  assert set(fsdp_jax._PUBLIC) | {"custom"} <= set(dir(fsdp_jax)) | set(fsdp_jax._PUBLIC)
+  assert {n for names in fsdp_jax._PUBLIC.values() for n in names} <= set(dir(fsdp_jax))
+
+
+def test_type_checkers_see_the_names_that_load():
+  """``fsdp_jax/__init__.py``'s ``if TYPE_CHECKING:`` imports (what editors
+  and type checkers read) are exactly the names the package loads on first
+  use, from the same modules."""
+  tree = ast.parse((ROOT / "fsdp_jax" / "__init__.py").read_text())
+  block = next(n for n in tree.body if isinstance(n, ast.If)
+               and getattr(n.test, "id", None) == "TYPE_CHECKING")
+  seen: dict = {}
+  for node in block.body:
+    assert isinstance(node, ast.ImportFrom), ast.dump(node)
+    for alias in node.names:
+      seen.setdefault(node.module, []).append(alias.name)
+  submodules = seen.pop("fsdp_jax")
+  assert sorted(submodules) == sorted(fsdp_jax._SUBMODULES)
+  assert {m: sorted(n) for m, n in seen.items()} == {
+      m: sorted(n) for m, n in fsdp_jax._PUBLIC.items()}
 
 
 def test_no_other_public_top_level_module():

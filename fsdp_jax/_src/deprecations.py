@@ -132,13 +132,20 @@ def register_moved_modules(package: str) -> None:
     sys.modules.setdefault(f"{package}.{module}", _MovedModule(package, module))
 
 
-def package_getattr(package: str, lazy: tuple = ()):
-  """The package's module ``__getattr__``: moved names and old module paths;
-  and the public submodules ``lazy``, imported on first use (``import
-  fsdp_jax; fsdp_jax.models.from_pretrained(...)`` without importing
-  safetensors and the model code with the package)."""
+def package_getattr(package: str, *, public: dict, lazy: tuple, namespace: dict):
+  """The package's module ``__getattr__`` and ``__dir__`` (PEP 562).
+
+  ``public`` maps each defining module to the public names it gives the
+  package; ``lazy`` names the public submodules. Both are imported on first
+  use and then kept in the package's ``namespace`` (later reads are plain
+  attribute reads). Then the moved names and old module paths."""
+  home = {name: module for module, names in public.items() for name in names}
 
   def __getattr__(name: str):
+    if name in home:
+      value = getattr(importlib.import_module(home[name]), name)
+      namespace[name] = value
+      return value
     if name in lazy:
       return importlib.import_module(f"{package}.{name}")
     if name in MOVED_NAMES:
@@ -152,4 +159,7 @@ def package_getattr(package: str, lazy: tuple = ()):
       return importlib.import_module(f"{package}.{name}")
     raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
-  return __getattr__
+  def __dir__():
+    return sorted({*namespace, *home, *lazy})
+
+  return __getattr__, __dir__

@@ -1,20 +1,18 @@
 """What a multi-process job is made of, with no state: exit statuses and
 defaults, :class:`DistributedInfo`, reading the launcher's and the cluster's
-environment, coordinator addresses and ports, and describing a process.
+environment, coordinator addresses and ports. It imports no JAX: the launcher
+(``python -m fsdp_jax.launch``) reads it before any worker starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import shutil
 import socket
 import subprocess
 from typing import Optional
-
-from fsdp_jax._src import _compat
 
 
 # "Restart me": the job stopped in a state it can resume from the latest
@@ -35,7 +33,7 @@ HEARTBEAT_INTERVAL = 1.0
 
 KV = "fsdp_jax"
 HB = f"{KV}/hb/"          # fsdp_jax/hb/<rank> = counter
-_INFO = f"{KV}/info/"      # fsdp_jax/info/<rank> = json(host, pid, ...)
+INFO = f"{KV}/info/"        # fsdp_jax/info/<rank> = json(host, pid, ...)
 DONE = f"{KV}/done/"      # fsdp_jax/done/<rank> = "finished"
 ABORT = f"{KV}/abort/"    # fsdp_jax/abort/first = the first failure, as a message
 BARRIER = f"{KV}/barrier/"
@@ -156,15 +154,6 @@ def detect_platform() -> str:
   if env:
     return "gpu" if any(p in env for p in ("cuda", "gpu", "rocm")) else "cpu"
   return "gpu" if gpu_count() else "cpu"
-
-
-def backends_started() -> bool:
-  return _compat.backends_initialized()
-
-
-def jax_client():
-  """JAX's coordination-service client, or None without jax.distributed."""
-  return _compat.distributed_state().client
 
 
 def cluster_env() -> Optional[str]:
@@ -293,35 +282,3 @@ def check_bind_address(bind: str, address: str, world: int, local_world: int) ->
         f"on every interface: the coordinator host {host!r} resolves to {bind_host} on "
         f"this machine, a loopback address, but {world - local_world} of the {world} "
         "processes run on other machines and could not reach it.")
-
-
-# --------------------------------------------------------------------------
-# Process descriptions
-
-
-def publish_info(info: DistributedInfo) -> None:
-  client = jax_client()
-  record = {"host": socket.gethostname(), "pid": os.getpid(),
-            "local_rank": info.local_rank, "node_rank": info.node_rank}
-  try:
-    client.key_value_set(f"{_INFO}{info.rank}", json.dumps(record), allow_overwrite=True)
-  except Exception:  # pragma: no cover - informational only
-    pass
-
-
-def describe_process(rank: int, world: int, client=None) -> str:
-  """``"process 1 of 2 (host h, pid 123, LOCAL_RANK 1)"`` from the KV store
-  (``world``: the number of processes)."""
-  text = f"process {rank} of {world}"
-  client = client or jax_client()
-  if client is None:
-    return text
-  try:
-    record = json.loads(client.key_value_try_get(f"{_INFO}{rank}"))
-    text += (f" (host {record['host']}, pid {record['pid']}, "
-             f"LOCAL_RANK {record['local_rank']})")
-  except Exception:
-    pass
-  return text
-
-

@@ -21,9 +21,10 @@ import jax
 from fsdp_jax._src import _compat, mesh
 from fsdp_jax._src.runtime.cluster import (BARRIER, DEFAULT_BARRIER_TIMEOUT, DEFAULT_INIT_TIMEOUT,
     DEFAULT_PEER_TIMEOUT, DEFAULT_SHUTDOWN_TIMEOUT, DistributedInfo, HB,
-    backends_started, check_bind_address, cluster_env, cluster_local_rank,
-    default_coordinator_bind_address, describe_process, detect_platform, env_float,
-    env_int, first_line, jax_client, port_problem, publish_info, seconds, split_host_port)
+    check_bind_address, cluster_env, cluster_local_rank, default_coordinator_bind_address,
+    detect_platform, env_float, env_int, first_line, port_problem, seconds, split_host_port)
+from fsdp_jax._src.runtime.coordination import (backends_started, describe_process, jax_client,
+                                                publish_info)
 from fsdp_jax._src.runtime.watchdog import Watchdog, is_communication_error
 
 

@@ -50,7 +50,8 @@ PORT``; ranks are ``node_rank * nproc + local_rank``. Under SLURM you may
 skip the launcher: ``srun python train.py`` works because JAX reads SLURM's
 variables itself (see ``examples/slurm_job.sh``).
 
-The launcher never imports JAX's backends, so it does not take GPU memory.
+The launcher never imports JAX, so it starts at once and does not take GPU
+memory.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ import threading
 import time
 from typing import Optional
 
-from fsdp_jax._src.runtime.cluster import EXIT_RESTART, KV, env_int, first_line, jax_client
+from fsdp_jax._src.runtime.cluster import EXIT_RESTART, KV, env_int, first_line
+from fsdp_jax._src.runtime.coordination import jax_client
 from fsdp_jax._src.runtime import distributed as dist
 
 

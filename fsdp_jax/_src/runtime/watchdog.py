@@ -13,7 +13,8 @@ import traceback
 from typing import Optional
 
 from fsdp_jax._src.runtime.cluster import (ABORT, DEFAULT_SHUTDOWN_TIMEOUT, DONE, DistributedInfo,
-    EXIT_PEER_LOST, HB, HEARTBEAT_INTERVAL, describe_process, env_int, jax_client)
+    EXIT_PEER_LOST, HB, HEARTBEAT_INTERVAL, env_int)
+from fsdp_jax._src.runtime.coordination import describe_process, jax_client
 
 
 # --------------------------------------------------------------------------
