@@ -4,6 +4,8 @@ step keeps on the device, full-parameter access, state dicts and checkpoints."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,15 +79,20 @@ def _id(case):
           + (f"-clip{clip}" if clip else ""))
 
 
+@functools.cache  # one unsharded run per clipping setting, shared by the cases
+def _reference(max_norm):
+  ref_opt = optax.adam(1e-2)
+  if max_norm is not None:  # PyTorch's clip_grad_norm_ on the whole gradient
+    ref_opt = optax.chain(optax.clip_by_global_norm(max_norm), ref_opt)
+  return reference_run(mlp_loss, mlp_params(), _batches(), ref_opt)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_matches_unsharded_training(case):
   strategy, n, r, orig, max_norm = case
   params, batches = mlp_params(), _batches()
-  ref_opt = optax.adam(1e-2)
-  if max_norm is not None:  # PyTorch's clip_grad_norm_ on the whole gradient
-    ref_opt = optax.chain(optax.clip_by_global_norm(max_norm), ref_opt)
-  ref_losses, ref_final = reference_run(mlp_loss, params, batches, ref_opt)
+  ref_losses, ref_final = _reference(max_norm)
 
   mesh = mesh_for(strategy, n, r)
   config = _config(strategy, use_orig_params=orig)

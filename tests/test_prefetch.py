@@ -70,12 +70,18 @@ ALL = list(itertools.product([BP.BACKWARD_PRE, BP.BACKWARD_POST, None], [False, 
 # Numbers: every setting trains exactly like the unsharded reference
 
 
+@pytest.fixture(scope="module")
+def reference():
+  """The unsharded run every setting must reproduce: 3 Adam steps."""
+  params, batch = mlp_params(blocks=BLOCKS), mlp_batch(n=12)
+  return (params, batch) + tuple(reference_run(mlp_loss, params, [batch] * 3, optax.adam(1e-2)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bp,fp,limit", ALL, ids=lambda v: str(getattr(v, "name", v)))
-def test_every_setting_matches_unsharded_training(bp, fp, limit):
-  params, batch = mlp_params(blocks=BLOCKS), mlp_batch(n=12)
+def test_every_setting_matches_unsharded_training(bp, fp, limit, reference):
+  params, batch, ref_losses, ref_params = reference
   opt = optax.adam(1e-2)
-  ref_losses, ref_params = reference_run(mlp_loss, params, [batch] * 3, opt)
   losses, state = sharded_run(mlp_loss, params, [batch] * 3, opt, mesh_for(None, 3),
                               _config(bp, fp, limit))
   assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5
@@ -87,10 +93,9 @@ def test_every_setting_matches_unsharded_training(bp, fp, limit):
     (FS.HYBRID_SHARD, 2, 2), (FS._HYBRID_SHARD_ZERO2, 2, 2), (FS.SHARD_GRAD_OP, 3, None),
     (FS.NO_SHARD, 4, None)], ids=lambda v: str(getattr(v, "name", v)))
 @pytest.mark.parametrize("bp", [BP.BACKWARD_POST, None], ids=str)
-def test_other_strategies_with_settings(strategy, n, replicate, bp):
-  params, batch = mlp_params(blocks=BLOCKS), mlp_batch(n=12)
+def test_other_strategies_with_settings(strategy, n, replicate, bp, reference):
+  params, batch, ref_losses, ref_params = reference
   opt = optax.adam(1e-2)
-  ref_losses, ref_params = reference_run(mlp_loss, params, [batch] * 3, opt)
   mesh = mesh_for(strategy, n, replicate)
   losses, state = sharded_run(mlp_loss, params, [batch] * 3, opt, mesh,
                               _config(bp, True, False, strategy))

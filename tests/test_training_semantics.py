@@ -21,6 +21,12 @@ from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_para
 WRAP_BLOCKS = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
 
 
+@functools.cache  # the same unsharded run for every case below
+def _accumulation_reference():
+  batches = [mlp_batch(seed=i, n=48) for i in range(2)]
+  return reference_run(mlp_loss, mlp_params(), batches, optax.sgd(0.1, momentum=0.9))
+
+
 # Every k with both accumulations, each accumulation in both layouts. SGD
 # with momentum, not Adam: Adam's update does not change when every gradient
 # is scaled by the same factor, so it would not see microbatch gradients
@@ -32,8 +38,7 @@ WRAP_BLOCKS = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
 def test_accumulation_equals_one_step(k, accumulation, use_orig_params):
   params = mlp_params()
   batches = [mlp_batch(seed=i, n=48) for i in range(2)]
-  ref_losses, ref_final = reference_run(mlp_loss, params, batches,
-                                        optax.sgd(0.1, momentum=0.9))
+  ref_losses, ref_final = _accumulation_reference()
   mesh = mesh_for(S.FULL_SHARD, 4)
   config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP_BLOCKS, use_orig_params=use_orig_params)
   opt = optax.sgd(0.1, momentum=0.9)
