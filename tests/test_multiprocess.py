@@ -180,7 +180,7 @@ def _start_fail_run(tmp_path, victim, how, **extra_env):
   port = free_port()
   base = dict(subprocess_env(), **extra_env)
   envs = [worker_env(rank=r, world_size=2, local_rank=r, local_world_size=2,
-                     master_addr="127.0.0.1", master_port=port, devices_per_proc=4,
+                     master_addr="127.0.0.1", master_port=port, devices_per_proc=1,
                      platform="cpu", peer_timeout=PEER_TIMEOUT, base=base)
           for r in range(2)]
   cmd = [sys.executable, WORKER, "fail", "--victim", str(victim), "--how", how,
@@ -372,21 +372,31 @@ def _script(tmp_path, body: str) -> str:
   return str(path)
 
 
-def test_launcher_sets_environment_and_forwards_arguments(tmp_path):
-  script = _script(tmp_path, """
+def test_launcher_sets_environment_forwards_arguments_module_mode_and_log_dir(tmp_path):
+  """One launch of a module (``-m``) with arguments and --log-dir: every
+  worker's environment and argv, and each worker's output in its own log."""
+  pkg = tmp_path / "pkg_mp_demo"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "main.py").write_text(textwrap.dedent(f"""
       import json, os, sys
       keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
               "MASTER_ADDR", "MASTER_PORT", "JAX_COORDINATOR_ADDRESS",
               "FSDP_JAX_DEVICES_PER_PROC", "FSDP_JAX_PLATFORM", "FSDP_JAX_PEER_TIMEOUT",
               "FSDP_JAX_LAUNCHED"]
-      out = {k: os.environ.get(k) for k in keys}
+      out = {{k: os.environ.get(k) for k in keys}}
       out["argv"] = sys.argv[1:]
-      with open(os.path.join(os.path.dirname(__file__), f"env{os.environ['RANK']}.json"), "w") as f:
+      with open(os.path.join({str(tmp_path)!r}, f"env{{os.environ['RANK']}}.json"), "w") as f:
           json.dump(out, f)
-  """)
+      print('hello from', os.environ['RANK'])
+  """))
+  env = subprocess_env()
+  env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+  logs = tmp_path / "logs"
   proc = subprocess.run(_launcher("--nproc", "3", "--devices-per-proc", "2", "--platform", "cpu",
-                                  "--peer-timeout", "7", script, "--lr", "0.1", "pos"),
-                        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60)
+                                  "--peer-timeout", "7", "--log-dir", str(logs), "-m",
+                                  "pkg_mp_demo.main", "--lr", "0.1", "pos"),
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
   assert proc.returncode == 0, proc.stderr
   envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(3)]
   port = envs[0]["MASTER_PORT"]
@@ -397,6 +407,7 @@ def test_launcher_sets_environment_and_forwards_arguments(tmp_path):
                  "FSDP_JAX_DEVICES_PER_PROC": "2", "FSDP_JAX_PLATFORM": "cpu",
                  "FSDP_JAX_PEER_TIMEOUT": "7", "FSDP_JAX_LAUNCHED": "1",
                  "argv": ["--lr", "0.1", "pos"]}
+    assert (logs / f"rank{r}.log").read_text().strip() == f"hello from {r}"
 
 
 @pytest.mark.parametrize("how, expected_status, described", [
@@ -581,22 +592,6 @@ def test_exit_without_shutdown_is_clean(tmp_path):
     assert all("sum 2.0" in log for log in logs), logs
 
 
-def test_launcher_success_module_mode_and_log_dir(tmp_path):
-  pkg = tmp_path / "pkg_mp_demo"
-  pkg.mkdir()
-  (pkg / "__init__.py").write_text("")
-  (pkg / "main.py").write_text("import os\nprint('hello from', os.environ['RANK'])\n")
-  env = subprocess_env()
-  env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
-  logs = tmp_path / "logs"
-  proc = subprocess.run(_launcher("--nproc", "2", "--log-dir", str(logs), "-m",
-                                  "pkg_mp_demo.main"),
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-  assert proc.returncode == 0, proc.stderr
-  for r in (0, 1):
-    assert (logs / f"rank{r}.log").read_text().strip() == f"hello from {r}"
-
-
 # Two processes whose cross-process collective connects gloo (which prints a
 # "[Gloo] Rank N is connected to M peer ranks" line per process and group);
 # process 1 fails after its collective with FAIL in argv.
@@ -622,7 +617,7 @@ def _gloo_run(tmp_path, *args):
   script = _script(tmp_path, _GLOO_SCRIPT)
   launcher_args = [a for a in args if a != "FAIL"]
   return subprocess.run(
-      _launcher("--nproc", "2", "--devices-per-proc", "2", "--platform", "cpu",
+      _launcher("--nproc", "2", "--devices-per-proc", "1", "--platform", "cpu",
                 *launcher_args, script, *[a for a in args if a == "FAIL"]),
       cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
 
