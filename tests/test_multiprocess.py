@@ -786,7 +786,7 @@ def test_slurm_job_is_detected(tmp_path):
 
 def test_sync_module_states_starts_every_process_from_process_0(tmp_path):
   out = tmp_path / "sync.json"
-  run = Background(_launcher("--nproc", "2", "--devices-per-proc", "4", "--platform", "cpu",
+  run = Background(_launcher("--nproc", "2", "--devices-per-proc", "2", "--platform", "cpu",
                               WORKER, "sync", "--out", str(out)),
                     tmp_path / "launcher.log", timeout=240)
   code = run.wait()
