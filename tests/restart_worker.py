@@ -81,8 +81,9 @@ def main(argv=None):
   optimizer = optax.adam(1e-2)
 
   def build_state():
-    return fsdp_jax.init_train_state(params=np_params(), optimizer=optimizer, mesh=mesh,
-                                     config=config)
+    # One block: every kind of leaf, the fewest arrays to save and restore.
+    return fsdp_jax.init_train_state(params=np_params(blocks=1), optimizer=optimizer,
+                                     mesh=mesh, config=config)
 
   train_step = fsdp_jax.shard_train_step(mlp_loss, optimizer, mesh=mesh, config=config)
   manager = CheckpointManager(args.dir)

@@ -1,15 +1,17 @@
 """Preemption and restarts lose nothing.
 
-* A 2-process run (``python -m fsdp_jax.launch --max-restarts``) of 24 steps,
+* A 2-process run (``python -m fsdp_jax.launch --max-restarts``) of 16 steps,
   checkpointing every 4, whose workers are SIGKILLed at random steps twice
   and SIGTERMed once (random worker, random steps: the seed is printed
   and can be replayed with ``FSDP_JAX_FAULT_SEED``), then whose launcher is
   SIGTERMed (exit 75, "restart me") and which is started again, as a
   scheduler would: it ends with parameters and optimizer state bitwise
-  equal to an uninterrupted run's. On each SIGTERM every process stops
+  equal to an uninterrupted run's (one process with 2 devices: the same
+  program). On each SIGTERM every process stops
   after the same step, saves it, and exits with 75; the launcher restarts
   after each failure.
-* One process, no launcher: SIGTERM, save, exit 75, resume: bitwise equal.
+* One process (2 devices), no launcher: SIGTERM, save, exit 75, resume:
+  bitwise equal to the same uninterrupted run.
 * ``handle_preemption`` / ``should_stop`` misuse gets clear errors;
   ``CheckpointManager.save(data_state=...)`` round-trips.
 
@@ -45,8 +47,8 @@ pytestmark = [pytest.mark.slow,
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = str(REPO / "tests" / "restart_worker.py")
-STEPS, SAVE_EVERY = 24, 4
-LAUNCH = ["--nproc", "2", "--devices-per-proc", "2", "--platform", "cpu",
+STEPS, SAVE_EVERY = 16, 4
+LAUNCH = ["--nproc", "2", "--devices-per-proc", "1", "--platform", "cpu",
           "--peer-timeout", "5", "--kill-grace", "2"]
 
 
@@ -111,7 +113,29 @@ def _stops(text: str) -> list[tuple[int, int, int]]:
           for m in re.finditer(r"^STOPPED rank (\d+) attempt (\d+) step (\d+)", text, re.M)]
 
 
-def test_kills_and_preemptions_lose_nothing(tmp_path):
+def _one_process_env() -> dict:
+  return _env(FSDP_JAX_DEVICES_PER_PROC="2", FSDP_JAX_PLATFORM="cpu", **compile_cache_env())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """One uninterrupted run, one process with 2 devices: the same program as
+  the 2-process job's (a 2-device shard axis; a collective of 2 values sums
+  them in the same order whoever does it), so both tests compare with it,
+  bit for bit."""
+  tmp = tmp_path_factory.mktemp("reference")
+  run = Run([sys.executable] + _worker_args(tmp / "ckpt", tmp / "ref.npz"), tmp / "ref.log",
+            timeout=300, env=_one_process_env())
+
+  def result() -> dict:
+    assert run.wait() == 0, run.output()[-5000:]
+    return _load(tmp / "ref.npz")
+
+  yield result
+  run.kill()
+
+
+def test_kills_and_preemptions_lose_nothing(tmp_path, reference):
   seed = int(os.environ.get("FSDP_JAX_FAULT_SEED") or random.SystemRandom().randrange(2**31))
   print(f"\nfault seed {seed} (replay: FSDP_JAX_FAULT_SEED={seed})")
   rng = random.Random(seed)
@@ -123,8 +147,6 @@ def test_kills_and_preemptions_lose_nothing(tmp_path):
   launcher_term_at = rng.randint(1, STEPS - 8)
   print(f"faults: {faults}; then SIGTERM to the launcher after step {launcher_term_at}")
 
-  ref = Run(_launcher(*LAUNCH, *_worker_args(tmp_path / "ref_ckpt", tmp_path / "ref.npz")),
-            tmp_path / "ref.log", timeout=300)
   progress = tmp_path / "progress"
   progress.mkdir()
   logs = tmp_path / "logs"
@@ -170,23 +192,20 @@ def test_kills_and_preemptions_lose_nothing(tmp_path):
   # The scheduler starts the job again: it finishes.
   again = Run(_launcher(*LAUNCH, *_worker_args(ckpt, out)), tmp_path / "again.log", timeout=300)
   assert again.wait() == 0, again.output()[-5000:]
-  assert ref.wait() == 0, ref.output()[-5000:]
   took = time.monotonic() - start
-  _assert_bitwise(_load(out), _load(ref.log_path.parent / "ref.npz"))
+  _assert_bitwise(_load(out), reference())
   final = _load(out)
   assert int(final["step"]) == STEPS and int(final["position"]) > STEPS
   print(f"4 faults, 3 restarts, 1 relaunch: {took:.0f} s; resumed at "
         f"{[(int(s), int(p)) for _, s, p in resumed]} (step, position)")
 
 
-def test_one_process_preemption_saves_and_resumes(tmp_path):
-  """No launcher, one process with 4 devices: SIGTERM mid-training saves
+def test_one_process_preemption_saves_and_resumes(tmp_path, reference):
+  """No launcher, one process with 2 devices: SIGTERM mid-training saves
   the step it stops after and exits 75; the next run resumes there and ends
   bitwise equal to an uninterrupted run."""
-  env = _env(FSDP_JAX_DEVICES_PER_PROC="4", FSDP_JAX_PLATFORM="cpu", **compile_cache_env())
+  env = _one_process_env()
   py = [sys.executable]
-  ref = Run(py + _worker_args(tmp_path / "ref_ckpt", tmp_path / "ref.npz"),
-            tmp_path / "ref.log", timeout=300, env=env)
   progress = tmp_path / "progress"
   progress.mkdir()
   ckpt, out = tmp_path / "ckpt", tmp_path / "out.npz"
@@ -208,8 +227,7 @@ def test_one_process_preemption_saves_and_resumes(tmp_path):
   again = Run(py + _worker_args(ckpt, out), tmp_path / "again.log", timeout=300, env=env)
   assert again.wait() == 0, again.output()[-4000:]
   assert f"RESUMED rank 0 attempt 0 step {stop[2]}" in again.output()
-  assert ref.wait() == 0, ref.output()[-4000:]
-  _assert_bitwise(_load(out), _load(tmp_path / "ref.npz"))
+  _assert_bitwise(_load(out), reference())
 
 
 # --------------------------------------------------------------------------

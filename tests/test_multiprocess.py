@@ -180,7 +180,7 @@ def _start_fail_run(tmp_path, victim, how, **extra_env):
   port = free_port()
   base = dict(subprocess_env(), **extra_env)
   envs = [worker_env(rank=r, world_size=2, local_rank=r, local_world_size=2,
-                     master_addr="127.0.0.1", master_port=port, devices_per_proc=4,
+                     master_addr="127.0.0.1", master_port=port, devices_per_proc=1,
                      platform="cpu", peer_timeout=PEER_TIMEOUT, base=base)
           for r in range(2)]
   cmd = [sys.executable, WORKER, "fail", "--victim", str(victim), "--how", how,
@@ -372,21 +372,31 @@ def _script(tmp_path, body: str) -> str:
   return str(path)
 
 
-def test_launcher_sets_environment_and_forwards_arguments(tmp_path):
-  script = _script(tmp_path, """
+def test_launcher_sets_environment_forwards_arguments_module_mode_and_log_dir(tmp_path):
+  """One launch of a module (``-m``) with arguments and --log-dir: every
+  worker's environment and argv, and each worker's output in its own log."""
+  pkg = tmp_path / "pkg_mp_demo"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "main.py").write_text(textwrap.dedent(f"""
       import json, os, sys
       keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
               "MASTER_ADDR", "MASTER_PORT", "JAX_COORDINATOR_ADDRESS",
               "FSDP_JAX_DEVICES_PER_PROC", "FSDP_JAX_PLATFORM", "FSDP_JAX_PEER_TIMEOUT",
               "FSDP_JAX_LAUNCHED"]
-      out = {k: os.environ.get(k) for k in keys}
+      out = {{k: os.environ.get(k) for k in keys}}
       out["argv"] = sys.argv[1:]
-      with open(os.path.join(os.path.dirname(__file__), f"env{os.environ['RANK']}.json"), "w") as f:
+      with open(os.path.join({str(tmp_path)!r}, f"env{{os.environ['RANK']}}.json"), "w") as f:
           json.dump(out, f)
-  """)
+      print('hello from', os.environ['RANK'])
+  """))
+  env = subprocess_env()
+  env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+  logs = tmp_path / "logs"
   proc = subprocess.run(_launcher("--nproc", "3", "--devices-per-proc", "2", "--platform", "cpu",
-                                  "--peer-timeout", "7", script, "--lr", "0.1", "pos"),
-                        cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=60)
+                                  "--peer-timeout", "7", "--log-dir", str(logs), "-m",
+                                  "pkg_mp_demo.main", "--lr", "0.1", "pos"),
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
   assert proc.returncode == 0, proc.stderr
   envs = [json.loads((tmp_path / f"env{r}.json").read_text()) for r in range(3)]
   port = envs[0]["MASTER_PORT"]
@@ -397,18 +407,18 @@ def test_launcher_sets_environment_and_forwards_arguments(tmp_path):
                  "FSDP_JAX_DEVICES_PER_PROC": "2", "FSDP_JAX_PLATFORM": "cpu",
                  "FSDP_JAX_PEER_TIMEOUT": "7", "FSDP_JAX_LAUNCHED": "1",
                  "argv": ["--lr", "0.1", "pos"]}
+    assert (logs / f"rank{r}.log").read_text().strip() == f"hello from {r}"
 
 
-@pytest.mark.parametrize("how, expected_status, described", [
-    ("sys.exit(3)", 3, "exit code 3"),
-    ("os.kill(os.getpid(), signal.SIGKILL)", 128 + 9, "killed by signal SIGKILL (9)"),
-])
-def test_launcher_stops_others_and_forwards_failure(tmp_path, how, expected_status, described):
-  script = _script(tmp_path, f"""
+def test_launcher_stops_others_and_forwards_failure(tmp_path):
+  """A worker's exit status is the launcher's; a worker killed by a signal
+  (128 + N) is test_launcher_max_restarts' second run."""
+  expected_status, described = 3, "exit code 3"
+  script = _script(tmp_path, """
       import os, signal, sys, time
       if os.environ["RANK"] == "1":
           time.sleep(0.5)
-          {how}
+          sys.exit(3)
       time.sleep(120)  # the others would run on; the launcher must stop them
   """)
   start = time.monotonic()
@@ -426,24 +436,27 @@ def test_launcher_stops_others_and_forwards_failure(tmp_path, how, expected_stat
 def test_launcher_max_restarts(tmp_path):
   """--max-restarts K: after a worker fails, all workers start again (with
   FSDP_JAX_RESTART_COUNT and a fresh coordinator port), up to K times; the
-  logs of every start follow each other."""
+  logs of every start follow each other. The last worker fails in the
+  first two starts: exit code 3, then killed by SIGKILL."""
   marks = tmp_path / "marks"
   marks.mkdir()
   script = _script(tmp_path, f"""
-      import os, pathlib, sys, time
+      import os, pathlib, signal, sys, time
       n = int(os.environ["FSDP_JAX_RESTART_COUNT"])
       print(f"start {{n}} of max {{os.environ['FSDP_JAX_MAX_RESTARTS']}} rank {{os.environ['RANK']}} "
             f"port {{os.environ['MASTER_PORT']}}", flush=True)
       mark = pathlib.Path({str(marks)!r}) / f"rank0-start{{n}}"
       if os.environ["RANK"] == "0":
           mark.touch()
-      if n < 2 and os.environ["RANK"] == "1":
+      if n < 2 and int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
           # Fail once rank 0 has logged this start (on a loaded machine it
           # may still be starting when rank 1 fails, and be stopped first).
           deadline = time.monotonic() + 30
           while not mark.exists() and time.monotonic() < deadline:
               time.sleep(0.05)
-          sys.exit(3)
+          if n == 0:
+              sys.exit(3)
+          os.kill(os.getpid(), signal.SIGKILL)
       time.sleep(0 if n >= 2 else 60)  # rank 0 runs on until stopped
   """)
   logs = tmp_path / "logs"
@@ -453,19 +466,26 @@ def test_launcher_max_restarts(tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert re.findall(r"restarting all 2 worker\(s\) \(restart (\d) of 2\)", proc.stderr) == \
       ["1", "2"], proc.stderr
-  assert "worker RANK=1 (LOCAL_RANK=1, pid" in proc.stderr and "exit code 3 failed first" \
-      in proc.stderr
+  assert re.search(r"worker RANK=1 \(LOCAL_RANK=1, pid \d+\): exit code 3 failed first",
+                   proc.stderr), proc.stderr
+  assert re.search(r"worker RANK=1 \(LOCAL_RANK=1, pid \d+\): killed by signal SIGKILL \(9\) "
+                   r"failed first", proc.stderr), proc.stderr
+  assert proc.stderr.count("stopped the other workers: RANK=0 (killed by signal SIGTERM (15))") \
+      == 2, proc.stderr
   log0 = (logs / "rank0.log").read_text()
   starts = re.findall(r"start (\d) of max 2 rank 0 port (\d+)", log0)
   assert [n for n, _ in starts] == ["0", "1", "2"], log0
   assert len({p for _, p in starts}) == 3, starts  # a fresh port each time
   assert "==== fsdp_jax.launch: restart 2 of 2 ====" in log0
-  # One restart fewer than needed: the failure's status, and why.
-  proc = subprocess.run(_launcher("--nproc", "2", "--max-restarts", "1", "--kill-grace", "2",
+  # One restart fewer than needed (one worker: the others' stopping is
+  # above): the last failure's status, 128 + 9 for SIGKILL, and why.
+  proc = subprocess.run(_launcher("--nproc", "1", "--max-restarts", "1", "--kill-grace", "2",
                                   script),
                         cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=90)
-  assert proc.returncode == 3, proc.stderr
-  assert "no restarts left (--max-restarts 1 used up). Exiting with status 3." in proc.stderr
+  assert proc.returncode == 128 + 9, proc.stderr
+  assert re.search(r"worker RANK=0 \(LOCAL_RANK=0, pid \d+\): killed by signal SIGKILL \(9\) "
+                   r"failed first", proc.stderr), proc.stderr
+  assert "no restarts left (--max-restarts 1 used up). Exiting with status 137." in proc.stderr
 
 
 @pytest.mark.parametrize("how, expected, words", [
@@ -551,52 +571,6 @@ def test_workers_die_with_the_launcher(tmp_path):
         os.kill(p, 9)
 
 
-def test_exit_without_shutdown_is_clean(tmp_path):
-  """A script that never calls distributed.shutdown() exits 0: the watchdog
-  and jax.distributed are shut down at exit, in order (left to interpreter
-  teardown, about one exit in two aborted with SIGABRT). Two jobs side by
-  side; the gloo runs below (quiet and --verbose) and the SLURM run exit
-  without shutdown() too, and must exit 0: ten such exits per test run."""
-  script = _script(tmp_path, """
-      from fsdp_jax import distributed
-      info = distributed.initialize()
-      import jax.numpy as jnp
-      from jax.experimental import multihost_utils
-      print("sum", float(multihost_utils.process_allgather(jnp.ones(())).sum()), flush=True)
-  """)
-  procs = [subprocess.Popen(_launcher("--nproc", "2", "--platform", "cpu", "--log-dir",
-                                      str(tmp_path / f"logs{i}"), script),
-                            cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-           for i in range(2)]
-  try:
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        os.killpg(p.pid, 9)
-  for i, (p, out) in enumerate(zip(procs, outs)):
-    logs = [(tmp_path / f"logs{i}" / f"rank{r}.log").read_text() for r in (0, 1)]
-    assert p.returncode == 0, (out[-3000:], logs)
-    assert all("sum 2.0" in log for log in logs), logs
-
-
-def test_launcher_success_module_mode_and_log_dir(tmp_path):
-  pkg = tmp_path / "pkg_mp_demo"
-  pkg.mkdir()
-  (pkg / "__init__.py").write_text("")
-  (pkg / "main.py").write_text("import os\nprint('hello from', os.environ['RANK'])\n")
-  env = subprocess_env()
-  env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
-  logs = tmp_path / "logs"
-  proc = subprocess.run(_launcher("--nproc", "2", "--log-dir", str(logs), "-m",
-                                  "pkg_mp_demo.main"),
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-  assert proc.returncode == 0, proc.stderr
-  for r in (0, 1):
-    assert (logs / f"rank{r}.log").read_text().strip() == f"hello from {r}"
-
-
 # Two processes whose cross-process collective connects gloo (which prints a
 # "[Gloo] Rank N is connected to M peer ranks" line per process and group);
 # process 1 fails after its collective with FAIL in argv.
@@ -622,21 +596,54 @@ def _gloo_run(tmp_path, *args):
   script = _script(tmp_path, _GLOO_SCRIPT)
   launcher_args = [a for a in args if a != "FAIL"]
   return subprocess.run(
-      _launcher("--nproc", "2", "--devices-per-proc", "2", "--platform", "cpu",
+      _launcher("--nproc", "2", "--devices-per-proc", "1", "--platform", "cpu",
                 *launcher_args, script, *[a for a in args if a == "FAIL"]),
       cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
 
 
-def test_launcher_hides_gloo_chatter_unless_verbose_or_failed(tmp_path):
-  quiet = _gloo_run(tmp_path)
-  assert quiet.returncode == 0, quiet.stdout[-3000:] + quiet.stderr[-3000:]
-  # Not a piece of one either (a worker's threads write theirs at once).
-  assert "[Gloo]" not in quiet.stdout + quiet.stderr, quiet.stdout
-  assert "peer ranks" not in quiet.stdout + quiet.stderr, quiet.stdout
-  for rank in (0, 1):  # everything else comes through, each process's lines in order
-    lines = [l for l in quiet.stdout.splitlines() if l.startswith(f"rank {rank} ")]
-    assert lines == [f"rank {rank} step {i} sum 6.0" for i in range(3)], quiet.stdout
-    assert f"rank {rank} to stderr" in quiet.stderr, quiet.stderr[-3000:]
+@pytest.fixture(scope="module")
+def quiet_gloo_runs(tmp_path_factory):
+  """Two launches of the gloo script side by side, without --verbose: what
+  each printed and its exit status."""
+  script = _script(tmp_path_factory.mktemp("gloo_quiet"), _GLOO_SCRIPT)
+  procs = [subprocess.Popen(_launcher("--nproc", "2", "--devices-per-proc", "1",
+                                      "--platform", "cpu", script),
+                            cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+           for _ in range(2)]
+  try:
+    outs = [p.communicate(timeout=120) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, 9)
+  return [subprocess.CompletedProcess(p.args, p.returncode, out, err)
+          for p, (out, err) in zip(procs, outs)]
+
+
+def test_exit_without_shutdown_is_clean(quiet_gloo_runs):
+  """A script that never calls distributed.shutdown() exits 0: the watchdog
+  and jax.distributed are shut down at exit, in order (left to interpreter
+  teardown, about one exit in two aborted with SIGABRT). Two jobs side by
+  side (the quiet gloo runs); the --verbose gloo run, the SLURM run and the
+  two coordinator-address runs exit without shutdown() too, and must exit
+  0: twelve such exits per test run."""
+  for run in quiet_gloo_runs:
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    for rank in (0, 1):
+      assert f"rank {rank} step 0 sum 6.0" in run.stdout, run.stdout
+
+
+def test_launcher_hides_gloo_chatter_unless_verbose_or_failed(tmp_path, quiet_gloo_runs):
+  for quiet in quiet_gloo_runs:
+    assert quiet.returncode == 0, quiet.stdout[-3000:] + quiet.stderr[-3000:]
+    # Not a piece of one either (a worker's threads write theirs at once).
+    assert "[Gloo]" not in quiet.stdout + quiet.stderr, quiet.stdout
+    assert "peer ranks" not in quiet.stdout + quiet.stderr, quiet.stdout
+    for rank in (0, 1):  # everything else comes through, each process's lines in order
+      lines = [l for l in quiet.stdout.splitlines() if l.startswith(f"rank {rank} ")]
+      assert lines == [f"rank {rank} step {i} sum 6.0" for i in range(3)], quiet.stdout
+      assert f"rank {rank} to stderr" in quiet.stderr, quiet.stderr[-3000:]
 
   verbose = _gloo_run(tmp_path, "--verbose")
   assert verbose.returncode == 0, verbose.stderr[-3000:]
@@ -779,7 +786,7 @@ def test_slurm_job_is_detected(tmp_path):
 
 def test_sync_module_states_starts_every_process_from_process_0(tmp_path):
   out = tmp_path / "sync.json"
-  run = Background(_launcher("--nproc", "2", "--devices-per-proc", "4", "--platform", "cpu",
+  run = Background(_launcher("--nproc", "2", "--devices-per-proc", "2", "--platform", "cpu",
                               WORKER, "sync", "--out", str(out)),
                     tmp_path / "launcher.log", timeout=240)
   code = run.wait()
@@ -906,7 +913,8 @@ def test_coordinator_listens_only_where_it_must(tmp_path, where):
       deadline = time.monotonic() + 60
       while not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
         time.sleep(0.05)
-      distributed.shutdown()
+      # No distributed.shutdown(): one more clean exit without it (see
+      # test_exit_without_shutdown_is_clean).
   """)
   log = tmp_path / "launcher.log"
   run = Background(_launcher("--nproc", "2", "--devices-per-proc", "1", "--platform", "cpu",
