@@ -53,6 +53,26 @@ def children_here(monkeypatch):
   return done
 
 
+@pytest.fixture(scope="module")
+def one_build():
+  """``measure``'s measurements share one build of their settings: the four
+  read memory, collectives, compile times and step times off the same
+  compiled steps (what ``python -m benchmarks all`` does in one process),
+  so the settings are built and compiled once per argument list."""
+  from benchmarks import measure  # pylint: disable=import-outside-toplevel
+  built, setup = {}, measure._setup  # pylint: disable=protected-access
+
+  def shared(argv, what):
+    key = tuple(argv)
+    if key not in built:
+      built[key] = setup(argv, what)
+    return built[key]
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(measure, "_setup", shared)
+    yield built
+
+
 def _run(capsys, *args):
   assert bench_main.main(list(args)) == 0
   return capsys.readouterr().out
@@ -64,8 +84,9 @@ def _run(capsys, *args):
     ("compile_time", "| setting | lower s | compile s |"),
     ("step_time", "| setting | best step ms |"),
 ])
-def test_single_measurement_prints_its_table(capsys, name, header):
+def test_single_measurement_prints_its_table(capsys, one_build, name, header):
   out = _run(capsys, name, *TINY)
+  assert len(one_build) == 1
   assert header in out, out[-3000:]
   assert "| fsdp/FULL_SHARD/fp32 |" in out and "| jax_native/fp32 |" in out, out[-3000:]
 
