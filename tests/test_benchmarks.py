@@ -1,4 +1,4 @@
-"""The benchmarks run: each measurement at a tiny size (2 layers, d_model 64)
+"""The benchmarks run: each measurement at a tiny size (2 layers, d_model 32 or 64)
 on the simulated CPU devices. Nothing about speed or memory is asserted here
 (benchmarks/ reports those); only that every measurement runs and prints or
 writes its table.
@@ -27,8 +27,9 @@ from tests.helpers import REPO, subprocess_env
 
 pytestmark = pytest.mark.slow
 
-TINY = ["--only", "fsdp/FULL_SHARD/fp32,jax_native/fp32", "--layers", "2",
-        "--d-model", "64", "--rounds", "1", "--no-torch"]
+TINY = ["--only", "fsdp/FULL_SHARD/fp32,jax_native/fp32", "--layers", "1",
+        "--d-model", "32", "--heads", "2", "--seq-len", "8", "--vocab", "64", "--rounds", "1",
+        "--no-torch"]
 
 
 @pytest.fixture
@@ -53,6 +54,26 @@ def children_here(monkeypatch):
   return done
 
 
+@pytest.fixture(scope="module")
+def one_build():
+  """``measure``'s measurements share one build of their settings: the four
+  read memory, collectives, compile times and step times off the same
+  compiled steps (what ``python -m benchmarks all`` does in one process),
+  so the settings are built and compiled once per argument list."""
+  from benchmarks import measure  # pylint: disable=import-outside-toplevel
+  built, setup = {}, measure._setup  # pylint: disable=protected-access
+
+  def shared(argv, what):
+    key = tuple(argv)
+    if key not in built:
+      built[key] = setup(argv, what)
+    return built[key]
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(measure, "_setup", shared)
+    yield built
+
+
 def _run(capsys, *args):
   assert bench_main.main(list(args)) == 0
   return capsys.readouterr().out
@@ -64,8 +85,9 @@ def _run(capsys, *args):
     ("compile_time", "| setting | lower s | compile s |"),
     ("step_time", "| setting | best step ms |"),
 ])
-def test_single_measurement_prints_its_table(capsys, name, header):
+def test_single_measurement_prints_its_table(capsys, one_build, name, header):
   out = _run(capsys, name, *TINY)
+  assert len(one_build) == 1
   assert header in out, out[-3000:]
   assert "| fsdp/FULL_SHARD/fp32 |" in out and "| jax_native/fp32 |" in out, out[-3000:]
 
@@ -83,17 +105,19 @@ def test_full_run_writes_the_report(tmp_path):
 
 
 @pytest.mark.parametrize("name,args,header,children", [
-    ("flags", ["--d-model", "64", "--layers", "2", "--steps", "1", "--warmup", "1",
-               "--repeats", "1"], "| XLA_FLAGS | step compiled with |", 1),
+    ("flags", ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "8",
+               "--global-batch", "8", "--steps", "1", "--warmup", "1", "--repeats", "1"],
+     "| XLA_FLAGS | step compiled with |", 1),
     ("init_time", ["--depths", "2", "--d-model", "64", "--repeats", "1"],
      "| blocks | parameters | units |", 2),
-    ("causes", ["--d-model", "64", "--layers", "2", "--steps", "1", "--warmup", "1",
-                "--repeats", "1"], "| allocator | setting | step ms |", 1),
-    ("handwritten", ["--d-model", "64", "--layers", "2", "--heads", "2",
-                     "--batch-per-device", "1", "--rounds", "1", "--warmup", "1"],
+    ("causes", ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "8",
+                "--global-batch", "8", "--steps", "1", "--warmup", "1", "--repeats", "1"],
+     "| allocator | setting | step ms |", 1),
+    ("handwritten", ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "8",
+                     "--batch-per-device", "1", "--rounds", "1", "--warmup", "0"],
      "| sequences per device | operations |", 0),
-    ("scan", ["--depths", "2", "3", "--d-model", "64", "--heads", "2", "--rounds", "1",
-              "--time-depth", "2"], "| layers | one layer MiB |", 0),
+    ("scan", ["--depths", "1", "2", "--d-model", "32", "--heads", "2", "--seq-len", "8",
+              "--rounds", "1", "--time-depth", "1"], "| layers | one layer MiB |", 0),
 ])
 def test_measurement_writes_its_table(tmp_path, capsys, children_here, name, args, header,
                                       children):

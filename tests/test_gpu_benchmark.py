@@ -76,8 +76,9 @@ def test_mfu_inputs():
 @pytest.mark.slow
 def test_runs_at_a_tiny_size_on_cpu(tmp_path):
   out_md = tmp_path / "gpu.md"
-  out = subprocess.run([sys.executable, "benchmarks/gpu.py", "--size", "tiny", "--steps", "2",
-                        "--warmup", "1", "--profile-steps", "1", "--out", str(out_md)],
+  out = subprocess.run([sys.executable, "benchmarks/gpu.py", "--size", "tiny", "--steps", "1",
+                        "--warmup", "0", "--profile-steps", "1", "--seq-len", "8",
+                        "--batch-per-device", "1", "--out", str(out_md)],
                        cwd=REPO, capture_output=True, text=True, timeout=300,
                        env=subprocess_env(JAX_PLATFORMS="cpu"))
   assert out.returncode == 0, out.stderr[-3000:]
@@ -119,7 +120,7 @@ def test_options_this_xla_refuses_are_dropped_and_named():
 @pytest.mark.slow
 def test_overhead_and_collectives_scripts_run_on_cpu(tmp_path):
   out = subprocess.run([sys.executable, "benchmarks/gpu_overhead.py", "--size", "tiny",
-                        "--steps", "2", "--variants", "flat,flat-noremat",
+                        "--steps", "1", "--variants", "flat,flat-noremat",
                         "--out", str(tmp_path / "o.json")],
                        cwd=REPO, capture_output=True, text=True, timeout=300,
                        env=subprocess_env(JAX_PLATFORMS="cpu"))
@@ -127,13 +128,13 @@ def test_overhead_and_collectives_scripts_run_on_cpu(tmp_path):
   result = json.loads((tmp_path / "o.json").read_text())
   flat, noremat = result["variants"]["flat"], result["variants"]["flat-noremat"]
   assert flat["ratio"] > 0 and noremat["ratio"] > 0
-  out = subprocess.run([sys.executable, "benchmarks/gpu_collectives.py", "--devices", "4",
+  out = subprocess.run([sys.executable, "benchmarks/gpu_collectives.py", "--devices", "2",
                         "--cpu", "--out", str(tmp_path / "c.json")],
                        cwd=REPO, capture_output=True, text=True, timeout=300,
                        env=subprocess_env(JAX_PLATFORMS="cpu"))
   assert out.returncode == 0, out.stderr[-3000:]
   result = json.loads((tmp_path / "c.json").read_text())
-  assert result["devices"] == 4 and result["psum_scatter_bf16"] == {"reduce-scatter": {"f32": 1}}
+  assert result["devices"] == 2 and result["psum_scatter_bf16"] == {"reduce-scatter": {"f32": 1}}
   for key in ("fsdp_step_reduce_bfloat16", "fsdp_step_reduce_float32"):
     assert set(result[key]) >= {"all-gather", "reduce-scatter"}, result[key]
 
