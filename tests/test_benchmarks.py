@@ -1,4 +1,4 @@
-"""The benchmarks run: each measurement at a tiny size (2 layers, d_model 32 or 64)
+"""The benchmarks run: each measurement at a tiny size (1-2 layers, d_model 32 or 64)
 on the simulated CPU devices. Nothing about speed or memory is asserted here
 (benchmarks/ reports those); only that every measurement runs and prints or
 writes its table.
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import __main__ as bench_main
-from benchmarks import fresh
+from benchmarks import fresh, measure
 from tests.helpers import REPO, subprocess_env
 
 pytestmark = pytest.mark.slow
@@ -60,7 +60,6 @@ def one_build():
   read memory, collectives, compile times and step times off the same
   compiled steps (what ``python -m benchmarks all`` does in one process),
   so the settings are built and compiled once per argument list."""
-  from benchmarks import measure  # pylint: disable=import-outside-toplevel
   built, setup = {}, measure._setup  # pylint: disable=protected-access
 
   def shared(argv, what):

@@ -169,8 +169,7 @@ def test_names_load_on_first_use():
                        check=True, cwd=str(ROOT))
   assert out.stdout.split() == ["False", "False", "True", "True", "fsdp_jax._src.config",
                                 "True"], out.stdout + out.stderr
-  assert set(fsdp_jax._PUBLIC) | {"custom"} <= set(dir(fsdp_jax)) | set(fsdp_jax._PUBLIC)
-  assert {n for names in fsdp_jax._PUBLIC.values() for n in names} <= set(dir(fsdp_jax))
+  assert set(fsdp_jax.__all__) | set(fsdp_jax._SUBMODULES) <= set(dir(fsdp_jax))
 
 
 def test_type_checkers_see_the_names_that_load():

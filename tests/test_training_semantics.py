@@ -21,10 +21,11 @@ from helpers import (assert_trees_close, mesh_for, mlp_batch, mlp_loss, mlp_para
 WRAP_BLOCKS = fsdp_jax.ModuleWrapPolicy(["blocks.*"])
 
 
-@functools.cache  # the same unsharded run for every case below
+@functools.cache  # the same batches and unsharded run for every case below
 def _accumulation_reference():
   batches = [mlp_batch(seed=i, n=48) for i in range(2)]
-  return reference_run(mlp_loss, mlp_params(), batches, optax.sgd(0.1, momentum=0.9))
+  return (batches,) + tuple(reference_run(mlp_loss, mlp_params(), batches,
+                                          optax.sgd(0.1, momentum=0.9)))
 
 
 # Every k with both accumulations, each accumulation in both layouts. SGD
@@ -37,8 +38,7 @@ def _accumulation_reference():
     (3, "sharded", False), (4, "no_sync", False), (4, "sharded", True)])
 def test_accumulation_equals_one_step(k, accumulation, use_orig_params):
   params = mlp_params()
-  batches = [mlp_batch(seed=i, n=48) for i in range(2)]
-  ref_losses, ref_final = _accumulation_reference()
+  batches, ref_losses, ref_final = _accumulation_reference()
   mesh = mesh_for(S.FULL_SHARD, 4)
   config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP_BLOCKS, use_orig_params=use_orig_params)
   opt = optax.sgd(0.1, momentum=0.9)
