@@ -15,6 +15,7 @@ Two levels:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -521,6 +522,50 @@ def _adafactor_state(use_orig_params):
   opt = OPTIMIZERS["adafactor"]
   _, state = _update_run(opt, (S.FULL_SHARD, 3, None), use_orig_params)
   return opt, state
+
+
+# init is constants only: zero slots (adam, in masks and chains), factored
+# zeros (adafactor), hyperparameters, a flattened state, arrays of constants
+# (muon's coefficients), counters (MultiSteps).
+CONSTANT_INITS = {name: OPTIMIZERS[name] for name in [
+    "adam", "adafactor", "flatten(adam)", "muon", "MultiSteps", "multi_transform",
+    "adamw(mask=tree)"]}
+CONSTANT_INITS["inject_hyperparams(constants)"] = optax.inject_hyperparams(optax.adamw)(
+    learning_rate=LR, weight_decay=0.1)
+# init reads the params (a copy of them), holds a nonzero slot or a key, or
+# computes (a schedule's value at step 0).
+GENERAL_INITS = {name: OPTIMIZERS[name] for name in [
+    "schedule_free", "adagrad", "noisy_sgd", "inject_hyperparams"]}
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+def test_constant_init_is_stored_as_the_evaluated_init(use_orig_params):
+  """An ``optimizer.init`` made of constants is stored without a program:
+  the same tree, dtypes, shardings and bits (padding included: 3 devices
+  divide no leaf) as ``init`` evaluated on the shards; any other init is
+  evaluated."""
+  mesh = mesh_for(S.FULL_SHARD, 3)
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP, use_orig_params=use_orig_params)
+  state = fsdp_jax.init_train_state(params=_params(), optimizer=optax.sgd(LR), mesh=mesh,
+                                    config=config)
+  for name, opt in {**CONSTANT_INITS, **GENERAL_INITS}.items():
+    closed, shapes = optim.trace_init(state.plan, opt)
+    plan = dataclasses.replace(state.plan, opt_layout=optim.layout_for(state.plan, opt, shapes),
+                               optimizer=opt)
+    fast = optim.constant_init(plan, plan.opt_layout, closed)
+    if name in GENERAL_INITS:
+      assert fast is None, name
+      continue
+    assert fast is not None, name
+    evaluated = state_lib._init_opt_state(plan, opt, state.params)  # no jaxpr: evaluated
+    assert jax.tree.structure(fast) == jax.tree.structure(evaluated), name
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(fast)[0],
+                            jax.tree.leaves(evaluated)):
+      where = f"{name}: {jax.tree_util.keystr(path)}"
+      assert a.dtype == b.dtype and a.shape == b.shape, (where, a.dtype, b.dtype)
+      assert a.sharding == b.sharding, (where, a.sharding, b.sharding)
+      bits = lambda x: np.atleast_1d(np.asarray(x)).view(np.uint8)
+      np.testing.assert_array_equal(bits(a), bits(b), err_msg=where)
 
 
 @pytest.mark.slow

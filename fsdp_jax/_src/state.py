@@ -556,6 +556,11 @@ def _init_opt_state(plan: Plan, optimizer, storage, closed=None):
   """``optimizer.init`` on the user's tree, evaluated on each device's shards
   (see :mod:`fsdp_jax._src.optim`) and stored as a ``ShardedOptState``."""
   lay = plan.opt_layout
+  if closed is not None and not any(isinstance(x, jax.core.Tracer)
+                                    for x in jax.tree_util.tree_leaves(storage)):
+    constant = optim.constant_init(plan, lay, closed)
+    if constant is not None:
+      return constant
   specs = optim.stored_specs(plan, lay)
   trainable = split_trainable(plan, storage)[0]
   in_specs = split_trainable(plan, _storage_specs(plan))[0]

@@ -69,6 +69,7 @@ from fsdp_jax._src.optim.update import (
     analyse as analyse,
     as_transformation as as_transformation,
     choose_mode as choose_mode,
+    constant_init as constant_init,
     init_local as init_local,
     layout_for as layout_for,
     trace_init as trace_init,

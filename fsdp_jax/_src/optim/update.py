@@ -10,9 +10,11 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fsdp_jax._src import layout
+from fsdp_jax._src._compat import Literal
 from fsdp_jax._src.plan import Plan, param_specs, split_trainable
 from fsdp_jax._src.optim.stored import (OptLayout, ShardedOptState, build_layout, cast,
     logical_grads, logical_params, slot_items, slot_tree, stored_shapes, stored_specs,
@@ -119,6 +121,70 @@ def init_local(plan: Plan, optimizer, lay: OptLayout, trainable_local, report=No
   args = [pvals[l.index] for l in plan.leaves if not l.frozen]
   outs = ev.run(closed.jaxpr, closed.consts, args)
   return _store_state(ev, lay, outs)
+
+
+def constant_init(plan: Plan, lay: OptLayout, closed) -> ShardedOptState | None:
+  """The stored state of an ``optimizer.init`` whose every leaf is a
+  constant (Adam, SGD with momentum, Lion, Adafactor, LAMB, Muon, constant
+  hyperparameters: zeros and numbers), built on the host shard by shard
+  with no program to trace or compile; None where ``init`` reads the params
+  (a copy of them: schedule-free weights), computes (a schedule's value at
+  step 0), holds a slot value other than zero (its padding must stay zero:
+  the evaluated init writes it) or a typed PRNG key."""
+  if any(jax.dtypes.issubdtype(e.dtype, jax.dtypes.prng_key) for e in lay.entries):
+    return None
+  values = _constants(closed)
+  if values is None:
+    return None
+  for e, v in zip(lay.entries, values):
+    if e.kind == "slot" and not (np.ndim(v) == 0 and v.tobytes() == bytes(v.nbytes)):
+      return None  # zero bits only (not -0.0)
+  shapes = stored_shapes(plan, lay)
+
+  def filled(s, value):
+    shard = lambda index: np.full(s.sharding.shard_shape(s.shape), value, s.dtype)
+    if np.ndim(value) > 0:  # an array constant: replicated, its own value
+      shard = lambda index: np.array(np.broadcast_to(value, s.shape), s.dtype)
+    return jax.make_array_from_callback(s.shape, s.sharding, shard)
+
+  slots = {name: jax.tree.map(lambda s: filled(s, 0), tree) for name, tree in shapes.slots.items()}
+  leaves = {e.path: filled(shapes.leaves[e.path], v)
+            for e, v in zip(lay.entries, values) if e.kind != "slot"}
+  return ShardedOptState(slots, leaves, lay)
+
+
+def _constants(closed) -> list | None:
+  """Host values of a closed jaxpr's outputs when none depends on its
+  inputs and each is a literal, a constant, a scalar's broadcast (kept a
+  scalar) or a conversion of one; None otherwise."""
+  jaxpr = closed.jaxpr
+  env = {v: c for v, c in zip(jaxpr.constvars, closed.consts)}
+  made_by = {o: eqn for eqn in jaxpr.eqns for o in eqn.outvars}
+
+  def value(v):
+    if isinstance(v, Literal):
+      return np.asarray(v.val, v.aval.dtype)
+    if v in env:
+      return env[v]
+    eqn = made_by.get(v)
+    name = eqn.primitive.name if eqn is not None else None
+    if name == "broadcast_in_dim":
+      x = value(eqn.invars[0])
+      if x is None or np.ndim(x) == 0 or np.shape(x) == tuple(eqn.outvars[0].aval.shape):
+        return x
+      return None  # an array broadcast along new dimensions: evaluated instead
+    if name in ("convert_element_type", "copy"):
+      x = value(eqn.invars[0])
+      return None if x is None else np.asarray(x).astype(eqn.outvars[0].aval.dtype)
+    return None  # an input, or computed from one
+
+  out = []
+  for v in jaxpr.outvars:
+    x = value(v)
+    if x is None or isinstance(x, jax.core.Tracer):
+      return None
+    out.append(np.asarray(x))
+  return out
 
 
 def _store_state(ev: ShardedEvaluator, lay: OptLayout, outs) -> ShardedOptState:
