@@ -104,23 +104,58 @@ def _own_process_flags(item):
       [f for f in ours if f not in drop]
 
 
+# Set in a process running own-process tests: where it writes their reports.
+_REPORTS_ENV = "FSDP_JAX_TEST_OWN_PROCESS_REPORTS"
+_own_process_reports: dict = {}  # nodeid -> [(when, outcome, text)] of a finished group
+
+
+def _run_own_process_group(item, flags) -> None:
+  """Runs ``item`` and the other selected tests of its file that need the
+  same flags in one fresh pytest process (one start-up and one module
+  import for all of them), recording each test's reports."""
+  xla_flags, test_flags = flags
+  path = item.nodeid.split("::", 1)[0]
+  group = [i.nodeid for i in item.session.items
+           if i.nodeid.split("::", 1)[0] == path and i.nodeid not in _own_process_reports
+           and _own_process_flags(i) == flags]
+  with tempfile.TemporaryDirectory(prefix="fsdp_jax_own_process_") as tmp:
+    reports = pathlib.Path(tmp) / "reports.jsonl"
+    env = dict(os.environ, **{_LLVM_ENV: "1", "XLA_FLAGS": " ".join(xla_flags),
+                              TEST_FLAGS_ENV: " ".join(test_flags), _REPORTS_ENV: str(reports)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
+         "-o", "addopts=", *group],
+        cwd=item.config.rootpath, env=env, capture_output=True, text=True, timeout=600)
+    lines = reports.read_text().splitlines() if reports.exists() else []
+  for nodeid in group:
+    _own_process_reports[nodeid] = []
+  for line in lines:
+    r = json.loads(line)
+    _own_process_reports.setdefault(r["nodeid"], []).append((r["when"], r["outcome"], r["text"]))
+  for nodeid in group:  # a test with no report: the process died before it ended
+    if not any(when == "teardown" for when, _, _ in _own_process_reports[nodeid]):
+      _own_process_reports[nodeid].append(
+          ("call", "failed", f"no report (exit status {proc.returncode}):\n"
+                             f"{(proc.stdout + proc.stderr)[-6000:]}"))
+
+
 def pytest_pyfunc_call(pyfuncitem):
   """A test marked ``llvm_optimized`` or ``fusion_emitters`` runs in a fresh
   pytest process with some of TEST_XLA_FLAGS left out
-  (:func:`_own_process_flags`)."""
+  (:func:`_own_process_flags`), together with its file's other selected
+  tests that need the same flags; each reports its own outcome here."""
   flags = None if _NATIVE or _LLVM_OPTIMIZED else _own_process_flags(pyfuncitem)
   if flags is None:
     return None
-  xla_flags, test_flags = flags
-  env = dict(os.environ, **{_LLVM_ENV: "1", "XLA_FLAGS": " ".join(xla_flags),
-                            TEST_FLAGS_ENV: " ".join(test_flags)})
-  proc = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-       "-o", "addopts=", pyfuncitem.nodeid],
-      cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True, timeout=600)
-  if proc.returncode != 0:
-    pytest.fail(f"{pyfuncitem.nodeid} failed in its own process (XLA_FLAGS="
-                f"{env['XLA_FLAGS']!r}):\n{(proc.stdout + proc.stderr)[-6000:]}", pytrace=False)
+  if pyfuncitem.nodeid not in _own_process_reports:
+    _run_own_process_group(pyfuncitem, flags)
+  where = f"in its own process (XLA_FLAGS={' '.join(flags[0])!r})"
+  for when, outcome, text in _own_process_reports[pyfuncitem.nodeid]:
+    if outcome == "failed":
+      pytest.fail(f"{pyfuncitem.nodeid} failed {where}, {when}:\n{text[-6000:]}", pytrace=False)
+  for when, outcome, text in _own_process_reports[pyfuncitem.nodeid]:
+    if outcome == "skipped":
+      pytest.skip(f"skipped {where}: {text[-2000:]}")
   return True
 
 
@@ -168,6 +203,10 @@ _recorded = collections.Counter()
 
 def pytest_runtest_logreport(report):
   _recorded[_file_of(report.nodeid)] += report.duration
+  if os.environ.get(_REPORTS_ENV):  # an own-process group (pytest_pyfunc_call)
+    with open(os.environ[_REPORTS_ENV], "a") as f:
+      f.write(json.dumps({"nodeid": report.nodeid, "when": report.when,
+                          "outcome": report.outcome, "text": report.longreprtext}) + "\n")
 
 
 def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
