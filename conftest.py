@@ -104,6 +104,11 @@ def _own_process_flags(item):
       [f for f in ours if f not in drop]
 
 
+# What pyproject.toml's addopts turn off: the cache, and pytest plugins the
+# suite does not use that other packages install (their imports cost each
+# pytest process seconds).
+_UNUSED_PLUGINS = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark",
+                   "-p", "no:anyio", "-p", "no:jaxtyping")
 # Set in a process running own-process tests: where it writes their reports.
 _REPORTS_ENV = "FSDP_JAX_TEST_OWN_PROCESS_REPORTS"
 _own_process_reports: dict = {}  # nodeid -> [(when, outcome, text)] of a finished group
@@ -123,8 +128,8 @@ def _run_own_process_group(item, flags) -> None:
     env = dict(os.environ, **{_LLVM_ENV: "1", "XLA_FLAGS": " ".join(xla_flags),
                               TEST_FLAGS_ENV: " ".join(test_flags), _REPORTS_ENV: str(reports)})
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
-         "-o", "addopts=", *group],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-o", "addopts=",
+         *_UNUSED_PLUGINS, *group],
         cwd=item.config.rootpath, env=env, capture_output=True, text=True, timeout=600)
     lines = reports.read_text().splitlines() if reports.exists() else []
   for nodeid in group:

@@ -3,6 +3,8 @@ tree comparisons, a training loop, and background subprocesses."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -56,6 +58,31 @@ TEST_XLA_FLAGS = _test_xla_flags()
 
 HYBRID = (fsdp_jax.ShardingStrategy.HYBRID_SHARD,
           fsdp_jax.ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+class LazyModule:
+  """A module imported on first attribute access, for the heavy optional
+  packages (torch, transformers, peft: seconds to import): collecting a
+  test file that uses them does not import them; only running its tests
+  does."""
+
+  def __init__(self, name: str):
+    self._name = name
+    self._module = None
+
+  def __getattr__(self, attr):
+    if attr.startswith("__"):  # introspection (doctest collection), not a use
+      raise AttributeError(attr)
+    if self._module is None:
+      self._module = importlib.import_module(self._name)
+    return getattr(self._module, attr)
+
+
+def lazy_modules(*names: str):
+  """``LazyModule`` s of ``names``, or Nones when any is not installed."""
+  if any(importlib.util.find_spec(n) is None for n in names):
+    return (None,) * len(names)
+  return tuple(LazyModule(n) for n in names)
 
 
 def mesh_for(strategy, n, replicate=None):

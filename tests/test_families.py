@@ -39,14 +39,10 @@ from safetensors.numpy import save_file
 
 import fsdp_jax
 from fsdp_jax import hlo, models, pretrained
-from helpers import jit_reference_run
+from helpers import jit_reference_run, lazy_modules
 
-try:
-  import peft
-  import torch
-  import transformers
-except ImportError:  # pragma: no cover - torch's CPU build is installed for Python 3.11 only
-  peft = torch = transformers = None
+# torch's CPU build is installed for Python 3.11 only; imported when a test uses it.
+peft, torch, transformers = lazy_modules("peft", "torch", "transformers")
 
 HF_REASON = ("needs torch, transformers and peft (pyproject's test extra installs torch's CPU "
              "build for Python 3.11, the one this machine's package index has)")

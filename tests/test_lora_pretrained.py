@@ -31,17 +31,13 @@ from fsdp_jax._src import quantization as quant
 from fsdp_jax._src.pretrained.peft import factor_layout
 from fsdp_jax._src.state_dicts import convert
 
-from helpers import REPO
+from helpers import REPO, lazy_modules
 
 sys.path.insert(0, str(REPO / "examples"))
 import llama as llama_example  # noqa: E402  pylint: disable=wrong-import-position
 
-try:
-  import peft
-  import torch
-  import transformers
-except ImportError:  # pragma: no cover - torch's CPU build is installed for Python 3.11 only
-  peft = torch = transformers = None
+# torch's CPU build is installed for Python 3.11 only; imported when a test uses it.
+peft, torch, transformers = lazy_modules("peft", "torch", "transformers")
 
 HF_REASON = ("needs torch, transformers and peft (pyproject's test extra installs torch's CPU "
              "build for Python 3.11, the one this machine's package index has)")

@@ -29,17 +29,14 @@ import fsdp_jax
 from fsdp_jax import ShardingStrategy as S
 from fsdp_jax import pretrained
 
-from helpers import REPO, Background, assert_trees_close, subprocess_env
+from helpers import REPO, Background, assert_trees_close, subprocess_env, lazy_modules
 
 sys.path.insert(0, str(REPO / "examples"))
 import gpt2 as gpt2_example  # noqa: E402  pylint: disable=wrong-import-position
 import llama as llama_example  # noqa: E402  pylint: disable=wrong-import-position
 
-try:
-  import torch
-  import transformers
-except ImportError:  # pragma: no cover - torch's CPU build is installed for Python 3.11 only
-  torch = transformers = None
+# torch's CPU build is installed for Python 3.11 only; imported when a test uses it.
+torch, transformers = lazy_modules("torch", "transformers")
 
 HF_REASON = ("needs torch and transformers (pyproject's test extra installs torch's CPU "
              "build for Python 3.11, the one this machine's package index has)")
