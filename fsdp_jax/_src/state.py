@@ -300,13 +300,13 @@ def init_train_state(*, optimizer: optax.GradientTransformation, mesh: Mesh,
   elif init_fn is not None:
     storage_leaves = unit_init.init_program(plan, init_fn, init_args, traced=traced)(
         *jax.tree_util.tree_leaves(init_args))
-  else:
-    for unit in plan.units:
-      out_sharding = _unit_out_shardings(plan, unit, shardings)
-      flat = jax.tree_util.tree_leaves(params)
-      storage_leaves[unit.index] = jax.jit(
-          lambda xs, unit=unit: layout.pack_unit(plan, unit, xs, replicate=True),
-          out_shardings=out_sharding)({i: flat[i] for i in unit.leaf_ids})
+  else:  # one program packs every unit
+    flat = jax.tree_util.tree_leaves(params)
+    storage_leaves = jax.jit(
+        lambda xs: {u.index: layout.pack_unit(plan, u, {i: xs[i] for i in u.leaf_ids},
+                                              replicate=True) for u in plan.units},
+        out_shardings={u.index: _unit_out_shardings(plan, u, shardings) for u in plan.units})(
+            {i: flat[i] for u in plan.units for i in u.leaf_ids})
   ignored = {}
   if plan.ignored_leaves:
     ign_sh = plan.sharding(plan.ignored_spec())
