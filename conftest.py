@@ -123,11 +123,16 @@ def _own_process_flags(item):
       [f for f in ours if f not in drop]
 
 
-# What pyproject.toml's addopts turn off: the cache, and pytest plugins the
-# suite does not use that other packages install (their imports cost each
-# pytest process seconds).
-_UNUSED_PLUGINS = ("-p", "no:cacheprovider", "-p", "no:hypothesispytest", "-p", "no:benchmark",
-                   "-p", "no:anyio", "-p", "no:jaxtyping")
+def _unused_plugins(config) -> list:
+  """The ``-p no:...`` options of pyproject.toml's addopts (the cache, and
+  pytest plugins the suite does not use that other packages install: their
+  imports cost each pytest process seconds), which a fresh pytest process
+  started with ``-o addopts=`` must repeat."""
+  opts = config.getini("addopts")
+  return [a for flag, value in zip(opts, opts[1:]) if flag == "-p" and value.startswith("no:")
+          for a in (flag, value)]
+
+
 # Set in a process running own-process tests: where it writes their reports.
 _REPORTS_ENV = "FSDP_JAX_TEST_OWN_PROCESS_REPORTS"
 _own_process_reports: dict = {}  # nodeid -> [(when, outcome, text)] of a finished group
@@ -148,7 +153,7 @@ def _run_own_process_group(item, flags) -> None:
                               TEST_FLAGS_ENV: " ".join(test_flags), _REPORTS_ENV: str(reports)})
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-o", "addopts=",
-         *_UNUSED_PLUGINS, *group],
+         *_unused_plugins(item.config), *group],
         cwd=item.config.rootpath, env=env, capture_output=True, text=True, timeout=600)
     lines = reports.read_text().splitlines() if reports.exists() else []
   for nodeid in group:
