@@ -68,6 +68,11 @@ def render(results: dict) -> str:
       "`benchmarks/planner.json`. docs/planner.md explains the model.",
       "",
   ]
+  missing = [title for key, title in (("accuracy", "memory accuracy"), ("time", "CPU step time"),
+                                      ("cost", "cost"), ("fits", "what fits"))
+             if key not in results]
+  if missing:
+    lines += [f"Not measured yet: {', '.join(missing)} (`--only` ran the rest).", ""]
   if "accuracy" in results:
     lines += [
         "## Memory: estimate against the compiled step's peak",
