@@ -319,9 +319,10 @@ class Compiler:
       g = f
       if remat:
         # What jax.checkpoint / nn.remat around the unit's computation keeps:
-        # its inputs (the barrier keeps XLA from reusing the forward's values).
-        g = jax.checkpoint(g, policy=jax.checkpoint_policies.nothing_saveable,
-                           prevent_cse=True)
+        # its inputs. Bound as the step binds a model's own checkpoint
+        # (schedule.checkpoints.user_checkpoint), so that the step's remat
+        # policy below does not save what the checkpoint recomputes.
+        g = _as_user_checkpoint(g)
       if is_loop:
         g = jax.checkpoint(g, policy=_loop_policy, prevent_cse=False)
       elif policy is not None:
@@ -451,6 +452,27 @@ class _Raw:
   grads: tuple
   theta_saved: tuple
   saved_out: tuple = ()
+
+
+def _as_user_checkpoint(f):
+  """``f`` under ``jax.checkpoint`` (nothing saved but its inputs), as a
+  ``custom_vjp`` whose forward is the checkpoint's ``jax.vjp``: what the
+  step makes of a model's own ``jax.checkpoint`` per block."""
+  fn = jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=True)
+
+  @jax.custom_vjp
+  def call(td, ad):
+    return fn(td, ad)
+
+  def fwd(td, ad):
+    out, pullback, aux = jax.vjp(fn, td, ad, has_aux=True)
+    return (out, aux), pullback
+
+  def bwd(pullback, cts):
+    return pullback(cts[0])
+
+  call.defvjp(fwd, bwd)
+  return call
 
 
 def _loop_policy(prim, *_, **__) -> bool:
