@@ -679,6 +679,11 @@ def is_secondary(eqn) -> bool:
 
 _compat.register_partial_eval_custom(fsdp_all_gather_p, _gather_partial_eval)
 
+# Each of fsdp_jax's primitives as the JAX function it lowers to (the
+# planner evaluates them with local stand-ins for the collectives inside).
+IMPLEMENTATIONS = {fsdp_all_gather_p: _gather_impl, fsdp_reduce_p: _reduce_impl,
+                   fsdp_group_gather_p: _group_gather_impl}
+
 
 def gather(locs, spec: GatherSpec):
   """Gathers one unit (or dtype group) from its local operands ``locs`` (see

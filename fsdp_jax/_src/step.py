@@ -641,6 +641,13 @@ class TrainStep:
                                                         self._place(state, batch))
 
 
+def step_jaxpr(step: TrainStep, state, batch):
+  """The step's jaxpr for ``state`` and ``batch`` (both may be shapes, and
+  the state's plan may be on a ``jax.sharding.AbstractMesh``): what the
+  planner compiles per device (:mod:`fsdp_jax._src.planner.step_program`)."""
+  return jax.make_jaxpr(step._fn)(state, batch)  # pylint: disable=protected-access
+
+
 def _with_stored_shardings(state: ShardedTrainState) -> ShardedTrainState:
   """``state`` with each abstract parameter and optimizer-state leaf that has
   no sharding (``jax.eval_shape(init_train_state)`` drops them) given the

@@ -24,6 +24,7 @@ from fsdp_jax._src import state as state_lib, step as step_lib
 from fsdp_jax._src.config import FSDPConfig
 from fsdp_jax._src.mesh import REPLICATE, SHARD, TENSOR
 from fsdp_jax._src.planner import programs, schedule, segments as segments_lib
+from fsdp_jax._src.planner import step_program
 from fsdp_jax._src.planner.devices import DeviceSpec, device_spec
 
 MiB = 1 << 20
@@ -42,10 +43,10 @@ class Estimate:
       "total"}``: the stored parameter shards, the reduced gradient shards,
       the optimizer state, the activations at the peak (saved for the
       backward pass, handed between units, cotangents and the running
-      program's temporaries), and the peak itself (``memory_analysis()``'s
-      argument + temp + output - alias of the compiled step). With CPU
-      offload the params and optimizer state live in host memory and the
-      total counts device memory.
+      program's temporaries, as modelled), and the peak itself
+      (``memory_analysis()``'s argument + temp + output - alias of the
+      compiled step). With CPU offload the params and optimizer state live
+      in host memory and the total counts device memory.
     fits: whether the total fits the device's memory (or ``memory_limit``).
     step_seconds: the predicted step time.
     device: the :class:`~fsdp_jax.DeviceSpec`.
@@ -54,9 +55,13 @@ class Estimate:
     remat: whether each unit's forward was taken under ``jax.checkpoint``
       (the model's own ``nn.remat`` / ``jax.checkpoint`` per block; the
       planner cannot add it to your model).
-    peak_at: where in the step the peak is.
-    parts: the peak's parts (bytes): arguments, gathered units, saved
-      activations, activations, cotangents, gradients, temporaries, results.
+    compiled: whether the total is the step's own per-device program
+      compiled on the local backend (exact there), or the modelled schedule's
+      peak (``estimate(compile_step=...)``).
+    peak_at: where in the step the modelled peak is.
+    parts: the modelled peak's parts (bytes): arguments, gathered units,
+      saved activations, activations, cotangents, gradients, temporaries,
+      results.
     compute_seconds, optimizer_seconds: the programs at the roofline.
     comm_seconds: ``{mesh axis: (total, exposed)}`` seconds per step.
     tokens: elements of the first batch leaf (global batch x sequence).
@@ -84,6 +89,7 @@ class Estimate:
   gradient_accumulation_steps: int = 1
   accumulation: str = "no_sync"
   remat: bool = False
+  compiled: bool = False
   peak_at: str = ""
   parts: dict = dataclasses.field(default_factory=dict)
   compute_seconds: float = 0.0
@@ -125,7 +131,8 @@ class Estimate:
     lines = [
         f"Estimate: {self.describe_config()} on {self.devices} x {self.device.name}",
         f"  memory per device: total {gib(b['total'])} of {gib(self.memory_limit)} "
-        f"({'fits' if self.fits else 'does NOT fit'}); peak at {self.peak_at}",
+        f"({'fits' if self.fits else 'does NOT fit'}; "
+        f"{'compiled' if self.compiled else 'modelled'}); modelled peak at {self.peak_at}",
         f"    params {gib(b['params'])}, grads {gib(b['grads'])}, optimizer "
         f"{gib(b['optimizer'])}, activations {gib(b['activations'])}",
         "    peak: " + ", ".join(f"{k} {v / MiB:,.1f} MiB" for k, v in self.parts.items() if v),
@@ -241,6 +248,7 @@ class Planner:
     self.programs_cache: dict = {}
     self.optimizer_cache: dict = {}
     self.trace_cache: dict = {}
+    self.step_cache: dict = {}
 
   def with_batch(self, batch) -> "Planner":
     """A planner of the same model for another global batch, sharing this
@@ -272,7 +280,8 @@ class Planner:
 
   def estimate(self, config: FSDPConfig, mesh_shape: dict, device: DeviceSpec, *,
                memory_limit: Optional[int] = None, gradient_accumulation_steps: int = 1,
-               accumulation: str = "no_sync", remat: bool = False) -> Estimate:
+               accumulation: str = "no_sync", remat: bool = False,
+               compile_step: Optional[bool] = None) -> Estimate:
     steps = int(gradient_accumulation_steps)
     if steps < 1:
       raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1.")
@@ -288,7 +297,7 @@ class Planner:
     rng = None
     if takes_rng:
       rng = jax.eval_shape(lambda: jax.random.key(0))
-    segments = self._segments(plan, micro, ms, rng, remat)
+    segments, equations, checkpointed = self._segments(plan, micro, ms, rng, remat)
     opt_prog = self._optimizer_program(plan)
     offloaded = plan.offloaded
     param_bytes = _stored_param_bytes(plan)
@@ -309,15 +318,40 @@ class Planner:
                                                      "temporaries", "results"))
     limit = int(memory_limit) if memory_limit is not None else int(device.memory_bytes)
     notes = list(_notes(plan, segments, steps, accumulation))
+    total, compiled = mem.peak, False
+    why_not = ("remat=True asks what jax.checkpoint per unit would give, which the step "
+               "cannot apply to your model") if remat else None
+    if compile_step is not False and why_not is None:
+      full_plan = self.step_plan(config, mesh_shape)
+      why_not = step_program.why_not_compiled(full_plan)
+    if compile_step and why_not:
+      raise ValueError(f"compile_step=True: the step's program cannot be compiled for this "
+                       f"estimate: {why_not}. Fix: pass compile_step=None (modelled) or "
+                       "compile_step=False.")
+    if compile_step is None:
+      compile_step = why_not is None and equations <= step_program.AUTO_EQUATIONS
+    if compile_step:
+      total = self._compiled_peak(full_plan, ms, steps, accumulation, checkpointed)
+      compiled = True
+      notes[0] = (f"the peak: the step's own per-device program compiled on the "
+                  f"{jax.default_backend()} backend, its collectives replaced by local "
+                  "stand-ins of the same shapes; the breakdown and its location are the "
+                  f"modelled schedule's (which peaks at {mem.peak / MiB:,.1f} MiB)")
+    elif equations > step_program.AUTO_EQUATIONS and why_not is None:
+      notes.append(f"the loss's per-device program has {equations:,} equations: the peak is "
+                   "modelled, not compiled (estimate(compile_step=True) compiles the step, "
+                   "which costs about one compile of it)")
+    elif why_not is not None:
+      notes.append(f"the peak is modelled, not compiled: {why_not}")
     first = jax.tree.leaves(self.batch)[0]
     tokens = int(np.prod(first.shape[:2])) if len(first.shape) >= 2 else int(first.shape[0])
     return Estimate(
         config=config, mesh_shape=dict(mesh_shape),
         bytes_per_device={"params": param_bytes, "grads": grads, "optimizer": opt_bytes,
-                          "activations": activations, "total": mem.peak},
-        fits=mem.peak <= limit, step_seconds=t.step, device=device, memory_limit=limit,
+                          "activations": activations, "total": total},
+        fits=total <= limit, step_seconds=t.step, device=device, memory_limit=limit,
         gradient_accumulation_steps=steps, accumulation=accumulation, remat=remat,
-        peak_at=mem.where, parts=parts, compute_seconds=t.compute,
+        compiled=compiled, peak_at=mem.where, parts=parts, compute_seconds=t.compute,
         optimizer_seconds=t.optimizer, comm_seconds=t.comm, tokens=tokens, notes=tuple(notes))
 
   def _segments(self, plan, micro, ms, rng, remat: bool) -> list:
@@ -333,6 +367,7 @@ class Planner:
     if key not in self.trace_cache:
       self.trace_cache[key] = segments_lib.trace_loss(self.loss_fn, plan, micro, ms, rng)
     flat, n, checkpointed = self.trace_cache[key]
+    equations = step_program.count_equations(flat.jaxpr)
     segments = segments_lib.segment(flat, n, plan)
     regather = any(plan.regather(u) for u in plan.units)
     key = (regather, plan.recomputes_cheap_ops, remat)
@@ -340,7 +375,29 @@ class Planner:
     compiler = programs.Compiler(plan, flat, n, remat=remat, checkpointed=checkpointed,
                                  cache=cache)
     programs.compile_segments(segments, compiler)
-    return segments
+    return segments, equations, checkpointed
+
+  def step_plan(self, config: FSDPConfig, mesh_shape: dict):
+    """The plan :func:`fsdp_jax.init_train_state` builds (with how the
+    optimizer's update runs), for an abstract mesh."""
+    plan, _, _, _ = state_lib.abstract_plan(
+        optimizer=self.optimizer, mesh=abstract_mesh(mesh_shape), config=config,
+        params=self._user, module_classes=self._types, rng=self.rng)
+    return plan
+
+  def _compiled_peak(self, plan, model_state, steps: int, accumulation: str,
+                     checkpointed: bool) -> int:
+    """The device bytes of the step's per-device program compiled locally
+    (:mod:`.step_program`), once per distinct step."""
+    key = (plan.config, tuple(plan.mesh.shape.items()), steps, accumulation,
+           tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(self.batch)))
+    if key not in self.step_cache:
+      self.step_cache[key] = step_program.compile_step(
+          self.loss_fn, plan, self.batch, model_state=model_state,
+          rng=jax.ShapeDtypeStruct(np.shape(self.rng), jnp.asarray(self.rng).dtype),
+          gradient_accumulation_steps=steps, accumulation=accumulation,
+          checkpointed=checkpointed).device_total
+    return self.step_cache[key]
 
   def _optimizer_program(self, plan):
     shapes = programs.optimizer_inputs(plan)
@@ -385,16 +442,19 @@ def estimate(loss_fn: Callable, *, optimizer, batch, mesh_shape: dict,
              config: Optional[FSDPConfig] = None, init_fn: Optional[Callable] = None,
              params: Any = None, device="cpu", rng: Any = None,
              memory_limit: Optional[int] = None, gradient_accumulation_steps: int = 1,
-             accumulation: str = "no_sync", remat: bool = False) -> Estimate:
+             accumulation: str = "no_sync", remat: bool = False,
+             compile_step: Optional[bool] = None) -> Estimate:
   """Predicts a step's memory per device and time on a mesh, without it.
 
   Nothing is allocated and the mesh's devices need not exist: the plan is
   built for an abstract mesh of ``mesh_shape`` (parameter, gradient,
-  optimizer and gathered bytes are exact), the loss's per-device program is
-  compiled unit by unit on the local backend at the per-device micro-batch
-  (each distinct unit once), and the step's schedule is walked for the
-  peak and timed at ``device``'s roofline and links. docs/planner.md says
-  what is exact and what is modelled.
+  optimizer and gathered bytes are exact), the step's own per-device
+  program is compiled on the local backend with its collectives replaced by
+  local stand-ins (the peak: exact for that backend), and the loss's
+  per-device program is compiled unit by unit at the per-device micro-batch
+  (each distinct unit once) and put in the step's order for the breakdown
+  of the peak and the time at ``device``'s roofline and links.
+  docs/planner.md says what is exact and what is modelled.
 
   Args:
     loss_fn: the step's ``loss_fn(params, batch)`` (as for
@@ -413,7 +473,14 @@ def estimate(loss_fn: Callable, *, optimizer, batch, mesh_shape: dict,
     gradient_accumulation_steps, accumulation: as for
       :func:`fsdp_jax.shard_train_step`.
     remat: estimate each unit's forward under ``jax.checkpoint`` (what
-      ``nn.remat`` / ``jax.checkpoint`` per block in the model gives).
+      ``nn.remat`` / ``jax.checkpoint`` per block in the model gives;
+      modelled, since the step cannot add it to your model).
+    compile_step: compile the step's per-device program for the peak:
+      ``None`` (default) when the loss's per-device program has at most
+      5,000 equations (a 32-block transformer; about 40 s on 2 cores),
+      else model it from the units' programs; ``True`` always (a 70B-shaped
+      model: minutes and gigabytes of host memory); ``False`` never.
+      ``Estimate.compiled`` says which.
 
   Returns:
     An :class:`Estimate`; ``print(estimate)`` shows memory and time.
@@ -447,5 +514,5 @@ def estimate(loss_fn: Callable, *, optimizer, batch, mesh_shape: dict,
                     rng=rng)
   return planner.estimate(config, shape, device, memory_limit=memory_limit,
                           gradient_accumulation_steps=gradient_accumulation_steps,
-                          accumulation=accumulation, remat=remat)
+                          accumulation=accumulation, remat=remat, compile_step=compile_step)
 

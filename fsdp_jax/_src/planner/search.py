@@ -85,7 +85,7 @@ def _lora_choices(config: FSDPConfig, wanted) -> list:
 def search(loss_fn: Callable, *, optimizer, batch, devices: int,
            init_fn: Optional[Callable] = None, params: Any = None, device="cpu",
            memory_limit: Optional[int] = None, space: Optional[dict] = None,
-           rng: Any = None) -> list:
+           rng: Any = None, compile_step: Optional[bool] = None) -> list:
   """The configurations predicted to fit, as :class:`~fsdp_jax.Estimate` s
   ordered by predicted step time, best first.
 
@@ -118,9 +118,16 @@ def search(loss_fn: Callable, *, optimizer, batch, devices: int,
       ``tensor`` (tensor sizes), ``remat``, ``cpu_offload`` (the savers
       allowed: iterables of bools), ``gradient_accumulation_steps``,
       ``accumulation``, ``lora`` (``("lora", "qlora")``).
+    compile_step: ``None`` (default): every candidate's peak is modelled,
+      then the fastest that fits is confirmed by compiling its step (as
+      ``estimate(compile_step=None)`` does: when the loss's program is small
+      enough; a candidate the compiled step does not fit is dropped and the
+      next confirmed); ``True``: every candidate's step is compiled (exact,
+      a compile each); ``False``: modelled only.
 
   Returns:
-    The estimates that fit, fastest first (empty if none does).
+    The estimates that fit, fastest first (empty if none does). Each says
+    whether its peak was compiled (``Estimate.compiled``).
 
   Raises:
     ValueError: a mesh shape that does not multiply to ``devices``, a tensor
@@ -146,11 +153,12 @@ def search(loss_fn: Callable, *, optimizer, batch, devices: int,
   """
   planner = Planner(loss_fn, optimizer=optimizer, batch=batch, init_fn=init_fn, params=params,
                     rng=rng)
-  return run(planner, devices=devices, device=device, memory_limit=memory_limit, space=space)
+  return run(planner, devices=devices, device=device, memory_limit=memory_limit, space=space,
+             compile_step=compile_step)
 
 
 def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[int] = None,
-        space: Optional[dict] = None) -> list:
+        space: Optional[dict] = None, compile_step: Optional[bool] = None) -> list:
   """:func:`search` with a planner of one's own (several searches of one
   model share its traces and compiled programs: :meth:`Planner.with_batch`)."""
   space = _check_space(space)
@@ -211,7 +219,8 @@ def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[
       continue
     try:
       est = _first_fit(planner, cand, device, limit, rows // dp, remats, offloads,
-                       space.get("gradient_accumulation_steps"), accumulation)
+                       space.get("gradient_accumulation_steps"), accumulation,
+                       bool(compile_step))
     except ValueError as e:
       if explicit_tensor or meshes_given is not None or "divide" not in str(e):
         raise
@@ -223,14 +232,32 @@ def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[
   if not tried and errors:
     raise errors[0]
   found.sort(key=lambda e: (e.step_seconds, e.bytes_per_device["total"]))
+  if compile_step is None:
+    # Confirm the fastest: its settings again, each step compiled (when the
+    # program is small enough); one that does not fit then is dropped.
+    for _ in range(len(found)):
+      if not found or found[0].compiled:
+        break
+      best = found.pop(0)
+      cand = _Candidate(dataclasses.replace(best.config, cpu_offload=None), best.mesh_shape)
+      dp = math.prod(v for k, v in cand.mesh_shape.items() if k != tensor_axis)
+      est = _first_fit(planner, cand, device, limit, rows // dp, remats, offloads,
+                       space.get("gradient_accumulation_steps"), accumulation, None)
+      if est is not None:
+        found.append(est)
+        found.sort(key=lambda e: (e.step_seconds, e.bytes_per_device["total"]))
+        if not est.compiled:
+          break  # too large to compile by default, or remat: modelled
   return found
 
 
 def _first_fit(planner: Planner, cand: _Candidate, device, limit, local_rows: int, remats,
-               offloads, steps_space, accumulation) -> Optional[Estimate]:
+               offloads, steps_space, accumulation, compile_step) -> Optional[Estimate]:
   """The candidate without memory savers if it fits, else the first saver
-  setting that does (see :func:`search`), else None."""
-  est = planner.estimate(cand.config, cand.mesh_shape, device, memory_limit=limit)
+  setting that does (see :func:`search`), else None. ``compile_step`` as
+  for :meth:`Planner.estimate` (remat is always modelled)."""
+  est = planner.estimate(cand.config, cand.mesh_shape, device, memory_limit=limit,
+                         compile_step=compile_step)
   if est.fits:
     return est
   b = est.bytes_per_device
@@ -252,7 +279,7 @@ def _first_fit(planner: Planner, cand: _Candidate, device, limit, local_rows: in
       config = dataclasses.replace(config, cpu_offload=CPUOffload(offload_params=True))
     est = planner.estimate(config, cand.mesh_shape, device, memory_limit=limit,
                            gradient_accumulation_steps=s, accumulation=accumulation,
-                           remat=remat)
+                           remat=remat, compile_step=None if remat else compile_step)
     if est.fits:
       return est
   return None

@@ -89,7 +89,7 @@ _IDENTITY = frozenset({"psum", "pmax", "pmin", "ppermute", "pbroadcast", "pvary"
                        "psum_invariant", "psum2", "pmean", "ppermute_p"})
 
 
-def _stand_in(eqn, invals, sizes: dict) -> list:
+def stand_in(eqn, invals, sizes: dict) -> list:
   """A local computation with ``eqn``'s output shapes in place of a
   collective, wrapped in a named call the segments can find."""
   name = eqn.primitive.name
@@ -185,7 +185,7 @@ def _evaluate(jaxpr, consts, args, sizes: dict, params: set) -> list:
                       if not isinstance(ov, Literal) and ov in from_params}
       outs = _evaluate(body, body_consts, invals, sizes, inner_params)
     elif _compat.axis_params(eqn) and eqn.primitive.name not in ("pjit", "jit"):
-      outs = _stand_in(eqn, invals, sizes)
+      outs = stand_in(eqn, invals, sizes)
     else:
       if any(_contains_collective(j) for j in _compat.nested_jaxprs(eqn)):
         eqn = _compat.rebuild_params(eqn, {}, lambda j: _localize(j, sizes))
