@@ -202,13 +202,17 @@ def _stand_in(eqn, invals, sizes: dict) -> list:
     # what reads it).
     return [jax.lax.optimization_barrier(y.reshape(o.shape).astype(o.dtype))]
   if eqn.primitive.name in ("reduce_scatter", "psum_scatter"):
-    # A sum of the operand's blocks: it reads all of it (a slice would let
-    # XLA compute only the rows it keeps).
+    # This device's block of the operand, at an offset XLA cannot see (as
+    # the device's index is): a fixed slice would let it compute only the
+    # rows kept.
     x, o = invals[0], eqn.outvars[0].aval
     d, tiled = _compat.collective_layout(eqn)
+    index = jax.lax.optimization_barrier(jnp.zeros((), jnp.int32))
     if tiled:
-      x = x.reshape(x.shape[:d] + (x.shape[d] // o.shape[d], o.shape[d]) + x.shape[d + 1:])
-    return [jax.lax.optimization_barrier(jnp.sum(x, axis=d).astype(o.dtype))]
+      block = jax.lax.dynamic_slice_in_dim(x, index * o.shape[d], o.shape[d], axis=d)
+    else:
+      block = jnp.squeeze(jax.lax.dynamic_slice_in_dim(x, index, 1, axis=d), axis=d)
+    return [jax.lax.optimization_barrier(block.astype(o.dtype))]
   outs = segments_lib.stand_in(eqn, invals, sizes)
   # Each result a buffer of its own, as a collective's is: an all-reduce's
   # result is not its operand (a product with a one XLA cannot see through),
