@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -408,7 +409,8 @@ def fits(log, seq: int) -> list:
   predicted tokens per second per GPU. Meshes: one data-parallel axis, and
   for HYBRID strategies shards within a node of 8 (replicate across nodes)."""
   import optax  # pylint: disable=import-outside-toplevel
-  from fsdp_jax._src.planner import search as search_lib  # pylint: disable=import-outside-toplevel
+  # the module (the package re-exports its function under the same name)
+  search_lib = importlib.import_module("fsdp_jax._src.planner.search")
   from fsdp_jax._src.planner.estimator import Planner  # pylint: disable=import-outside-toplevel
   rows = []
   for size in ("8B", "70B"):

@@ -175,21 +175,35 @@ def test_compiled_step_matches_where_the_model_does_not(loss, config_kw, mesh_sh
       est.bytes_per_device["total"], truth)
 
 
-def test_compile_step_choice(planner, monkeypatch):
-  """Programs above the size limit are modelled unless asked; the remat
-  what-if is always modelled (the step cannot checkpoint a user's units)."""
+def test_remat_what_if_and_the_compile_step_choice(planner, monkeypatch):
+  """remat=True rewrites the loss with a jax.checkpoint per unit and
+  compiles that step: close to the step of the model written with them.
+  Programs above the size limit are modelled unless asked; a what-if the
+  loss cannot be rewritten for (LoRA) is modelled, and refused when asked
+  to compile."""
   config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP)
   cpu = fsdp_jax.DeviceSpec.preset("cpu")
+  plain = planner.estimate(config, {"shard": 8}, cpu)
+  remat = planner.estimate(config, {"shard": 8}, cpu, remat=True)
+  assert remat.remat and remat.compiled
+  # the same as the estimate of the model written with them (which the test
+  # above checks against its compiled step)
+  written = fsdp_jax.estimate(loss_checkpointed, optimizer=OPT, batch=BATCH, init_fn=init_fn,
+                              config=config, mesh_shape={"shard": 8})
+  assert written.compiled
+  assert remat.bytes_per_device["total"] == pytest.approx(written.bytes_per_device["total"],
+                                                          rel=0.01)
+  assert remat.bytes_per_device["total"] < plain.bytes_per_device["total"]
   monkeypatch.setattr(step_program, "AUTO_EQUATIONS", 10)
   est = planner.estimate(config, {"shard": 8}, cpu)
   assert not est.compiled and any("equations: the peak is modelled" in n for n in est.notes)
+  assert est.bytes_per_device["total"] != plain.bytes_per_device["total"]
   assert planner.estimate(config, {"shard": 8}, cpu, compile_step=True).compiled
-  remat = planner.estimate(config, {"shard": 8}, cpu, remat=True)
-  assert remat.remat and not remat.compiled
-  assert remat.bytes_per_device["total"] < est.bytes_per_device["total"]
-  with pytest.raises(ValueError, match=r"compile_step=True: .*cannot apply to your model.* "
-                                       r"Fix: pass compile_step=None"):
-    planner.estimate(config, {"shard": 8}, cpu, remat=True, compile_step=True)
+  lora = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP, use_orig_params=True,
+                             lora=fsdp_jax.LoRA(targets=("blocks.*.w1",), rank=2))
+  with pytest.raises(ValueError, match=r"compile_step=True: .*remat=True with LoRA's adapter "
+                                       r"path.* Fix: pass compile_step=None"):
+    planner.estimate(lora, {"shard": 8}, cpu, remat=True, compile_step=True)
 
 
 def test_mesh_larger_than_the_machine(planner):

@@ -53,8 +53,8 @@ class Estimate:
     gradient_accumulation_steps, accumulation: the step's accumulation
       (``shard_train_step``'s options of the same names).
     remat: whether each unit's forward was taken under ``jax.checkpoint``
-      (the model's own ``nn.remat`` / ``jax.checkpoint`` per block; the
-      planner cannot add it to your model).
+      (what ``nn.remat`` / ``jax.checkpoint`` per block gives; the planner
+      rewrites the loss for the estimate, your model must do it to run so).
     compiled: whether the total is the step's own per-device program
       compiled on the local backend (exact there), or the modelled schedule's
       peak (``estimate(compile_step=...)``).
@@ -319,8 +319,10 @@ class Planner:
     limit = int(memory_limit) if memory_limit is not None else int(device.memory_bytes)
     notes = list(_notes(plan, segments, steps, accumulation))
     total, compiled = mem.peak, False
-    why_not = ("remat=True asks what jax.checkpoint per unit would give, which the step "
-               "cannot apply to your model") if remat else None
+    why_not = None
+    if remat and step_program.why_not_checkpointed(plan):
+      why_not = (f"remat=True with {step_program.why_not_checkpointed(plan)}: the loss is not "
+                 "rewritten with a jax.checkpoint per unit there")
     if compile_step is not False and why_not is None:
       full_plan = self.step_plan(config, mesh_shape)
       why_not = step_program.why_not_compiled(full_plan)
@@ -331,7 +333,7 @@ class Planner:
     if compile_step is None:
       compile_step = why_not is None and equations <= step_program.AUTO_EQUATIONS
     if compile_step:
-      total = self._compiled_peak(full_plan, ms, steps, accumulation, checkpointed)
+      total = self._compiled_peak(full_plan, ms, steps, accumulation, checkpointed, remat)
       compiled = True
       notes[0] = (f"the peak: the step's own per-device program compiled on the "
                   f"{jax.default_backend()} backend, its collectives replaced by local "
@@ -386,17 +388,19 @@ class Planner:
     return plan
 
   def _compiled_peak(self, plan, model_state, steps: int, accumulation: str,
-                     checkpointed: bool) -> int:
+                     checkpointed: bool, remat: bool) -> int:
     """The device bytes of the step's per-device program compiled locally
-    (:mod:`.step_program`), once per distinct step."""
-    key = (plan.config, tuple(plan.mesh.shape.items()), steps, accumulation,
+    (:mod:`.step_program`), once per distinct step; with ``remat``, of the
+    loss with a ``jax.checkpoint`` per unit."""
+    key = (plan.config, tuple(plan.mesh.shape.items()), steps, accumulation, remat,
            tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(self.batch)))
     if key not in self.step_cache:
+      loss_fn = step_program.checkpoint_units(self.loss_fn, plan) if remat else self.loss_fn
       self.step_cache[key] = step_program.compile_step(
-          self.loss_fn, plan, self.batch, model_state=model_state,
+          loss_fn, plan, self.batch, model_state=model_state,
           rng=jax.ShapeDtypeStruct(np.shape(self.rng), jnp.asarray(self.rng).dtype),
           gradient_accumulation_steps=steps, accumulation=accumulation,
-          checkpointed=checkpointed).device_total
+          checkpointed=checkpointed or remat).device_total
     return self.step_cache[key]
 
   def _optimizer_program(self, plan):
@@ -473,8 +477,10 @@ def estimate(loss_fn: Callable, *, optimizer, batch, mesh_shape: dict,
     gradient_accumulation_steps, accumulation: as for
       :func:`fsdp_jax.shard_train_step`.
     remat: estimate each unit's forward under ``jax.checkpoint`` (what
-      ``nn.remat`` / ``jax.checkpoint`` per block in the model gives;
-      modelled, since the step cannot add it to your model).
+      ``nn.remat`` / ``jax.checkpoint`` per block in the model gives): the
+      loss is rewritten with a checkpoint around each unit's computation
+      but the root's, and that step compiled; modelled with LoRA, tensor
+      parallelism or a scan over stacked layers.
     compile_step: compile the step's per-device program for the peak:
       ``None`` (default) when the loss's per-device program has at most
       5,000 equations (a 32-block transformer; about 40 s on 2 cores),

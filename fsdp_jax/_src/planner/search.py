@@ -247,7 +247,7 @@ def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[
         found.append(est)
         found.sort(key=lambda e: (e.step_seconds, e.bytes_per_device["total"]))
         if not est.compiled:
-          break  # too large to compile by default, or remat: modelled
+          break  # too large to compile by default: modelled
   return found
 
 
@@ -255,7 +255,8 @@ def _first_fit(planner: Planner, cand: _Candidate, device, limit, local_rows: in
                offloads, steps_space, accumulation, compile_step) -> Optional[Estimate]:
   """The candidate without memory savers if it fits, else the first saver
   setting that does (see :func:`search`), else None. ``compile_step`` as
-  for :meth:`Planner.estimate` (remat is always modelled)."""
+  for :meth:`Planner.estimate` (``True`` compiles a remat setting where the
+  loss can be rewritten with its checkpoints, and models it elsewhere)."""
   est = planner.estimate(cand.config, cand.mesh_shape, device, memory_limit=limit,
                          compile_step=compile_step)
   if est.fits:
@@ -279,7 +280,8 @@ def _first_fit(planner: Planner, cand: _Candidate, device, limit, local_rows: in
       config = dataclasses.replace(config, cpu_offload=CPUOffload(offload_params=True))
     est = planner.estimate(config, cand.mesh_shape, device, memory_limit=limit,
                            gradient_accumulation_steps=s, accumulation=accumulation,
-                           remat=remat, compile_step=None if remat else compile_step)
+                           remat=remat,
+                           compile_step=None if (remat and compile_step) else compile_step)
     if est.fits:
       return est
   return None
