@@ -280,6 +280,18 @@ def test_search_uses_memory_savers_only_when_needed(planner):
   assert nothing == []
 
 
+def test_search_given_meshes_skip_what_a_strategy_cannot_use(planner):
+  """HYBRID strategies need a replicate axis: with only 1-D meshes given,
+  they are skipped, not an error."""
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP)
+  found = search_lib.run(planner, devices=8, compile_step=False, space={
+      "config": config, "mesh_shapes": [{"shard": 8}], "use_orig_params": [False],
+      "sharding_strategy": [fsdp_jax.ShardingStrategy.FULL_SHARD,
+                            fsdp_jax.ShardingStrategy.HYBRID_SHARD]})
+  assert [e.config.sharding_strategy.name for e in found] == ["FULL_SHARD"]
+  assert not found[0].compiled
+
+
 # --------------------------------------------------------------------------
 # devices
 

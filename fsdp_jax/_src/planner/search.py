@@ -201,6 +201,10 @@ def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[
                                  lora=lora, cpu_offload=None, reshard_after_forward=reshard)
     if meshes_given is not None:
       meshes = [check_mesh_shape(m, config, devices) for m in meshes_given]
+      if strategy in _HYBRID:
+        # A HYBRID strategy shards within groups and replicates across them:
+        # only the given meshes with a replicate axis.
+        meshes = [m for m in meshes if m.get(REPLICATE, 1) > 1]
     else:
       meshes = _meshes(devices, strategy, tensors, tensor_axis)
     for mesh in meshes:
