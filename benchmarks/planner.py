@@ -434,11 +434,13 @@ def fits(log, seq: int) -> list:
                "best": best.describe_config() if best else "nothing fits",
                "memory_gib": best.bytes_per_device["total"] / GiB if best else None,
                "tokens_per_s": best.tokens_per_second_per_device if best else None,
+               "compiled": best.compiled if best else None,
                "fitting": len(found), "seconds": time.perf_counter() - t0}
         rows.append(row)
         log(f"{size} {mode} on {devices}: {row['best']}  "
-            + (f"{row['memory_gib']:.1f} GiB  {row['tokens_per_s']:,.0f} tok/s/GPU"
-               if best else "") + f"  ({row['seconds']:.0f}s)")
+            + (f"{row['memory_gib']:.1f} GiB ({'compiled' if best.compiled else 'modelled'})  "
+               f"{row['tokens_per_s']:,.0f} tok/s/GPU" if best else "")
+            + f"  ({row['seconds']:.0f}s)")
   return rows
 
 

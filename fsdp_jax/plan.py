@@ -126,19 +126,21 @@ def _configs(bundle, args):
 
 
 def table(estimates: list, top: Optional[int] = None) -> str:
-  """A markdown table of estimates: rank, configuration, memory per device,
-  step time, tokens per second per device.
+  """A markdown table of estimates: rank, configuration, memory per device
+  (and whether the step was compiled for it or its peak modelled), step
+  time, tokens per second per device.
 
   Example:
     >>> from fsdp_jax.plan import table
     >>> print(table([]))
-    | # | configuration | memory/device GiB | fits | step s | tokens/s/device |
-    |---|---|---|---|---|---|
+    | # | configuration | memory/device GiB | peak | fits | step s | tokens/s/device |
+    |---|---|---|---|---|---|---|
   """
-  rows = ["| # | configuration | memory/device GiB | fits | step s | tokens/s/device |",
-          "|---|---|---|---|---|---|"]
+  rows = ["| # | configuration | memory/device GiB | peak | fits | step s | tokens/s/device |",
+          "|---|---|---|---|---|---|---|"]
   for k, e in enumerate(estimates[:top] if top else estimates, 1):
     rows.append(f"| {k} | {e.describe_config()} | {e.bytes_per_device['total'] / 2**30:.2f} | "
+                f"{'compiled' if e.compiled else 'modelled'} | "
                 f"{'yes' if e.fits else 'no'} | {e.step_seconds:.3f} | "
                 f"{e.tokens_per_second_per_device:,.0f} |")
   return "\n".join(rows)
@@ -184,7 +186,8 @@ def main(argv=None, *, model=None) -> int:
   if args.json:
     with open(args.json, "w") as f:
       json.dump([{"configuration": e.describe_config(), "mesh_shape": e.mesh_shape,
-                  "bytes_per_device": e.bytes_per_device, "step_seconds": e.step_seconds,
+                  "bytes_per_device": e.bytes_per_device, "compiled": e.compiled,
+                  "step_seconds": e.step_seconds,
                   "tokens_per_second_per_device": e.tokens_per_second_per_device}
                  for e in found], f, indent=1)
   return 0

@@ -382,6 +382,8 @@ def test_command_line_prints_the_search(tmp_path, capsys):
   assert {"QLoRA" in r["configuration"] for r in rows} == {True, False}
   steps = [r["step_seconds"] for r in rows]
   assert steps == sorted(steps)
+  assert [r["compiled"] for r in rows] == [True, False]  # the fastest confirmed
+  assert "| 1 | FULL_SHARD orig shard=8 " in text and " | compiled | yes | " in text
 
 
 @pytest.mark.slow
