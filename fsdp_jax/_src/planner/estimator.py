@@ -258,7 +258,7 @@ class Planner:
                     init_fn=self._init_fn, params=self._params, rng=self.rng)
     other._user, other._types = self._user, self._types  # pylint: disable=protected-access
     other.programs_cache, other.optimizer_cache = self.programs_cache, self.optimizer_cache
-    other.trace_cache = self.trace_cache
+    other.trace_cache, other.step_cache = self.trace_cache, self.step_cache
     return other
 
   @property
@@ -338,7 +338,7 @@ class Planner:
       notes[0] = (f"the peak: the step's own per-device program compiled on the "
                   f"{jax.default_backend()} backend, its collectives replaced by local "
                   "stand-ins of the same shapes; the breakdown and its location are the "
-                  f"modelled schedule's (which peaks at {mem.peak / MiB:,.1f} MiB)")
+                  f"modelled schedule's (which peaks at {_size(mem.peak)})")
     elif equations > step_program.AUTO_EQUATIONS and why_not is None:
       notes.append(f"the loss's per-device program has {equations:,} equations: the peak is "
                    "modelled, not compiled (estimate(compile_step=True) compiles the step, "
@@ -409,6 +409,13 @@ class Planner:
     if key not in self.optimizer_cache:
       self.optimizer_cache[key] = programs.optimizer_program(plan, shapes)
     return self.optimizer_cache[key]
+
+
+def _size(nbytes: int) -> str:
+  for unit, name in ((GiB, "GiB"), (MiB, "MiB"), (1 << 10, "KiB")):
+    if nbytes >= unit:
+      return f"{nbytes / unit:,.1f} {name}"
+  return f"{nbytes} bytes"
 
 
 def _stored_param_bytes(plan) -> int:
