@@ -6,18 +6,25 @@ state made of shapes (:func:`abstract_state`). The body of its
 ``shard_map`` is the program every device runs; it is evaluated again with
 each collective replaced by a local computation of the same shapes (an
 all-gather's result is a buffer of the gathered size, made from the
-device's shard; a reduce-scatter's, a slice of its operand; an all-reduce
-keeps its operand's values) and compiled for one local device, with the
-step's compiler options and its donation of the state. Its
-``memory_analysis()`` is the step's on that mesh: the same per-device
-shapes, fusions, schedule and buffer assignment, up to what the collectives
-themselves hold while they run.
+device's shard; a reduce-scatter's, the device's block of its operand at
+an offset XLA cannot see; an all-reduce's, a copy of its operand) and
+compiled for one local device, with the step's compiler options and its
+donation of the state. Its ``memory_analysis()`` is the step's on that
+mesh: the same per-device shapes, fusions, schedule and buffer assignment,
+up to what the collectives themselves hold while they run, and one choice
+of XLA's: it combines the loss's all-reduce with the gradient norm's, and
+where it then computes the loss decides whether the logits stay alive to
+the end of the step, which the stand-ins do not always reproduce.
 
 This costs one trace and one compile of the step (seconds for a small
 model; minutes and gigabytes of host memory for a 70B-shaped one), so
 :func:`fsdp_jax.estimate` compiles it for programs up to
 :data:`AUTO_EQUATIONS` equations and models the peak from the segments
 (:mod:`.schedule`) beyond.
+
+The remat what-if (:func:`checkpoint_units`) rewrites the loss with a
+``jax.checkpoint`` around each unit's computation, and the step of that
+loss is compiled the same way.
 """
 
 from __future__ import annotations
