@@ -138,20 +138,27 @@ def _contains_collective(jaxpr) -> bool:
   return False
 
 
-def _localize(value, sizes: dict):
-  """A nested jaxpr (``Jaxpr`` or ``ClosedJaxpr``) with its collectives
-  replaced by stand-ins."""
+def localize_nested(value, contains, evaluate):
+  """A nested jaxpr (``Jaxpr`` or ``ClosedJaxpr``) traced again through
+  ``evaluate(jaxpr, consts, args)`` (which replaces its collectives) when
+  ``contains(jaxpr)`` says it has some; else ``value`` itself."""
   jaxpr, consts = _compat.split_closed(value)
-  if not _contains_collective(jaxpr):
+  if not contains(jaxpr):
     return value
   avals = [v.aval for v in jaxpr.invars]
-  closed = jax.make_jaxpr(lambda *a: _evaluate(jaxpr, consts, list(a), sizes, set()))(*avals)
+  closed = jax.make_jaxpr(lambda *a: evaluate(jaxpr, consts, list(a)))(*avals)
   if isinstance(value, _compat.ClosedJaxpr):
     return closed
   if closed.consts:
     raise NotImplementedError("a collective inside a nested computation that closes over "
                               "constants")
   return closed.jaxpr
+
+
+def _localize(value, sizes: dict):
+  """A nested jaxpr with its collectives replaced by stand-ins."""
+  return localize_nested(value, _contains_collective,
+                         lambda j, c, a: _evaluate(j, c, a, sizes, set()))
 
 
 def _evaluate(jaxpr, consts, args, sizes: dict, params: set) -> list:

@@ -358,16 +358,6 @@ def _evaluate(jaxpr, consts, args, sizes: dict) -> list:
 
 
 def _localize(value, sizes: dict):
-  """A nested jaxpr (``Jaxpr`` or ``ClosedJaxpr``) with its collectives
-  replaced by stand-ins."""
-  jaxpr, consts = _compat.split_closed(value)
-  if not _has_collective(jaxpr):
-    return value
-  avals = [v.aval for v in jaxpr.invars]
-  closed = jax.make_jaxpr(lambda *a: _evaluate(jaxpr, consts, list(a), sizes))(*avals)
-  if isinstance(value, _compat.ClosedJaxpr):
-    return closed
-  if closed.consts:
-    raise NotImplementedError("a collective inside a nested computation that closes over "
-                              "constants")
-  return closed.jaxpr
+  """A nested jaxpr with its collectives replaced by stand-ins."""
+  return segments_lib.localize_nested(value, _has_collective,
+                                      lambda j, c, a: _evaluate(j, c, a, sizes))
