@@ -32,8 +32,8 @@ __version__ = "0.1.0"
 # imports the configuration, ``fsdp_jax.shard_train_step`` the engine).
 _PUBLIC = {
     # Configuration: the FSDP constructor's options, as values.
-    "fsdp_jax._src.config": ("BackwardPrefetch", "CPUOffload", "FSDPConfig", "MixedPrecision",
-        "ShardingStrategy", "StateDictType", "gradient_divide_factors"),
+    "fsdp_jax._src.config": ("ActivationCheckpointing", "BackwardPrefetch", "CPUOffload",
+        "FSDPConfig", "MixedPrecision", "ShardingStrategy", "StateDictType", "gradient_divide_factors"),
     "fsdp_jax._src.quantization": ("Quantization",),
     "fsdp_jax._src.lora": ("LoRA",),
     "fsdp_jax._src.tensor": ("TensorParallel",),
@@ -71,6 +71,7 @@ _SUBMODULES = ("custom", "distributed", "hlo", "hooks", "models", "pretrained")
 if TYPE_CHECKING:  # the same names, for type checkers and editors
   # Configuration: the FSDP constructor's options, as values.
   from fsdp_jax._src.config import (
+      ActivationCheckpointing as ActivationCheckpointing,
       BackwardPrefetch as BackwardPrefetch,
       CPUOffload as CPUOffload,
       FSDPConfig as FSDPConfig,

@@ -241,6 +241,88 @@ class CPUOffload(_ValueEquality):
   offload_params: bool = False
 
 
+# ActivationCheckpointing's named policies (see ActivationCheckpointing.policy).
+CHECKPOINT_POLICIES = ("full", "dots", "offload")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ActivationCheckpointing(_ValueEquality):
+  """Activation checkpointing applied by the framework, as PyTorch's
+  ``apply_activation_checkpointing(model, check_fn=...)``: each selected
+  unit's computation in the loss (from the first equation that reads the
+  unit's parameters to the last; for a scan over stacked layers, the scan's
+  body, one layer at a time) runs under ``jax.checkpoint``, so its
+  intermediates are recomputed in the backward pass instead of kept. The
+  model is unchanged. The step's collectives stay those of the strategy:
+  FULL_SHARD's backward all-gather serves the recomputation, SHARD_GRAD_OP
+  keeps its forward gather. Frozen, compared by value.
+
+  Args:
+    policy: what each checkpoint saves. ``"full"`` (default): only the
+      unit's inputs; ``"dots"``: also the outputs of matmuls without batch
+      dimensions (``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``,
+      torchtitan's selective checkpointing); ``"offload"``: what ``"full"``
+      saves of the activations goes to host memory (``pinned_host``) in the
+      forward pass and comes back in the backward
+      (``save_and_offload_only_these_names``; the gathered parameters are
+      not offloaded: the strategy keeps or re-gathers them); or any
+      ``jax.checkpoint_policies`` policy callable.
+    units: which units: ``None`` (default) every unit but the root; a glob
+      pattern or a sequence of them over unit names (as ``print(state.plan)``
+      lists them; ``*`` within one dotted segment, ``**`` across), each of
+      which must name a unit; or a predicate ``units(name) -> bool``.
+
+  Example:
+    >>> import fsdp_jax
+    >>> cfg = fsdp_jax.FSDPConfig(
+    ...     activation_checkpointing=fsdp_jax.ActivationCheckpointing("dots", units="blocks.*"))
+    >>> cfg.activation_checkpointing.units
+    ('blocks.*',)
+    >>> fsdp_jax.ActivationCheckpointing() == fsdp_jax.ActivationCheckpointing(policy="full")
+    True
+  """
+
+  policy: Union[str, Callable[..., Any]] = "full"
+  units: Optional[Union[str, Sequence[str], Callable[[str], bool]]] = None
+
+  def __post_init__(self):
+    if isinstance(self.policy, str):
+      if self.policy not in CHECKPOINT_POLICIES:
+        raise ValueError(
+            f"ActivationCheckpointing(policy={self.policy!r}) is not a known policy. Pass one "
+            f"of {', '.join(repr(p) for p in CHECKPOINT_POLICIES)}, or a "
+            "jax.checkpoint_policies policy (e.g. "
+            "jax.checkpoint_policies.dots_with_no_batch_dims_saveable).")
+    elif not callable(self.policy):
+      raise TypeError(
+          f"ActivationCheckpointing(policy={self.policy!r}) must be one of "
+          f"{', '.join(repr(p) for p in CHECKPOINT_POLICIES)} or a jax.checkpoint_policies "
+          "policy callable.")
+    units = self.units
+    if isinstance(units, str):
+      units = (units,)
+    elif units is not None and not callable(units):
+      try:
+        units = tuple(units)
+      except TypeError:
+        units = None
+      if units is None or not units or not all(isinstance(u, str) and u for u in units):
+        raise TypeError(
+            f"ActivationCheckpointing(units={self.units!r}) must be None (every unit but "
+            "the root), unit-name patterns (e.g. 'blocks.*' or ['layers.*']) or a "
+            "predicate over unit names.")
+    object.__setattr__(self, "units", units)
+
+  def describe(self) -> str:
+    """``policy=..., units=...`` as ``print(state.plan)`` shows it."""
+    policy = self.policy if isinstance(self.policy, str) else getattr(
+        self.policy, "__name__", repr(self.policy))
+    units = ("every unit but the root" if self.units is None else
+             ", ".join(self.units) if isinstance(self.units, tuple) else
+             getattr(self.units, "__name__", repr(self.units)))
+    return f"{policy} ({units})"
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
 class FSDPConfig(_ValueEquality):
   """The ``FullyShardedDataParallel`` constructor's options, keyword-only.
@@ -376,6 +458,10 @@ class FSDPConfig(_ValueEquality):
       composed with FSDP over the other axes; its rules split the leaves
       they name (``"colwise"``, ``"rowwise"`` or a per-dimension tuple). The
       model and loss are unchanged. See ``docs/tensor_parallel.md``.
+    activation_checkpointing: an :class:`~fsdp_jax.ActivationCheckpointing`:
+      each selected unit's computation runs under ``jax.checkpoint``
+      (PyTorch's ``apply_activation_checkpointing``); ``None`` (default):
+      only the model's own checkpoints. See ``docs/activation_checkpointing.md``.
 
   Example:
     >>> import fsdp_jax
@@ -415,8 +501,15 @@ class FSDPConfig(_ValueEquality):
   backward_prefetch_units: Optional[Mapping[str, Sequence[str]]] = None
   lora: Optional[LoRA] = None
   tensor_parallel: Optional[TensorParallel] = None
+  activation_checkpointing: Optional[ActivationCheckpointing] = None
 
   def __post_init__(self):
+    if self.activation_checkpointing is not None and not isinstance(
+        self.activation_checkpointing, ActivationCheckpointing):
+      raise TypeError(
+          f"activation_checkpointing={self.activation_checkpointing!r} must be a "
+          "fsdp_jax.ActivationCheckpointing or None, e.g. activation_checkpointing="
+          "fsdp_jax.ActivationCheckpointing(policy='full').")
     if self.tensor_parallel is not None and not isinstance(self.tensor_parallel,
                                                            TensorParallel):
       raise TypeError(
