@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -343,3 +344,19 @@ def test_collective_primitive_outside_a_step_is_named(prim, name):
   from fsdp_jax._src import collectives
   with pytest.raises(RuntimeError, match=f"^{name} only runs inside fsdp_jax's sharded step"):
     getattr(collectives, prim).bind(jnp.ones(3), spec=None, stored_dtype=np.dtype("float32"))
+
+
+def test_make_mesh_leaving_devices_idle_warns_and_devices_silences_it():
+  n = jax.device_count()
+  with pytest.warns(UserWarning) as record:
+    mesh = fsdp_jax.make_mesh(replicate=2, shard=n // 4)
+  assert mesh.devices.size == n // 2
+  msg = str(record[0].message)
+  assert record[0].filename == __file__, record[0].filename  # the caller's line
+  for part in (f"make_mesh(replicate=2, shard={n // 4}) uses {n // 2} of the {n} devices",
+               f"devices=jax.devices()[:{n // 2}]"):
+    assert part in msg, msg
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    fsdp_jax.make_mesh(shard=3, devices=jax.devices()[:3])  # a subset on purpose
+    fsdp_jax.make_mesh(shard=n // 2, tensor=2)  # every device

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -222,6 +223,18 @@ def _cpu_devices_hint(devices: Sequence[jax.Device], needed: int) -> str:
           f"JAX_NUM_CPU_DEVICES={needed} in the environment).")
 
 
+def _warn_idle(used: int, n: int, shard, replicate, tensor) -> None:
+  """Warns that a mesh built from all devices leaves some idle (once per
+  message: Python's warning registry keeps one per distinct text and caller)."""
+  sizes = ", ".join(f"{k}={v}" for k, v in (("replicate", replicate), ("shard", shard),
+                                           ("tensor", tensor)) if v is not None)
+  warnings.warn(
+      f"make_mesh({sizes}) uses {used} of the {n} devices; the other {n - used} stay idle. "
+      f"Fix: pick sizes whose product is {n} (or leave shard= out: it defaults to the "
+      f"devices left), or pass devices= (e.g. devices=jax.devices()[:{used}]) to use a "
+      "subset on purpose.", UserWarning, stacklevel=3)
+
+
 def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
               tensor: Optional[int] = None,
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
@@ -241,7 +254,9 @@ def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
       * tensor)).
     replicate: size of the ``"replicate"`` axis, or ``None`` for no such axis.
     tensor: size of the ``"tensor"`` axis, or ``None`` for no such axis.
-    devices: the devices to use (default ``jax.devices()``).
+    devices: the devices to use (default ``jax.devices()``). Without it, a
+      mesh smaller than ``jax.devices()`` warns (a ``UserWarning`` naming how
+      many devices it uses); pass ``devices=`` to use a subset on purpose.
 
   Example:
     >>> import fsdp_jax
@@ -252,6 +267,7 @@ def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
     >>> dict(fsdp_jax.make_mesh(shard=4, tensor=2, devices=jax.devices()[:8]).shape)
     {'shard': 4, 'tensor': 2}
   """
+  chosen = devices is not None
   if devices is None:
     devices = jax.devices()
     if jax.process_count() > 1:  # shard within a process, replicate across
@@ -276,6 +292,8 @@ def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
         + (f" x tensor={tp}" if tensor is not None else "")
         + f" needs {rep * shard * tp} devices but only {n} are available; pass devices= or "
         "smaller sizes." + _cpu_devices_hint(devices, rep * shard * tp))
+  if not chosen and rep * shard * tp < n:
+    _warn_idle(rep * shard * tp, n, shard, replicate, tensor)
   devices = devices[: rep * shard * tp]
   names = ((REPLICATE,) if replicate is not None else ()) + (SHARD,) + (
       (TENSOR,) if tensor is not None else ())
