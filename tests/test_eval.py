@@ -158,6 +158,13 @@ def adapter(shape):
   return 0.3 * jnp.cos(jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape))
 
 
+def write_adapters(state):
+  """``state`` with :func:`adapter`'s values in every LoRA factor."""
+  factor = lambda path, x: (adapter(x.shape) if getattr(path[-1], "name", None)
+                            in ("lora_A", "lora_B") else x)
+  return fsdp_jax.write_full_params(state, lambda p: jax.tree_util.tree_map_with_path(factor, p))
+
+
 def make_mesh(sizes):
   n = int(np.prod(list(sizes.values())))
   return fsdp_jax.make_mesh(**sizes, devices=jax.devices()[:n])
@@ -192,10 +199,7 @@ class Case:
                                            mesh=make_mesh(sizes), config=self.config, **extra)
     weights = self.params
     if "lora" in opts:  # known, non-zero adapters: the adapter path adds something
-      factor = lambda path, x: (adapter(x.shape) if getattr(path[-1], "name", None)
-                                in ("lora_A", "lora_B") else x)
-      self.state = fsdp_jax.write_full_params(
-          self.state, lambda p: jax.tree_util.tree_map_with_path(factor, p))
+      self.state = write_adapters(self.state)
       weights = fsdp_jax.summon_full_params(self.state)  # merged
     mp = self.config.mixed_precision
     if mp is not None:  # the step computes in param_dtype
@@ -260,6 +264,36 @@ def test_eval_step_matches_single_device_jit(cases, name):
   else:
     np.testing.assert_allclose(out, np.mean(ref["loss"]), rtol=0, atol=1e-5)
     assert out.dtype == jnp.float32 and out.shape == ()
+
+
+def test_eval_step_runs_the_adapters_without_dropout(cases):
+  """PEFT's eval mode: with LoRA(dropout=0.5) the eval step's outputs are
+  those of the same weights without dropout and do not change with the key;
+  the only randomness fn sees is its own rng, the key passed to the step."""
+  c = cases("3-flat-LoRA-prefetch")  # the same weights, LoRA without dropout
+  lora = fsdp_jax.LoRA(targets=LORA.targets, rank=LORA.rank, alpha=LORA.alpha, dropout=0.5)
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP, lora=lora, forward_prefetch=True,
+                               limit_all_gathers=True)
+  state = write_adapters(fsdp_jax.init_train_state(
+      params=PARAMS, optimizer=optax.sgd(0.1), mesh=c.state.plan.mesh, config=config,
+      rng=jax.random.key(3)))
+
+  def fn(params, batch, rng):
+    return {**per_example(params, batch), "draw": jax.random.uniform(rng, (BATCH // 3,))}
+
+  step = fsdp_jax.shard_eval_step(fn, outputs="batch")
+  one, two = (step(state.replace(opt_state=None), BATCH_DATA, rng=jax.random.key(k))
+              for k in (1, 2))
+  for name in ("logits", "loss"):
+    np.testing.assert_array_equal(one[name], two[name], err_msg=name)
+    np.testing.assert_allclose(one[name], c.out[name], rtol=0, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(one[name], c.ref[name], rtol=0, atol=1e-5, err_msg=name)
+  # fn's own key: fold_in(fold_in(key, step 0), device index); device 0's rows first
+  for k, out in ((1, one), (2, two)):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(k), 0), 0)
+    np.testing.assert_array_equal(out["draw"][:BATCH // 3],
+                                  jax.random.uniform(key, (BATCH // 3,)))
+  assert not np.allclose(one["draw"], two["draw"])
 
 
 @pytest.mark.parametrize("name", ["3-flat-LoRA-prefetch", "4-scan-SHARD_GRAD_OP"])

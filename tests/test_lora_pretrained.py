@@ -210,6 +210,22 @@ def test_peft_loads_the_trained_adapter_and_it_reads_back_bitwise(base, tmp_path
   merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()
   np.testing.assert_allclose(_torch_logits(merged), ours, rtol=0, atol=1e-4)
 
+  # The eval step with LoRA(dropout=0.05) is PEFT's model.eval() with
+  # lora_dropout=0.05: no dropout, whatever the key.
+  drop_lora = dataclasses.replace(lora, dropout=0.05)
+  _, drop_state, _ = _state(base, lora=drop_lora, n=2, rng=7)
+  drop_state = pretrained.load_adapter(drop_state, tmp_path / "adapter", wm)
+  pretrained.save_adapter(drop_state, tmp_path / "dropout", wm)
+  assert json.loads((tmp_path / "dropout" / "adapter_config.json").read_text())[
+      "lora_dropout"] == 0.05
+  hf = transformers.LlamaForCausalLM.from_pretrained(base["dir"]).eval()
+  theirs = _torch_logits(peft.PeftModel.from_pretrained(hf, tmp_path / "dropout").eval())
+  eval_step = fsdp_jax.shard_eval_step(lambda p, b: model.apply(p, b["x"]), outputs="batch")
+  evals = [np.asarray(eval_step(drop_state, {"x": TOKENS}, rng=jax.random.key(k)))
+           for k in (0, 1)]
+  np.testing.assert_array_equal(evals[0], evals[1])
+  np.testing.assert_allclose(evals[0], theirs, rtol=0, atol=1e-4)
+
 
 @needs_hf
 @pytest.mark.slow

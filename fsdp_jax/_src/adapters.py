@@ -291,43 +291,50 @@ def _scan(eqn, invals, report: Report, counter: list) -> list:
 # The loss with adapters
 
 
-def values_tree(stored_tree, lora: lora_lib.LoRA, names: tuple, base_dtypes: tuple, key):
+def values_tree(stored_tree, lora: lora_lib.LoRA, names: tuple, base_dtypes: tuple, key, *,
+                train: bool = True):
   """The gathered stored tree -> the user's tree with :class:`LoRAValue` s
   at the targets (``names`` and ``base_dtypes``, the dtype the loss sees
-  each base in, in stored order)."""
+  each base in, in stored order). ``train=False`` (evaluation, PEFT's
+  ``model.eval()``): the adapters' dropout is off, ``key`` is not read."""
   it = iter(names)
   dtypes = iter(base_dtypes)
+  rate = lora.dropout if train else 0.0
 
   def one(node):
     if not lora_lib.is_lora_weight(node):
       return node
     name = next(it)
     k = None
-    if lora.dropout:
+    if rate:
       k = jax.random.fold_in(key, zlib.crc32(name.encode()) % (2 ** 31))
       lead = tuple(node.lora_A.shape[:-2])
       if lead:  # stacked: one key per layer (the scan slices them)
         k = jax.random.split(k, lead[0])
     compute = next(dtypes)
     return LoRAValue(node.base, node.lora_A, node.lora_B, k, scale=lora.scaling,
-                     rate=lora.dropout, quantization=node.quantization, width=node.width,
+                     rate=rate, quantization=node.quantization, width=node.width,
                      dtype=compute, name=name, out_dims=node.out_dims)
 
   return jax.tree.map(one, stored_tree, is_leaf=lora_lib.is_lora_weight)
 
 
 def wrap_loss(loss_fn: Callable, *, lora: lora_lib.LoRA, target_names: tuple,
-              base_dtypes: tuple, axis_env: tuple, report: Report) -> Callable:
+              base_dtypes: tuple, axis_env: tuple, report: Report,
+              train: bool = True) -> Callable:
   """``loss_fn`` over the user's tree -> the same loss over the stored
-  (gathered) tree, with the adapter path. The result takes ``rng`` when
-  ``loss_fn`` does or the adapters use dropout."""
+  (gathered) tree, with the adapter path. ``train``: the train step's
+  forward (the adapters' dropout applies); ``train=False`` is PEFT's eval
+  mode (the adapter path without dropout: evaluation). The result takes
+  ``rng`` when ``loss_fn`` does or the adapters' dropout applies."""
   user_rng = loss_lib.takes_rng(loss_fn)
+  dropout = bool(lora.dropout) and train
 
   def run(params, args, rng):
     key = None
-    if lora.dropout:
+    if dropout:
       key = jax.random.fold_in(rng, _DROPOUT_SALT)
-    values = values_tree(params, lora, target_names, base_dtypes, key)
+    values = values_tree(params, lora, target_names, base_dtypes, key, train=train)
     flat, treedef = jax.tree.flatten(values, is_leaf=_is_lora)
     structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
     kw = {"rng": rng} if user_rng else {}
@@ -339,7 +346,7 @@ def wrap_loss(loss_fn: Callable, *, lora: lora_lib.LoRA, target_names: tuple,
     outs = evaluate(jaxpr, consts, flat + rest, report, [0])
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
-  return loss_lib.rewrapped(loss_fn, run, with_rng=user_rng or bool(lora.dropout))
+  return loss_lib.rewrapped(loss_fn, run, with_rng=user_rng or dropout)
 
 
 def warn_fallbacks(report: Report) -> None:

@@ -1,7 +1,8 @@
 """``shard_eval_step``: sharded evaluation, the train step's forward alone.
 
 PyTorch's ``model.eval()`` and a forward under ``torch.no_grad()`` on an
-FSDP model. The step runs ``fn`` inside ``jax.shard_map`` on each device's shards, as
+FSDP model (LoRA's adapters run without their dropout, as PEFT's in eval
+mode). The step runs ``fn`` inside ``jax.shard_map`` on each device's shards, as
 the train step runs the loss (:class:`~fsdp_jax._src.local_loss.LocalForward`):
 each unit is gathered right before its first use, with the train step's
 prefetch and rate limits (:func:`fsdp_jax._src.schedule.ordered`), and freed
@@ -50,8 +51,9 @@ def shard_eval_step(fn: Callable[..., Any], *, outputs: str = "mean",
   ``fn`` is what ``loss_fn`` is to :func:`fsdp_jax.shard_train_step`: a pure
   function of the full, original parameter tree and this device's batch,
   computed in ``param_dtype`` under mixed precision, on the adapter path
-  with LoRA, on each device's slices with tensor parallelism. It returns any
-  pytree of arrays:
+  with LoRA (in PEFT's eval mode: ``LoRA(dropout=...)`` is never applied
+  here, only in the train step), on each device's slices with tensor
+  parallelism. It returns any pytree of arrays:
 
   * **model state**: when the state holds some and ``fn`` takes a third
     argument, it is called ``fn(params, batch, model_state)``; a returned
@@ -61,7 +63,11 @@ def shard_eval_step(fn: Callable[..., Any], *, outputs: str = "mean",
     statistics);
   * **rng**: a ``fn`` with a keyword argument ``rng`` gets
     ``fold_in(fold_in(key, state.step), device_index)``, ``key`` being
-    ``eval_step(..., rng=key)`` or the state's;
+    ``eval_step(..., rng=key)`` or the state's. This is the only randomness
+    that reaches ``fn`` in evaluation: fsdp_jax draws none of its own (the
+    adapters' dropout is off), so ``fn`` decides with its own flags
+    (``deterministic=True``, ``train=False``) whether its model's dropout
+    uses the key;
   * a :class:`~fsdp_jax.WeightedLoss` anywhere in the outputs becomes the
     weighted mean over the global batch, ``psum(total) / psum(weight)``.
 
@@ -280,7 +286,8 @@ class EvalStep:
     if plan not in self._checked_setup:
       check_setup(plan.mesh, plan.config)
       self._checked_setup.add(plan)
-    placed, self._checked_shapes = place_checked(plan, batch, self._checked_shapes)
+    placed, self._checked_shapes = place_checked(plan, batch, self._checked_shapes,
+                                                 getattr(self.fn, "check_batch", None))
     if rng is not None:
       loss_lib.check_rng(rng)
     # Only what the forward reads: no optimizer state, no hook state.

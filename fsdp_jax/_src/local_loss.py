@@ -58,20 +58,25 @@ class LocalLoss:
     plan: the sharding plan.
     forward_inputs: top-level batch keys cast to ``param_dtype`` (None: all).
 
+  ``train`` (default True) is the train step's forward: LoRA's adapters
+  apply their dropout; :class:`LocalForward` passes ``train=False``.
+
   ``loss_fn`` is traced once per input structure; the traces are kept until
   :meth:`reset` (a trace's constants may be values of the enclosing trace,
   so the caller resets at the start of each trace of its own).
   """
 
   def __init__(self, loss_fn: Callable, plan: Plan, *, forward_inputs=None,
-               split_outputs=None):
+               split_outputs=None, train: bool = True):
     if plan.config.lora is not None:
       # The adapter path: loss_fn sees each target as W + s * A @ B, computed
-      # beside the frozen matmul (fsdp_jax._src.adapters).
+      # beside the frozen matmul (fsdp_jax._src.adapters); the adapters'
+      # dropout only in training (train=False: PEFT's eval mode).
       loss_fn = adapters.wrap_loss(loss_fn, lora=plan.config.lora,
                                    target_names=plan.lora_targets,
                                    base_dtypes=plan.lora_base_dtypes(),
-                                   axis_env=plan.axis_env, report=plan.lora_report)
+                                   axis_env=plan.axis_env, report=plan.lora_report,
+                                   train=train)
     if plan.config.tensor_parallel is not None:
       # Each device runs the loss on its slices of the split leaves, with
       # Megatron's collectives over the tensor axis (fsdp_jax._src.tensor_eval).
@@ -91,6 +96,12 @@ class LocalLoss:
     # (see schedule.placement._saved_if_mixed).
     self._save_mixed = plan.recomputes_cheap_ops
     self._specs = {u.index: plan.gather_specs(u) for u in plan.units}
+    # FSDPConfig(activation_checkpointing=...): a jax.checkpoint around each
+    # selected unit's computation (schedule.checkpoint_units); checked here.
+    self._checkpointing = plan.config.activation_checkpointing
+    if self._checkpointing is not None:
+      schedule.selected_units(plan, self._checkpointing)
+      schedule.check_offload_backend(plan, self._checkpointing)
     self._axis_map = loss_lib.axis_mapping(plan)
     self._traces: dict = {}
 
@@ -145,6 +156,9 @@ class LocalLoss:
       if per_device_bn and plan.axes.world_size > 1:
         warnings.warn(frameworks.per_device_batch_norm_message(per_device_bn, plan),
                       stacklevel=2)
+      if self._checkpointing is not None:
+        closed = schedule.checkpoint_units(closed, len(plan.leaves), plan,
+                                           self._checkpointing, plan.axis_env)
       closed = loss_lib.bind_axis_names(closed, self._axis_map)
       self._traces[cache_key] = (closed, out_shape, self._check_output(out_shape))
     return self._traces[cache_key]
@@ -324,17 +338,21 @@ class LocalForward(LocalLoss):
   outputs``. ``fn(params, batch[, model_state][, rng=])`` gets the model
   state when the train state holds one and ``fn`` takes a third argument;
   a ``(outputs, new_model_state)`` result (a training loss's) gives
-  ``outputs``: evaluation leaves the model state as it is. Under tensor
+  ``outputs``: evaluation leaves the model state as it is. With LoRA the
+  adapter path runs without the adapters' dropout (PEFT's eval mode);
+  ``fn``'s own ``rng`` is still passed. Under tensor
   parallelism the outputs ``split_outputs``
   (:class:`~fsdp_jax._src.tensor_eval.SplitOutputs`) keeps split are this
   device's slices.
   """
 
   def __init__(self, fn: Callable, plan: Plan, *, forward_inputs=None, split_outputs=None):
-    super().__init__(fn, plan, forward_inputs=forward_inputs, split_outputs=split_outputs)
+    super().__init__(fn, plan, forward_inputs=forward_inputs, split_outputs=split_outputs,
+                     train=False)
     self._with_model_state = (plan.model_state_dtypes is not None
                               and loss_lib.takes_model_state(fn))
     self._save_mixed = False
+    self._checkpointing = None  # no backward pass: nothing to recompute
     self._ms_def = None
 
   def _trace(self, batch, ms, key):
