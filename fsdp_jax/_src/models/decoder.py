@@ -173,10 +173,11 @@ def init_params(cfg: ModelConfig, rng, *, dtype=jnp.float32, scan: bool = False)
 
 
 def _block(cfg: ModelConfig, n: Names, p: dict, x, *, tables, q_pos, window, cache, start,
-           implementation):
+           implementation, q_seg=None, k_seg=None):
   """One decoder layer. ``tables``: ``(cos, sin)`` or None; ``cache``:
   ``(k, v)`` ``[B, S, K, H]`` to write this call's keys and values into at
-  ``start`` (then attend over all of it), or None."""
+  ``start`` (then attend over all of it), or None; ``q_seg`` / ``k_seg``:
+  the queries' and keys' segment ids (:func:`layers.attend`), or None."""
   b, t, _ = x.shape
   a = p[n.attn]
   h = L.norm(p[n.pre_attn], x, cfg.norm, cfg.norm_eps)
@@ -198,7 +199,8 @@ def _block(cfg: ModelConfig, n: Names, p: dict, x, *, tables, q_pos, window, cac
     cache = (k, v)
     k_pos = jnp.arange(k.shape[1])
   o = L.attend(q, k, v, scale=cfg.attn_scale, softcap=cfg.attn_softcap, q_pos=q_pos,
-               k_pos=k_pos, window=window, implementation=implementation)
+               k_pos=k_pos, window=window, implementation=implementation, q_seg=q_seg,
+               k_seg=k_seg)
   o = L.dense(a[n.out], o.reshape(b, t, cfg.num_attention_heads * cfg.head_dim))
   if n.post_attn:
     o = L.norm(p[n.post_attn], o, cfg.norm, cfg.norm_eps)
@@ -210,25 +212,59 @@ def _block(cfg: ModelConfig, n: Names, p: dict, x, *, tables, q_pos, window, cac
   return x + m, cache
 
 
+def check_packed(tokens, segment_ids, positions, where: str = "apply") -> tuple:
+  """``segment_ids`` and ``positions`` as int32 arrays of ``tokens``' shape
+  ``[B, T]`` (or None), else a ValueError naming both shapes."""
+  out = []
+  for name, value in (("segment_ids", segment_ids), ("positions", positions)):
+    if value is None:
+      out.append(None)
+      continue
+    value = jnp.asarray(value)
+    if value.shape != tokens.shape or not jnp.issubdtype(value.dtype, jnp.integer):
+      raise ValueError(
+          f"{where}: {name} has shape {list(value.shape)} ({value.dtype}) where input_ids has "
+          f"{list(tokens.shape)}: pass integer {name} of input_ids' shape [batch, length] "
+          "(segment_ids: 0 for padding, 1, 2, ... for the documents of a packed row; "
+          "positions: each token's position in its document).")
+    out.append(value.astype(jnp.int32))
+  return tuple(out)
+
+
 def forward(cfg: ModelConfig, params: dict, tokens, *, scan: bool = False, cache=None,
-            start=0, implementation=None):
-  """Logits ``[B, T, vocab]`` of ``tokens`` ``[B, T]`` at positions
-  ``start + arange(T)``; with ``cache`` (``(k, v)``, each ``[layers, B, S,
-  K, H]``) also the cache with this call's keys and values written at
-  ``start``: ``(logits, cache)``."""
+            start=0, implementation=None, segment_ids=None, positions=None,
+            kv_segment_ids=None):
+  """Logits ``[B, T, vocab]`` of ``tokens`` ``[B, T]`` at slots ``start +
+  arange(T)`` of their rows; with ``cache`` (``(k, v)``, each ``[layers,
+  B, S, K, H]``) also the cache with this call's keys and values written at
+  ``start``: ``(logits, cache)``.
+
+  ``positions`` ``[B, T]``: the rotary (GPT-2: learned) positions (default:
+  the slots). ``segment_ids`` ``[B, T]``: packed rows, attention causal
+  within each segment only (0: padding); with a cache, ``kv_segment_ids``
+  ``[B, S]`` are the cached keys' segments (a left-padded prompt's
+  padding 0). Causality and sliding windows count slots, which within a
+  segment of consecutive positions is transformers' count of positions.
+  Without them the program is the unpacked one."""
   n = names_of(cfg)
   root = params[n.root]
   table = root[n.embed]["weight"]
+  segment_ids, positions = check_packed(tokens, segment_ids, positions)
   x = L.embed_tokens(table, tokens, cfg.embed_scale)
   t = tokens.shape[1]
   q_pos = start + jnp.arange(t)
+  pos = q_pos if positions is None else positions
   if n.positions:
-    x = x + root[n.positions]["weight"][q_pos]
+    x = x + root[n.positions]["weight"][pos]
   tables = {}
   for kind, rope in (cfg.rope or {}).items():
-    tables[kind] = L.rotary_tables(rope, q_pos, x.dtype)
+    tables[kind] = L.rotary_tables(rope, pos, x.dtype)
   layers = root[n.layers]
-  kw = dict(q_pos=q_pos, start=start, implementation=implementation)
+  k_seg = None
+  if segment_ids is not None:
+    k_seg = segment_ids if cache is None else jnp.asarray(kv_segment_ids, jnp.int32)
+  kw = dict(q_pos=q_pos, start=start, implementation=implementation, q_seg=segment_ids,
+            k_seg=k_seg)
   if not scan:
     new_k, new_v = [], []
     for i, p in enumerate(layers):
@@ -280,6 +316,21 @@ def _scan_layers(cfg: ModelConfig, n: Names, layers: dict, x, tables: dict, cach
 
   x, new = jax.lax.scan(body, x, xs)
   return x, (new if cache is not None else None)
+
+
+def packed_labels(labels, segment_ids):
+  """``labels`` with ``-100`` where a packed row's next-token prediction
+  crosses a document boundary: ``labels[t + 1]`` (the target of position
+  ``t``) is dropped where ``segment_ids[t + 1] != segment_ids[t]`` (each
+  document's first token) or ``segment_ids[t + 1] == 0`` (padding), so the
+  loss is the sum of each document's own loss. Unchanged where
+  ``segment_ids`` is None."""
+  if segment_ids is None:
+    return labels
+  seg = jnp.asarray(segment_ids)
+  cross = jnp.concatenate(
+      [jnp.zeros_like(seg[:, :1], bool), (seg[:, 1:] != seg[:, :-1]) | (seg[:, 1:] == 0)], 1)
+  return jnp.where(cross, -100, labels)
 
 
 def causal_lm_loss(logits, labels):

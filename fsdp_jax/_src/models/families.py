@@ -38,13 +38,21 @@ class CausalLM:
     init_fn: ``init_fn(rng) -> params``, random as transformers initialises
       (for ``init_train_state(init_fn=..., pretrained=...)``, which only
       traces it where the checkpoint covers a leaf).
-    apply: ``apply(params, input_ids) -> logits`` ``[B, T, vocab]``.
+    apply: ``apply(params, input_ids, *, segment_ids=None, positions=None)
+      -> logits`` ``[B, T, vocab]``. Packed rows: ``segment_ids`` ``[B, T]``
+      (0: padding, 1, 2, ...: the documents; attention causal within each
+      document, sliding windows and soft-capping as for a document alone)
+      and ``positions`` ``[B, T]`` (each token's position in its document:
+      the rotary or learned positions; default ``arange(T)``).
       ``apply`` and ``loss_fn`` are jitted functions (a step that calls
       them inlines them); ``init_fn`` is plain, for ``init_train_state``
       to trace (``jax.jit(b.init_fn)(key)`` to call it yourself).
     loss_fn: ``loss_fn(params, batch)``, batch ``{"input_ids", "labels"}``
-      (``labels`` default: the input ids): transformers' causal-LM loss, the
-      labels shifted inside and ``-100`` ignored, as a
+      (``labels`` default: the input ids), optionally ``"segment_ids"`` and
+      ``"positions"`` (packed rows, as ``apply`` takes them; no target is
+      taken across a document boundary or on padding, so a packed row's
+      loss is the token-weighted sum of its documents' own): transformers'
+      causal-LM loss, the labels shifted inside and ``-100`` ignored, as a
       :class:`~fsdp_jax.WeightedLoss` whose ratio is the mean over the
       tokens (``float(loss)``); ``shard_train_step`` reports and
       differentiates the mean over every device's tokens, as one
@@ -237,16 +245,21 @@ def _init(cfg, dtype, scan, rng):
   return decoder.init_params(cfg, rng, dtype=dtype, scan=scan)
 
 
-def _apply(cfg, scan, implementation, params, input_ids):
+def _apply(cfg, scan, implementation, params, input_ids, *, segment_ids=None, positions=None):
   return decoder.forward(cfg, params, jnp.asarray(input_ids), scan=scan,
-                         implementation=implementation)
+                         implementation=implementation, segment_ids=segment_ids,
+                         positions=positions)
 
 
 def _loss(cfg, scan, implementation, params, batch):
   tokens = jnp.asarray(batch["input_ids"])
   labels = batch.get("labels")
   labels = tokens if labels is None else jnp.asarray(labels)
-  logits = decoder.forward(cfg, params, tokens, scan=scan, implementation=implementation)
+  segment_ids, positions = decoder.check_packed(tokens, batch.get("segment_ids"),
+                                                batch.get("positions"), "loss_fn")
+  labels = decoder.packed_labels(labels, segment_ids)  # no target across documents
+  logits = decoder.forward(cfg, params, tokens, scan=scan, implementation=implementation,
+                           segment_ids=segment_ids, positions=positions)
   return decoder.causal_lm_loss(logits, labels)
 
 

@@ -55,16 +55,18 @@ def activation(name: str, x):
 
 
 def rotary_tables(rope: Rope, positions, dtype) -> tuple:
-  """``(cos, sin)`` of shape ``[T, rotary_dim]`` for integer ``positions``
+  """``(cos, sin)`` of shape ``positions.shape + (rotary_dim,)`` for integer
+  ``positions`` ``[T]`` or ``[B, T]``
   (transformers' ``RotaryEmbedding.forward``: the angles in float32, the
   halves repeated, times ``attention_scaling``, cast to ``dtype``).
-  LongRoPE picks its long frequencies when the last position reaches past
-  the original length."""
+  LongRoPE picks its long frequencies when the largest position (of the
+  whole batch, as transformers' ``position_ids``) reaches past the original
+  length."""
   inv = jnp.asarray(np.asarray(rope.inv_freq, np.float32))
   if rope.long_inv_freq is not None:
     longer = jnp.max(positions) + 1 > rope.original_max
     inv = jnp.where(longer, jnp.asarray(np.asarray(rope.long_inv_freq, np.float32)), inv)
-  freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]
+  freqs = positions.astype(jnp.float32)[..., None] * inv
   emb = jnp.concatenate([freqs, freqs], -1)
   scale = np.float32(rope.attention_scaling)
   return (jnp.cos(emb) * scale).astype(dtype), (jnp.sin(emb) * scale).astype(dtype)
@@ -73,9 +75,12 @@ def rotary_tables(rope: Rope, positions, dtype) -> tuple:
 def rotate(x, cos, sin):
   """``x * cos + rotate_half(x) * sin`` on the first ``rotary_dim`` of the
   last axis of ``x`` ``[B, T, heads, head_dim]`` (Phi's partial rotary
-  passes the rest through)."""
+  passes the rest through); ``cos``, ``sin`` ``[T, rotary_dim]`` or ``[B, T,
+  rotary_dim]`` (positions per row)."""
   d = cos.shape[-1]
-  cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+  if cos.ndim == 2:
+    cos, sin = cos[None], sin[None]
+  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
   rot = x[..., :d]
   half = d // 2
   turned = jnp.concatenate([-rot[..., half:], rot[..., :half]], -1)
@@ -84,40 +89,50 @@ def rotate(x, cos, sin):
 
 
 def attend(q, k, v, *, scale: float, softcap: Optional[float], q_pos, k_pos,
-           window=None, implementation=None):
+           window=None, implementation=None, q_seg=None, k_seg=None):
   """Causal attention of ``q`` ``[B, T, N, H]`` over ``k``, ``v`` ``[B, S,
-  K, H]`` (``N`` a multiple of ``K``: grouped-query) at positions ``q_pos``
-  ``[T]`` and ``k_pos`` ``[S]``. ``window``: attend to the last ``window``
-  positions only (an int, or a traced int for a scan over mixed layers;
-  None: all).
+  K, H]`` (``N`` a multiple of ``K``: grouped-query) at slots ``q_pos``
+  ``[T]`` and ``k_pos`` ``[S]`` of the row (a query attends to the keys at
+  its own slot and before). ``window``: attend to the last ``window``
+  slots only (an int, or a traced int for a scan over mixed layers; None:
+  all). ``q_seg`` ``[B, T]`` / ``k_seg`` ``[B, S]``: segment ids (packed
+  documents, or a left-padded prompt's padding as 0); a query attends only
+  to keys of its own segment (padding to padding, so no row is empty).
 
-  Without soft-capping, and with keys at the queries' own positions and a
-  static window (training, a prompt), this is the fused
+  Without soft-capping or segments, and with keys at the queries' own
+  slots and a static window (training, a prompt), this is the fused
   ``jax.nn.dot_product_attention(is_causal=True, local_window_size=...)``;
-  with a cache (keys at other positions) it is the same call with a
-  boolean mask. Soft-capping (``tanh(s / cap) * cap`` before the mask and
-  the softmax, Gemma 2) is computed explicitly."""
+  otherwise the same call with a boolean mask ``[B or 1, 1, T, S]`` (which
+  ``implementation="cudnn"`` takes too). Soft-capping (``tanh(s / cap) *
+  cap`` before the mask and the softmax, Gemma 2) is computed explicitly;
+  no path holds more than the ``[B, heads, T, S]`` scores."""
   static_window = window is None or isinstance(window, (int, np.integer))
   aligned = k_pos is None
-  if softcap is None and aligned and static_window:
+  segments = q_seg is not None
+  if softcap is None and aligned and static_window and not segments:
     return jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=True,
         local_window_size=None if window is None else (int(window) - 1, 0),
         implementation=implementation)
   if aligned:
     k_pos = q_pos
+  if segments and k_seg is None:
+    k_seg = q_seg
   mask = k_pos[None, :] <= q_pos[:, None]
   if window is not None:
     mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
+  mask = mask[None]  # [1, T, S]
+  if segments:
+    mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])  # [B, T, S]
   if softcap is None:
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], scale=scale,
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
                                         implementation=implementation)
   b, t, n, h = q.shape
   kv = k.shape[2]
   qg = q.reshape(b, t, kv, n // kv, h)
   s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
   s = jnp.tanh(s / softcap) * softcap
-  s = jnp.where(mask[None, None, None], s, MASKED)
+  s = jnp.where(mask[:, None, None], s, MASKED)
   p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
   return jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(b, t, n, h)
 
