@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fsdp_jax._src.cross_entropy import chunked_cross_entropy
 from fsdp_jax._src.loss import WeightedLoss
 from fsdp_jax._src.models import layers as L
 from fsdp_jax._src.models.config import ModelConfig
@@ -233,7 +234,7 @@ def check_packed(tokens, segment_ids, positions, where: str = "apply") -> tuple:
 
 def forward(cfg: ModelConfig, params: dict, tokens, *, scan: bool = False, cache=None,
             start=0, implementation=None, segment_ids=None, positions=None,
-            kv_segment_ids=None):
+            kv_segment_ids=None, head: bool = True):
   """Logits ``[B, T, vocab]`` of ``tokens`` ``[B, T]`` at slots ``start +
   arange(T)`` of their rows; with ``cache`` (``(k, v)``, each ``[layers,
   B, S, K, H]``) also the cache with this call's keys and values written at
@@ -245,7 +246,9 @@ def forward(cfg: ModelConfig, params: dict, tokens, *, scan: bool = False, cache
   ``[B, S]`` are the cached keys' segments (a left-padded prompt's
   padding 0). Causality and sliding windows count slots, which within a
   segment of consecutive positions is transformers' count of positions.
-  Without them the program is the unpacked one."""
+  Without them the program is the unpacked one. ``head=False``: the
+  final hidden state ``[B, T, d]`` (after the last norm) instead of the
+  logits (:func:`blocked_causal_lm_loss` takes it)."""
   n = names_of(cfg)
   root = params[n.root]
   table = root[n.embed]["weight"]
@@ -280,12 +283,19 @@ def forward(cfg: ModelConfig, params: dict, tokens, *, scan: bool = False, cache
   else:
     x, cache = _scan_layers(cfg, n, layers, x, tables, cache, kw)
   x = L.norm(root[n.final_norm], x, cfg.norm, cfg.norm_eps)
-  if cfg.tie_word_embeddings:
-    logits = x @ table.T
-  else:
-    logits = x @ params["lm_head"]["kernel"]
-  logits = L.softcap(logits, cfg.final_softcap)
+  if not head:  # the final hidden state, for the blocked loss
+    return x if cache is None else (x, cache)
+  logits = L.softcap(x @ head_kernel(cfg, params), cfg.final_softcap)
   return logits if cache is None else (logits, cache)
+
+
+def head_kernel(cfg: ModelConfig, params: dict):
+  """The head's ``[d, vocab]`` kernel: ``lm_head.kernel``, or the tied
+  embedding table transposed."""
+  if cfg.tie_word_embeddings:
+    n = names_of(cfg)
+    return params[n.root][n.embed]["weight"].T
+  return params["lm_head"]["kernel"]
 
 
 def _scan_layers(cfg: ModelConfig, n: Names, layers: dict, x, tables: dict, cache, kw):
@@ -343,3 +353,16 @@ def causal_lm_loss(logits, labels):
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(valid, labels, 0))
   return WeightedLoss(total=jnp.sum(jnp.where(valid, ce, 0.0)),
                       weight=jnp.sum(valid).astype(jnp.float32))
+
+
+def blocked_causal_lm_loss(cfg: ModelConfig, params: dict, hidden, labels, block_tokens: int):
+  """:func:`causal_lm_loss` from the final hidden state ``[B, T, d]``, the
+  head and its cross-entropy computed ``block_tokens`` tokens at a time
+  (:func:`~fsdp_jax.chunked_cross_entropy`): the labels shifted (position
+  ``t`` predicts ``labels[t + 1]``; the last position predicts nothing),
+  the tied head included, Gemma 2's final soft-capping applied. The block's
+  logits are float32 whatever the parameters' dtype (the unblocked loss
+  rounds 16-bit logits to their dtype before its float32 softmax)."""
+  shifted = jnp.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=-100)
+  return chunked_cross_entropy(hidden, head_kernel(cfg, params), shifted,
+                               block_tokens=block_tokens, soft_cap=cfg.final_softcap)
