@@ -27,6 +27,7 @@ for FULL_SHARD and SHARD_GRAD_OP on 2, 3 and 4 devices and HYBRID_SHARD on a
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import re
 
@@ -544,3 +545,169 @@ def test_remat_policy_saves_only_matmul_outputs(name):
   lines = out.getvalue().strip().splitlines()
   saved = [line.split("output of ")[1].split()[0] for line in lines if "output of" in line]
   assert saved and set(saved) == {"dot_general"}, lines
+
+
+# --------------------------------------------------------------------------
+# 6. FSDPConfig(activation_checkpointing=...): the framework checkpoints each
+#    unit (PyTorch's apply_activation_checkpointing), the model unchanged
+
+
+AC = fsdp_jax.ActivationCheckpointing
+AC_ATOL = 1e-6  # float32: the recomputation repeats the same operations
+
+
+def ac_count(loss_fn, state, batch) -> int:
+  """``jax.checkpoint`` equations with a policy in the loss as the step
+  traces it (at top level and in scan bodies): the framework's checkpoints
+  (LoRA's adapter path adds checkpoints of its own, without a policy)."""
+  from fsdp_jax._src import _compat, local_loss  # pylint: disable=import-outside-toplevel
+  closed = local_loss.LocalLoss(loss_fn, state.plan).traced(batch)[0]
+
+  def count(jaxpr):
+    return sum((_compat.is_remat(e) and _compat.remat_params(e).policy is not None) + sum(count(j) for j in _compat.nested_jaxprs(e)
+                                         if _compat.is_scan(e)) for e in jaxpr.eqns)
+  return count(closed.jaxpr)
+
+
+def ac_pair(loss_fn, params, batches, mesh, config, ac, *, checkpoints, steps_kw=None,
+            module_classes=None):
+  """Trains with ``config`` and with ``activation_checkpointing=ac``; asserts
+  the same losses and parameters (to ``AC_ATOL``) and ``checkpoints``
+  framework checkpoints in the loss. Returns ``{name: (losses, params, plan,
+  compiled step)}``."""
+  out = {}
+  for name, cfg in [("without", config),
+                    ("with", dataclasses.replace(config, activation_checkpointing=ac))]:
+    state = fsdp_jax.init_train_state(params=params, optimizer=adam(), mesh=mesh, config=cfg,
+                                      module_classes=module_classes)
+    step = fsdp_jax.shard_train_step(loss_fn, adam(), mesh=mesh, config=cfg, **(steps_kw or {}))
+    compiled = step.lower(state, batches[0]).compile()
+    if name == "with":
+      assert ac_count(loss_fn, state, batches[0]) == checkpoints
+    plan = state.plan
+    state, losses = train_steps(step, state, batches)
+    out[name] = (losses, fsdp_jax.summon_full_params(state), plan, compiled)
+  np.testing.assert_allclose(out["with"][0], out["without"][0], rtol=0, atol=AC_ATOL)
+  assert_trees_close(out["with"][1], out["without"][1], rtol=AC_ATOL, atol=AC_ATOL)
+  return out
+
+
+def all_gathers(compiled) -> int:
+  return sum(1 for k, _, _, _ in unit_collectives(compiled.as_text()) if k == "all-gather")
+
+
+AC_CASES = [  # (strategy, devices, replicate, use_orig_params, policy)
+    (FULL_SHARD, 2, None, False, "full"),
+    (SHARD_GRAD_OP, 3, None, True, "dots"),
+    (HYBRID_SHARD, 2, 2, False, "offload"),
+]
+
+
+@pytest.mark.parametrize("case", AC_CASES, ids=lambda c: f"{c[0].name}-{c[4]}")
+def test_config_checkpointing_trains_as_without_and_gathers_as_often(case):
+  strategy, n, replicate, orig, policy = case
+  config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, auto_wrap_policy=WRAP_BLOCKS,
+                               use_orig_params=orig)
+  out = ac_pair(make_loss(), mlp_params(), mlp_batches(), mesh_for(strategy, n, replicate),
+                config, AC(policy), checkpoints=BLOCKS)
+  losses, params, plan, compiled = out["with"]
+  if strategy is FULL_SHARD:
+    assert_matches_reference(losses, params, mlp_reference())
+  # FULL_SHARD's backward re-gather serves the recomputation; SHARD_GRAD_OP
+  # gathers nothing more.
+  assert counts_per_unit(compiled.as_text()) == counts_per_unit(out["without"][3].as_text())
+  assert counts_per_unit(compiled.as_text()) == expected_counts(plan, strategy)
+
+
+def test_config_checkpointing_with_tensor_parallelism_and_mixed_precision_units():
+  """FSDP x TP (2 x 2), the blocks' MLPs split; only ``blocks.1`` selected."""
+  config = fsdp_jax.FSDPConfig(
+      auto_wrap_policy=WRAP_BLOCKS,
+      tensor_parallel=fsdp_jax.TensorParallel(rules=[("*.w1", "colwise"), ("*.b1", "colwise"),
+                                                     ("*.w2", "rowwise")]))
+  mesh = fsdp_jax.make_mesh(shard=2, tensor=2, devices=jax.devices()[:4])
+  params = mlp_params()
+  for blk in params["blocks"]:  # widths the tensor axis divides
+    blk["w1"], blk["b1"], blk["w2"] = blk["w1"][:, :16], blk["b1"][:16], blk["w2"][:16]
+  out = ac_pair(make_loss(), params, mlp_batches()[:2], mesh, config,
+                AC("full", units="blocks.1"), checkpoints=1)
+  # The units' gathers as without; tensor parallelism's own collectives in
+  # blocks.1 (an all-gather where a split activation meets a replicated
+  # operation) run again in its recomputation, as in Megatron's.
+  counts = {k: counts_per_unit(out[k][3].as_text()) for k in ("with", "without")}
+  fsdp = lambda c: {k: v for k, v in c.items() if k[1] != "?"}
+  assert fsdp(counts["with"]) == fsdp(counts["without"])
+  assert counts["with"][("all-gather", "?")] == counts["without"][("all-gather", "?")] + 1
+
+
+def test_config_checkpointing_with_lora_accumulation_and_offload():
+  """LoRA adapters on the blocks' matmuls, two microbatches, parameters in
+  host memory; ``dots`` on the units a predicate selects."""
+  config = fsdp_jax.FSDPConfig(
+      auto_wrap_policy=WRAP_BLOCKS, lora=fsdp_jax.LoRA(targets=("*.w1", "*.w2"), rank=2),
+      cpu_offload=fsdp_jax.CPUOffload(offload_params=True))
+  ac = AC("dots", units=lambda name: name not in ("blocks.0", "<root>"))
+  ac_pair(make_loss(), mlp_params(), mlp_batches()[:2], mesh_for(FULL_SHARD, 2), config, ac,
+          checkpoints=BLOCKS - 1, steps_kw={"gradient_accumulation_steps": 2})
+
+
+def test_config_checkpointing_of_stacked_layers_checkpoints_each_layer():
+  """A scan over stacked layers: the checkpoint goes in the scan body, one
+  layer at a time, and the loops still gather one layer per iteration."""
+  model = LinenModel(L_D, L_FF, L_BLOCKS, scan=True)
+  params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 6)))
+  config = fsdp_jax.FSDPConfig(stacked_layers=("params.blocks",),
+                               mixed_precision=fsdp_jax.MixedPrecision(reduce_dtype=jnp.float32))
+  out = ac_pair(linen_loss(model), params, linen_batches()[:2], mesh_for(FULL_SHARD, 2),
+                config, AC("offload"), checkpoints=1)
+  with_, without = (unit_collectives(out[k][3].as_text()) for k in ("with", "without"))
+  assert sorted(op[:2] for op in with_) == sorted(op[:2] for op in without)
+  in_loop = hlo_lib.loop_bodies(out["with"][3].as_text())
+  assert [op for op in with_ if op[:2] == ("all-gather", "params.blocks") and op[2] in in_loop]
+
+
+@pytest.mark.parametrize("strategy", [FULL_SHARD, SHARD_GRAD_OP])
+def test_config_checkpointing_reduces_activation_memory(strategy):
+  """The memory model of section 3, checkpointed by the config instead of
+  the model: temporaries per device (MiB, jax 0.10.2, CPU, 2 devices)
+  without / with: see docs/activation_checkpointing.md."""
+  mesh = mesh_for(strategy, 2)
+  config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, auto_wrap_policy=WRAP_BLOCKS)
+  batch = memory_batch()
+  compiled = {}
+  for name, cfg in [("without", config), ("with", dataclasses.replace(
+      config, activation_checkpointing=AC()))]:
+    state = jax.eval_shape(lambda cfg=cfg: fsdp_jax.init_train_state(
+        params=memory_params(), optimizer=adam(), mesh=mesh, config=cfg))
+    compiled[name] = compile_step(make_loss(), state, batch, mesh, cfg)[1]
+  assert counts_per_unit(compiled["with"].as_text()) == counts_per_unit(
+      compiled["without"].as_text())
+  assert_activation_memory_drops(temp_bytes(compiled["with"]), temp_bytes(compiled["without"]),
+                                 M_BATCH // 2, ratio=0.55)
+
+
+def test_activation_checkpointing_values_and_errors(monkeypatch):
+  assert AC() == AC("full", None) and hash(AC("dots", "blocks.*")) == hash(AC("dots", ["blocks.*"]))
+  assert AC("full") != AC("dots")
+  assert fsdp_jax.FSDPConfig(activation_checkpointing=AC("dots", ("a.*",))) == fsdp_jax.FSDPConfig(
+      activation_checkpointing=AC(policy="dots", units="a.*"))
+  with pytest.raises(ValueError, match=r"policy='selective'.*'full', 'dots', 'offload'"):
+    AC("selective")
+  with pytest.raises(TypeError, match="activation_checkpointing=.*ActivationCheckpointing"):
+    fsdp_jax.FSDPConfig(activation_checkpointing="full")
+  mesh = mesh_for(FULL_SHARD, 2)
+
+  def step_for(ac):
+    config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP_BLOCKS, activation_checkpointing=ac)
+    state = jax.eval_shape(lambda: fsdp_jax.init_train_state(
+        params=mlp_params(), optimizer=adam(), mesh=mesh, config=config))
+    fsdp_jax.shard_train_step(make_loss(), adam(), mesh=mesh, config=config).lower(
+        state, mlp_batches()[0])
+
+  with pytest.raises(ValueError, match=r"'layers\.\*' names no unit\. The units are: "
+                                       r"<root>, blocks\.0, blocks\.1, blocks\.2"):
+    step_for(AC(units=["blocks.*", "layers.*"]))
+  from fsdp_jax._src import offload  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(offload, "memory_kinds", lambda d: ["device"])
+  with pytest.raises(ValueError, match=r"policy='offload'.*'pinned_host'.*\['device'\]"):
+    step_for(AC("offload"))

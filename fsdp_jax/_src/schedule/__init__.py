@@ -14,16 +14,21 @@ reads one of its parameters.
   FULL_SHARD the step wraps the evaluation in ``jax.checkpoint`` with
   :func:`fsdp_jax._src.collectives.remat_policy`, so the backward re-gathers.
 * The model's own ``jax.checkpoint`` / ``nn.remat`` calls keep their policy
-  (:mod:`.checkpoints`).
+  (:mod:`.checkpoints`); ``FSDPConfig(activation_checkpointing=...)`` adds one
+  around each selected unit's computation (:mod:`.regions` cuts the loss into
+  the units' computations).
 * The step's collectives are ordered against compute as PyTorch's prefetch
   settings order them (:mod:`.ordering`).
 
-Modules, each importing only those before it: ``checkpoints``, ``loops``,
+Modules, each importing only those before it: ``regions``, ``checkpoints``, ``loops``,
 ``ordering``, ``placement`` (the evaluator; it hands itself to the loops and
 checkpoints it calls).
 """
 
+from fsdp_jax._src.schedule.checkpoints import check_offload_backend as check_offload_backend
+from fsdp_jax._src.schedule.checkpoints import checkpoint_units as checkpoint_units
 from fsdp_jax._src.schedule.checkpoints import has_user_checkpoint as has_user_checkpoint
+from fsdp_jax._src.schedule.checkpoints import selected_units as selected_units
 from fsdp_jax._src.schedule.loops import NEXT_LAYER_SCOPE as NEXT_LAYER_SCOPE
 from fsdp_jax._src.schedule.ordering import ordered as ordered
 from fsdp_jax._src.schedule.placement import Gatherer as Gatherer
