@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import warnings
@@ -360,3 +361,88 @@ def test_make_mesh_leaving_devices_idle_warns_and_devices_silences_it():
     warnings.simplefilter("error")
     fsdp_jax.make_mesh(shard=3, devices=jax.devices()[:3])  # a subset on purpose
     fsdp_jax.make_mesh(shard=n // 2, tensor=2)  # every device
+
+
+# --------------------------------------------------------------------------
+# A family bundle's inputs (fsdp_jax.models)
+
+_TINY = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def _tiny(tmp_path, family="llama", scan=False, **extra):
+  import json  # pylint: disable=import-outside-toplevel
+  from fsdp_jax import models  # pylint: disable=import-outside-toplevel
+  d = tmp_path / f"{family}{len(list(tmp_path.iterdir()))}"
+  d.mkdir()
+  (d / "config.json").write_text(json.dumps({"model_type": family, **_TINY, **extra}))
+  return models.from_pretrained(d, scan=scan)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_nan(tmp_path):
+  b = _tiny(tmp_path)
+  params = jax.eval_shape(b.init_fn, jax.random.key(0))
+  ok = np.ones((8, 6), np.int32)
+  high = ok.copy()
+  high[3, 2], high[5, 1] = 64, 70
+  vocab = "vocab_size 64 (config.json), ids 0..63"
+  with pytest.raises(ValueError, match=r"^loss_fn: batch\['input_ids'\] holds token id 70 "
+                     r"\(its largest\).*" + re.escape(vocab)):
+    b.loss_fn(params, {"input_ids": high})
+  with pytest.raises(ValueError, match=r"^loss_fn: batch\['labels'\] holds token id -3 "):
+    b.loss_fn(params, {"input_ids": ok, "labels": np.where(high == 64, -3, -100)})
+  with pytest.raises(ValueError, match=r"^apply: input_ids holds token id 70 "):
+    b.apply(params, jnp.asarray(high))  # a jax.Array is read back too
+  # -100 labels are transformers' ignored ones: no error.
+  jax.eval_shape(b.loss_fn, params, {"input_ids": ok, "labels": np.full_like(ok, -100)})
+  # The train and eval steps check the global batch before placing it (no
+  # program compiled: the error comes first).
+  mesh = mesh_for(S.FULL_SHARD, 2)
+  state = fsdp_jax.init_train_state(params=jax.tree.map(jnp.zeros_like, params),
+                                    optimizer=optax.sgd(0.1), mesh=mesh,
+                                    config=b.fsdp_config())
+  step = fsdp_jax.shard_train_step(b.loss_fn, optax.sgd(0.1), mesh=mesh, config=b.fsdp_config())
+  for run in (step, fsdp_jax.shard_eval_step(b.loss_fn)):
+    with pytest.raises(ValueError, match=r"^loss_fn: batch\['input_ids'\] holds token id 70 "):
+      run(state, {"input_ids": high})
+
+
+def test_labels_of_another_shape_name_both_shapes(tmp_path):
+  b = _tiny(tmp_path)
+  params = jax.eval_shape(b.init_fn, jax.random.key(0))
+  ids = np.ones((2, 6), np.int32)
+  msg = r"batch\['labels'\] has shape \[2, 5\] where batch\['input_ids'\] has \[2, 6\]"
+  with pytest.raises(ValueError, match="^loss_fn: " + msg):
+    b.loss_fn(params, {"input_ids": ids, "labels": ids[:, 1:]})
+  with pytest.raises(ValueError, match=msg):  # traced: checked by shapes
+    jax.jit(b.loss_fn)(params, {"input_ids": ids, "labels": ids[:, 1:]})
+
+
+def test_parameters_of_another_model_name_the_first_differing_path(tmp_path):
+  llama = _tiny(tmp_path)
+  qwen3 = _tiny(tmp_path, "qwen3", head_dim=4)
+  ids = np.ones((1, 4), np.int32)
+  key = jax.random.key(0)
+  params = jax.eval_shape(qwen3.init_fn, key)
+  with pytest.raises(ValueError, match=re.escape(
+      "apply: the parameters are not this llama model's (2 layers, hidden 16, 4 heads, 2 "
+      "key/value, vocabulary 64): model.layers.0.self_attn.k_norm.weight (shape (4,)) is not "
+      "one of its parameters (and 3 more differences).")):
+    jax.eval_shape(llama.apply, params, ids)
+  own = jax.eval_shape(llama.init_fn, key)
+  wide = _tiny(tmp_path, hidden_size=32)
+  with pytest.raises(ValueError, match=re.escape(
+      "loss_fn: the parameters are not this llama model's (2 layers, hidden 32, ")):
+    jax.eval_shape(wide.loss_fn, own, {"input_ids": ids})
+  with pytest.raises(ValueError, match=re.escape(
+      "lm_head.kernel has shape (16, 64) where this model's is (32, 64)")):
+    jax.eval_shape(wide.apply, own, ids)
+  del own["model"]["norm"]
+  with pytest.raises(ValueError, match=re.escape("model.norm.weight (shape (16,)) is missing")):
+    jax.eval_shape(llama.apply, own, ids)
+  # The other layer layout: a list of layers into a scanned bundle.
+  scanned = _tiny(tmp_path, scan=True)
+  with pytest.raises(ValueError, match=re.escape(
+      "The layers are a list (from_pretrained(scan=False)); this bundle stacks them")):
+    jax.eval_shape(scanned.apply, jax.eval_shape(llama.init_fn, key), ids)
+  jax.eval_shape(scanned.apply, jax.eval_shape(scanned.init_fn, key), ids)  # its own: fine

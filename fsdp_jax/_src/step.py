@@ -177,7 +177,12 @@ def shard_train_step(loss_fn: Callable[..., Any],
   * **axis names**: collectives over the mesh axes (``"shard"``,
     ``"replicate"``) or over ``config.data_axis_name`` (e.g. ``"batch"`` for
     ``nn.BatchNorm(axis_name="batch")``, meaning the whole data-parallel
-    world) work inside it.
+    world) work inside it;
+  * **batch check**: a ``loss_fn`` with a ``check_batch`` attribute (a
+    family bundle's, ``fsdp_jax.models``) has ``loss_fn.check_batch(batch)``
+    called on each global batch before it is placed on the mesh, where its
+    values are still readable (e.g. token ids inside the vocabulary); it
+    raises on bad input (``shard_eval_step`` does the same with its ``fn``).
 
   Inside the step, which runs under ``jax.shard_map`` over ``mesh``:
 
@@ -407,7 +412,8 @@ def shard_train_step(loss_fn: Callable[..., Any],
     raw = LocalLoss(loss_fn, plan, forward_inputs=forward_inputs)
     return raw.checkpoints(local, state.model_state, state.rng)
 
-  return TrainStep(step, donate=donate, mesh=mesh, config=config, checkpoints=checkpoints)
+  return TrainStep(step, donate=donate, mesh=mesh, config=config, checkpoints=checkpoints,
+                   batch_check=getattr(loss_fn, "check_batch", None))
 
 
 def _keep_if(flag, old, new):
@@ -522,11 +528,12 @@ def place_batch(plan: Plan, batch):
   return jax.tree.map(place, batch)
 
 
-def place_checked(plan: Plan, batch, checked_shapes=None):
+def place_checked(plan: Plan, batch, checked_shapes=None, batch_check=None):
   """Checks the batch and puts it on the mesh (:func:`place_batch`):
   ``(placed batch, batch shapes checked)``. With several processes the
   check is a collective, run once per batch shapes (``checked_shapes``: the
-  shapes checked before)."""
+  shapes checked before). ``batch_check``: the loss's own check of the
+  batch's values (``loss_fn.check_batch``), or None."""
   if jax.process_count() == 1:
     check_batch(plan, batch)
   else:
@@ -534,6 +541,8 @@ def place_checked(plan: Plan, batch, checked_shapes=None):
     if checked_shapes != shapes:
       check_local_batch(plan, batch)
       checked_shapes = shapes
+  if batch_check is not None:
+    batch_check(batch)
   return place_batch(plan, batch), checked_shapes
 
 
@@ -560,8 +569,9 @@ class TrainStep:
 
   def __init__(self, fn: Callable, *, donate: bool, mesh: Optional[Mesh],
                config: Optional[FSDPConfig], compiler_options: Optional[dict] = None,
-               checkpoints: Optional[Callable] = None):
+               checkpoints: Optional[Callable] = None, batch_check: Optional[Callable] = None):
     self._fn = fn
+    self._batch_check = batch_check  # loss_fn.check_batch, or None
     # checkpoints(state, batch) -> whether the loss calls jax.checkpoint
     self._checkpoints = checkpoints
     self._donate = donate
@@ -599,7 +609,8 @@ class TrainStep:
   def _with_compiler_options(self, compiler_options: dict) -> "TrainStep":
     """The same step compiled with other XLA options (for measurements)."""
     return TrainStep(self._fn, donate=self._donate, mesh=self.mesh, config=self.config,
-                     compiler_options=dict(compiler_options), checkpoints=self._checkpoints)
+                     compiler_options=dict(compiler_options), checkpoints=self._checkpoints,
+                     batch_check=self._batch_check)
 
   @property
   def jitted(self):
@@ -615,7 +626,8 @@ class TrainStep:
     if not self._checked_setup:  # mesh or config taken from the state
       check_setup(self.mesh or state.plan.mesh, self.config or state.plan.config)
       self._checked_setup = True
-    placed, self._checked_shapes = place_checked(state.plan, batch, self._checked_shapes)
+    placed, self._checked_shapes = place_checked(state.plan, batch, self._checked_shapes,
+                                                 self._batch_check)
     return placed
 
   @mesh_lib.own_mesh

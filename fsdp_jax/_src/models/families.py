@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from fsdp_jax._src.config import FSDPConfig
-from fsdp_jax._src.models import decoder
+from fsdp_jax._src.models import checks, decoder
 from fsdp_jax._src.models.config import ModelConfig, load_json, read_config
 from fsdp_jax._src.pretrained.weight_map import WeightMap, split, transpose
 from fsdp_jax._src.tensor import TensorParallel
@@ -246,6 +246,7 @@ def _init(cfg, dtype, scan, rng):
 
 
 def _apply(cfg, scan, implementation, params, input_ids, *, segment_ids=None, positions=None):
+  checks.check_params(cfg, scan, params, "apply")
   return decoder.forward(cfg, params, jnp.asarray(input_ids), scan=scan,
                          implementation=implementation, segment_ids=segment_ids,
                          positions=positions)
@@ -255,6 +256,8 @@ def _loss(cfg, scan, implementation, params, batch):
   tokens = jnp.asarray(batch["input_ids"])
   labels = batch.get("labels")
   labels = tokens if labels is None else jnp.asarray(labels)
+  checks.check_label_shape(tokens.shape, labels.shape)
+  checks.check_params(cfg, scan, params, "loss_fn")
   segment_ids, positions = decoder.check_packed(tokens, batch.get("segment_ids"),
                                                 batch.get("positions"), "loss_fn")
   labels = decoder.packed_labels(labels, segment_ids)  # no target across documents
@@ -333,8 +336,12 @@ def from_pretrained(directory, *, dtype=None, scan: bool = False,
   return CausalLM(
       config=cfg,
       init_fn=functools.partial(_init, cfg, dtype, bool(scan)),
-      apply=jax.jit(functools.partial(_apply, cfg, bool(scan), attn_implementation)),
-      loss_fn=jax.jit(functools.partial(_loss, cfg, bool(scan), attn_implementation)),
+      apply=checks.Checked(
+          jax.jit(functools.partial(_apply, cfg, bool(scan), attn_implementation)),
+          functools.partial(checks.check_input_ids, cfg)),
+      loss_fn=checks.Checked(
+          jax.jit(functools.partial(_loss, cfg, bool(scan), attn_implementation)),
+          functools.partial(checks.check_batch, cfg)),
       weight_map=weight_map(cfg, scan=bool(scan), generation_config=gen),
       wrap_policy=None if scan else ModuleWrapPolicy({f"{n.root}.{n.layers}.*"}),
       stacked_layers=(f"{n.root}.{n.layers}",) if scan else (),
