@@ -350,6 +350,15 @@ def has_custom_rule(eqn) -> bool:
   return eqn.primitive.name in CUSTOM_RULE_PRIMITIVES
 
 
+def custom_vjp_backward(eqn):
+  """The Python function a ``jax.custom_vjp`` equation's backward rule is
+  (``params["bwd"]``, a ``WrappedFun`` whose ``.f`` it is: jax 0.10-0.12),
+  or None for any other equation."""
+  if eqn.primitive.name not in ("custom_vjp_call", "custom_vjp_call_jaxpr"):
+    return None
+  return getattr(eqn.params.get("bwd"), "f", None)
+
+
 def call_body(eqn):
   """The body of a call equation (``params["jaxpr"]``, or ``call_jaxpr`` for
   ``core_call``), as (open jaxpr, consts), or None."""

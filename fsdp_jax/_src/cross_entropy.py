@@ -36,13 +36,13 @@ IGNORE_INDEX = -100
 
 def _positive_int(value, what: str) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise ValueError(f"{what}={value!r}: pass a positive int (a number of tokens, e.g. 512 "
+    raise ValueError(f"{what}={value!r}): pass a positive int (a number of tokens, e.g. 512 "
                      "or 1024).")
   return operator.index(value)
 
 
 def _check(hidden, head_kernel, labels, block_tokens, soft_cap) -> int:
-  block = _positive_int(block_tokens, "chunked_cross_entropy(block_tokens)")
+  block = _positive_int(block_tokens, "chunked_cross_entropy(block_tokens")
   h_shape, k_shape, y_shape = np.shape(hidden), np.shape(head_kernel), np.shape(labels)
   if len(h_shape) < 2:
     raise ValueError(f"chunked_cross_entropy: hidden has shape {h_shape}; pass [..., tokens, d] "

@@ -48,6 +48,7 @@ import numpy as np
 from jax import lax
 
 from fsdp_jax._src import _compat
+from fsdp_jax._src import cross_entropy
 from fsdp_jax._src import loss as loss_lib
 
 
@@ -365,7 +366,10 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
     return _remat(eqn, invals, ctx)
   if _compat.is_scan(eqn):
     return _scan(eqn, invals, ctx)
-  if name in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call"):
+  if name in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call") or (
+      _compat.custom_vjp_backward(eqn) is cross_entropy.BACKWARD):
+    # The blocked loss runs its own body (a checkpointed scan over blocks of
+    # tokens) on the head's vocabulary slices; JAX differentiates it.
     body = _compat.inlinable_body(eqn)
     if body is not None:
       return evaluate(body[0], body[1], invals, ctx)

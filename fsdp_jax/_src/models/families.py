@@ -252,7 +252,7 @@ def _apply(cfg, scan, implementation, params, input_ids, *, segment_ids=None, po
                          positions=positions)
 
 
-def _loss(cfg, scan, implementation, params, batch):
+def _loss(cfg, scan, implementation, block_tokens, params, batch):
   tokens = jnp.asarray(batch["input_ids"])
   labels = batch.get("labels")
   labels = tokens if labels is None else jnp.asarray(labels)
@@ -261,13 +261,24 @@ def _loss(cfg, scan, implementation, params, batch):
   segment_ids, positions = decoder.check_packed(tokens, batch.get("segment_ids"),
                                                 batch.get("positions"), "loss_fn")
   labels = decoder.packed_labels(labels, segment_ids)  # no target across documents
-  logits = decoder.forward(cfg, params, tokens, scan=scan, implementation=implementation,
-                           segment_ids=segment_ids, positions=positions)
-  return decoder.causal_lm_loss(logits, labels)
+  out = decoder.forward(cfg, params, tokens, scan=scan, implementation=implementation,
+                        segment_ids=segment_ids, positions=positions,
+                        head=block_tokens is None)
+  if block_tokens is None:
+    return decoder.causal_lm_loss(out, labels)
+  return decoder.blocked_causal_lm_loss(cfg, params, out, labels, block_tokens)
+
+
+# Tokens per block of the loss's head: a block's float32 logits are 512 MiB
+# at a 128,256-token vocabulary (Llama 3), an eighth of the 4 GiB an unblocked
+# loss holds per copy at 8,192 tokens, and a 1,024-row matmul keeps the
+# head's GEMMs as efficient as the unblocked one's.
+LOSS_BLOCK_TOKENS = 1024
 
 
 def from_pretrained(directory, *, dtype=None, scan: bool = False,
-                    attn_implementation: Optional[str] = None) -> CausalLM:
+                    attn_implementation: Optional[str] = None,
+                    loss_block_tokens: Optional[int] = LOSS_BLOCK_TOKENS) -> CausalLM:
   """A model family read from ``directory/config.json``: a :class:`CausalLM`.
 
   Reads ``config.json`` only (and ``generation_config.json`` where there is
@@ -300,6 +311,12 @@ def from_pretrained(directory, *, dtype=None, scan: bool = False,
     attn_implementation: ``jax.nn.dot_product_attention``'s
       ``implementation``: None (XLA; the default), ``"xla"`` or ``"cudnn"``
       (flash attention on NVIDIA GPUs; unsplittable by tensor parallelism).
+    loss_block_tokens: ``loss_fn`` computes the head and its cross-entropy
+      this many tokens at a time (:func:`~fsdp_jax.chunked_cross_entropy`:
+      no ``[tokens, vocab]`` logits, forward or backward; default 1024, a
+      block's float32 logits 512 MiB at a 128K vocabulary); None: the
+      whole ``[batch, length, vocab]`` logits at once, as ``apply``
+      returns them.
 
   Returns:
     A :class:`CausalLM`.
@@ -307,7 +324,8 @@ def from_pretrained(directory, *, dtype=None, scan: bool = False,
   Raises:
     ValueError: an unsupported ``model_type`` (the error lists the
       supported ones), rope type or activation; a PEFT adapter directory
-      (load the base, then ``load_adapter``); a Hub id.
+      (load the base, then ``load_adapter``); a Hub id; a
+      ``loss_block_tokens`` that is neither a positive int nor None.
 
   Example (a directory with only a ``config.json``):
     >>> import json, math, os, tempfile, jax, jax.numpy as jnp
@@ -325,6 +343,12 @@ def from_pretrained(directory, *, dtype=None, scan: bool = False,
     >>> float(loss.weight), abs(float(loss) - math.log(64)) < 0.5  # near log(vocab) at init
     (10.0, True)
   """
+  if loss_block_tokens is not None and (
+      isinstance(loss_block_tokens, bool) or not isinstance(loss_block_tokens, int)
+      or loss_block_tokens < 1):
+    raise ValueError(f"from_pretrained(loss_block_tokens={loss_block_tokens!r}): pass a "
+                     "positive int (tokens per block of the loss's head, e.g. 1024) or None "
+                     "(the unblocked loss).")
   if attn_implementation not in _ATTENTION:
     raise ValueError(f"from_pretrained(attn_implementation={attn_implementation!r}): pass "
                      "None, 'xla' or 'cudnn'.")
@@ -340,7 +364,8 @@ def from_pretrained(directory, *, dtype=None, scan: bool = False,
           jax.jit(functools.partial(_apply, cfg, bool(scan), attn_implementation)),
           functools.partial(checks.check_input_ids, cfg)),
       loss_fn=checks.Checked(
-          jax.jit(functools.partial(_loss, cfg, bool(scan), attn_implementation)),
+          jax.jit(functools.partial(_loss, cfg, bool(scan), attn_implementation,
+                                    loss_block_tokens)),
           functools.partial(checks.check_batch, cfg)),
       weight_map=weight_map(cfg, scan=bool(scan), generation_config=gen),
       wrap_policy=None if scan else ModuleWrapPolicy({f"{n.root}.{n.layers}.*"}),
