@@ -34,6 +34,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from fsdp_jax._src import iterator_state
 from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import offload
 from fsdp_jax._src.plan import Plan
@@ -63,6 +64,7 @@ PARAMS_FORMAT = "fsdp_jax.params"
 VERSION = 1
 STATE_ITEM = "state"
 META_ITEM = "meta"
+DATA_ITEM = "data_iterator"
 _MAX_LINES = 25
 
 
@@ -475,7 +477,8 @@ class CheckpointManager:
   # -- save -------------------------------------------------------------------
   @mesh_lib.own_mesh
   def save(self, state: ShardedTrainState, *, force: bool = False,
-           metrics: Optional[dict] = None, data_state: Optional[dict] = None) -> bool:
+           metrics: Optional[dict] = None, data_state: Optional[dict] = None,
+           data_iterator=None) -> bool:
     """Saves ``state`` as step ``int(state.step)``; returns whether it did.
 
     Honors ``save_interval_steps`` unless ``force``. With async
@@ -490,6 +493,12 @@ class CheckpointManager:
     the batches the uninterrupted run would have. Process 0 writes it: pass
     the same value on every process (a global position, from which each
     process derives its own part).
+
+    ``data_iterator`` is an iterator with ``get_state()`` / ``set_state()``
+    (``fsdp_jax.data.batches(...)``, or grain's): each process writes its
+    own state (``data_iterator/process_<i>-of-<n>.json``, grain's layout) in
+    the same commit, taken when ``save`` is called; :meth:`restore` with
+    ``data_iterator=`` sets it back.
     """
     require_state(state, "CheckpointManager.save")
     if data_state is not None:
@@ -500,13 +509,18 @@ class CheckpointManager:
     tree, meta = checkpoint_tree(state)
     if data_state is not None:
       meta["data_state"] = data_state
+    items = {}
+    if data_iterator is not None:
+      kind, text = iterator_state.capture(data_iterator)
+      meta[DATA_ITEM] = {"kind": kind, "process_count": jax.process_count()}
+      items[DATA_ITEM] = iterator_state.IteratorStateSave(text)
     if step in self.manager.all_steps():
       raise ValueError(
           f"CheckpointManager.save: step {step} is already saved in {self.directory}. "
           "Fix: train further before saving again, or delete it first with "
           f"manager.delete({step}).")
     args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardSave(tree),
-                                 META_ITEM: ocp.args.JsonSave(meta)})
+                                 META_ITEM: ocp.args.JsonSave(meta), **items})
     return bool(self.manager.save(step, args=args, force=force, metrics=metrics))
 
   # -- restore ------------------------------------------------------------------
@@ -591,13 +605,17 @@ class CheckpointManager:
     return f"Fix: delete {self._step_dir(step)} and save again."
 
   @mesh_lib.own_mesh
-  def restore(self, target, *, step: Optional[int] = None) -> ShardedTrainState:
+  def restore(self, target, *, step: Optional[int] = None,
+              data_iterator=None) -> ShardedTrainState:
     """Restores step ``step`` (default: the latest) into ``target``'s plan.
 
     ``target`` is a :class:`~fsdp_jax.ShardedTrainState` built for the mesh,
     strategy, layout and optimizer to restore onto, or an abstract one
     (``jax.eval_shape(lambda: fsdp_jax.init_train_state(...))``, which
-    allocates nothing). Only its plan and tree structure are used (with
+    allocates nothing). With ``data_iterator`` (saved with ``save(...,
+    data_iterator=)``), this process's iterator state is set back into it
+    once the arrays are read, so the next batch is the one the
+    uninterrupted run would have had. Only its plan and tree structure are used (with
     ``FSDPConfig(lora=...)`` its frozen base too: the checkpoint holds the
     adapters, the trainable leaves and their optimizer state only). The
     parameter tree and optimizer must match the saved ones (dtypes may differ
@@ -637,16 +655,37 @@ class CheckpointManager:
           "with the same model and optimizer as the saved run, or load only the parameters "
           "with import_params / load_state_dict.")
     abstract = _abstract_tree(target, meta)
+    items = {STATE_ITEM: ocp.args.StandardRestore(abstract)}
+    if data_iterator is not None:
+      saved = meta.get(DATA_ITEM)
+      if saved is None:
+        raise ValueError(
+            f"CheckpointManager.restore: step {step} of {self.directory} was saved without "
+            "data_iterator=, so there is no iterator state to restore. Fix: restore without "
+            "data_iterator= (and position the data yourself, e.g. with data_state()), or "
+            "save with save(state, data_iterator=it).")
+      if saved["process_count"] != jax.process_count():
+        raise ValueError(
+            f"CheckpointManager.restore: step {step} of {self.directory} holds the iterator "
+            f"states of {saved['process_count']} process(es); this job has "
+            f"{jax.process_count()}, and each process's state is its own share of the data. "
+            f"Fix: resume with {saved['process_count']} process(es), or restore without "
+            "data_iterator= and start the data afresh.")
+      items[DATA_ITEM] = iterator_state.IteratorStateRestore()
     try:
-      restored = self.manager.restore(
-          step, args=ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract)}))
+      restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+      if data_iterator is not None:
+        text = restored[DATA_ITEM]
       restored = restored[STATE_ITEM]
     except Exception as e:
       raise CheckpointError(
           f"{self._fix(step)} Cannot read the arrays of step {step} of the checkpoint at "
           f"{self.directory}: the step's files are damaged or incomplete."
           f"{_details(e)}") from e
-    return from_checkpoint_tree(target, restored, meta)
+    out = from_checkpoint_tree(target, restored, meta)
+    if data_iterator is not None:
+      iterator_state.restore_into(data_iterator, meta[DATA_ITEM]["kind"], text)
+    return out
 
 
 def _check_data_state(data_state) -> dict:
