@@ -17,7 +17,8 @@ from jax.sharding import Mesh
 import fsdp_jax
 from fsdp_jax import ShardingStrategy as S
 
-from helpers import REPO, mesh_for, mlp_batch, mlp_loss, mlp_params, subprocess_env
+from fsdp_jax._src import loss as loss_lib
+from helpers import REPO, mesh_for, mlp_batch, mlp_loss, mlp_params, subprocess_env, train_steps
 
 
 def _state_and_step(loss_fn=mlp_loss, strategy=S.FULL_SHARD, n=8, replicate=None, opt=None,
@@ -446,3 +447,105 @@ def test_parameters_of_another_model_name_the_first_differing_path(tmp_path):
       "The layers are a list (from_pretrained(scan=False)); this bundle stacks them")):
     jax.eval_shape(scanned.apply, jax.eval_shape(llama.init_fn, key), ids)
   jax.eval_shape(scanned.apply, jax.eval_shape(scanned.init_fn, key), ids)  # its own: fine
+
+
+# --------------------------------------------------------------------------
+# The WeightedLoss weight check sees through checkpoint, custom_vjp and loops
+
+
+def _custom_vjp(loss_fn):
+  """``loss_fn`` as a ``jax.custom_vjp`` function whose rule is its own vjp."""
+
+  @jax.custom_vjp
+  def f(params, batch):
+    return loss_fn(params, batch)
+
+  def fwd(params, batch):
+    return jax.vjp(loss_fn, params, batch)
+
+  f.defvjp(fwd, lambda vjp, ct: vjp(ct))
+  return f
+
+
+def test_a_checkpointed_family_loss_trains_as_the_plain_one(tmp_path):
+  """A family's WeightedLoss under jax.checkpoint, jax.remat with a policy
+  or a custom_vjp rule: its weight comes from the labels inside the
+  wrapped call, so the step takes it and trains as with the plain loss
+  (2 steps: losses and parameters to 1e-6);
+  a weight computed from a parameter inside the call is still refused,
+  naming that parameter only."""
+  b = _tiny(tmp_path, num_hidden_layers=1)
+  mesh = mesh_for(S.FULL_SHARD, 3)
+  opt = optax.sgd(0.5)
+  ids = np.random.default_rng(0).integers(0, 64, (3, 5)).astype(np.int32)
+  batches = [{"input_ids": ids, "labels": np.roll(ids, k, axis=1)} for k in (1, 2)]
+  state = fsdp_jax.init_train_state(init_fn=b.init_fn, rng=jax.random.key(0), optimizer=opt,
+                                    mesh=mesh, config=b.fsdp_config())
+  b_params = fsdp_jax.summon_full_params(state)
+
+  def train(loss_fn):
+    step = fsdp_jax.shard_train_step(loss_fn, opt, mesh=mesh, config=b.fsdp_config())
+    s = jax.tree.map(jnp.copy, state)  # the step donates its input
+    s, losses = train_steps(step, s, batches)
+    return losses, fsdp_jax.summon_full_params(s)
+
+  ref_losses, ref_params = train(b.loss_fn)
+  for wrapped in (jax.checkpoint(b.loss_fn), _custom_vjp(b.loss_fn)):
+    losses, params = train(wrapped)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6),
+                 params, ref_params)
+    assert not np.allclose(params["lm_head"]["kernel"], b_params["lm_head"]["kernel"])
+  # jax.remat with a policy: the same primitive as jax.checkpoint, another
+  # param; the step takes it (lowered only: no compile).
+  dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+  fsdp_jax.shard_train_step(jax.remat(b.loss_fn, policy=dots), opt, mesh=mesh,
+                            config=b.fsdp_config()).lower(state, batches[0])
+
+  def from_a_parameter(params, batch):
+    out = b.loss_fn(params, batch)
+    return fsdp_jax.WeightedLoss(
+        total=out.total, weight=out.weight * jax.nn.sigmoid(params["model"]["norm"]["weight"][0]))
+
+  step = fsdp_jax.shard_train_step(jax.checkpoint(from_a_parameter), opt, mesh=mesh,
+                                   config=b.fsdp_config())
+  with pytest.raises(ValueError, match=r"weight depends on the parameters "
+                     r"\(model\.norm\.weight\)\. .*Fix: compute the weight from the batch"):
+    step.lower(state, batches[0])
+
+
+def test_weight_dependence_is_seen_through_loops_and_conds():
+  """needed_inputs follows scan carries and while loops to a fixed point and
+  each cond branch; eval_outputs computes the weight with zeros for the
+  operands it does not read."""
+  def fn(w, v, x, n):
+    # carry (a, b): b picks up v in the second iteration through a
+    (a, b), ys = jax.lax.scan(lambda c, xi: ((v * xi, c[0] + c[1]), w * xi),
+                              (jnp.float32(0), jnp.float32(0)), x)
+    i, acc = jax.lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] + x[c[0]]),
+                                (0, jnp.float32(0)))
+    sel = jax.lax.cond(n > 2, lambda u, t: (u * 2, t + 1), lambda u, t: (u, t), w, acc)
+    return jnp.sum(ys), a, b, acc, sel[0], sel[1], jax.checkpoint(lambda p, q: (p * 3, q))(w, n)
+
+  closed = jax.make_jaxpr(fn)(jnp.float32(1), jnp.float32(2), jnp.arange(4.0), 3)
+  jaxpr = closed.jaxpr
+  # inputs: w 0, v 1, x 2, n 3
+  expect = {0: {0, 2}, 1: {1, 2}, 2: {1, 2}, 3: {2, 3}, 4: {0, 3}, 5: {2, 3}, 6: {0}, 7: {3}}
+  for out, ins in expect.items():
+    assert loss_lib.needed_inputs(jaxpr, [out]) == ins, out
+  args = [None, None, jnp.arange(4.0), 3]
+  assert float(loss_lib.eval_outputs(jaxpr, closed.consts, args, [3])[0]) == 3.0
+  assert float(loss_lib.eval_outputs(jaxpr, closed.consts, args, [5])[0]) == 4.0
+
+
+def test_generate_checks_its_prompt_and_parameters(tmp_path):
+  from fsdp_jax import models  # pylint: disable=import-outside-toplevel
+  llama, qwen3 = _tiny(tmp_path), _tiny(tmp_path, "qwen3", head_dim=4)
+  params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                        jax.eval_shape(qwen3.init_fn, jax.random.key(0)))
+  ids = np.array([[1, 2, 3]], np.int32)
+  with pytest.raises(ValueError, match=r"^generate: the parameters are not this llama "
+                     r"model's .*k_norm.weight \(shape \(4,\)\) is not one of its parameters"):
+    models.generate(llama, params, ids, max_new_tokens=2)  # refused as it is traced
+  with pytest.raises(ValueError, match=r"^generate: input_ids holds token id 64 \(its largest\)"):
+    models.generate(qwen3, params, ids + 61, max_new_tokens=2)

@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fsdp_jax._src.models import decoder
+from fsdp_jax._src.models import checks, decoder
 from fsdp_jax._src.models.families import CausalLM, cache_spec
 
 
@@ -51,6 +51,7 @@ def _recompute_at(b: CausalLM, prompt: int, max_new_tokens: int):
 @functools.partial(jax.jit, static_argnames=("b", "max_new_tokens", "sample"))
 def _run(b: CausalLM, params, input_ids, key, temperature, top_p, *, max_new_tokens: int,
          sample: bool):
+  checks.check_params(b.config, b.scan, params, "generate")
   batch, prompt = input_ids.shape
   length = prompt + max_new_tokens
   spec = cache_spec(b, batch, length)
@@ -125,6 +126,7 @@ def generate(b: CausalLM, params, input_ids, *, max_new_tokens: int,
   ids = jnp.asarray(input_ids)
   if ids.ndim == 1:
     ids = ids[None]
+  checks.check_input_ids(b.config, ids, "generate")
   if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
     raise ValueError(f"generate: input_ids must be integer token ids [batch, length], got "
                      f"{ids.dtype} {list(ids.shape)}.")
