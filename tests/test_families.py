@@ -39,6 +39,7 @@ from safetensors.numpy import save_file
 
 import fsdp_jax
 from fsdp_jax import hlo, models, pretrained
+from fsdp_jax._src.models.generate import _run as generate_program, special_tokens
 from helpers import jit_reference_run, lazy_modules
 
 # torch's CPU build is installed for Python 3.11 only; imported when a test uses it.
@@ -242,6 +243,78 @@ def test_an_adapter_peft_trained_on_a_fused_module_loads_into_its_parts(checkpoi
 
 
 # --------------------------------------------------------------------------
+# Batched generation and packed rows against transformers
+
+
+def _left_padded(prompts, pad):
+  width = max(len(p) for p in prompts)
+  ids = np.full((len(prompts), width), pad, np.int64)
+  mask = np.zeros((len(prompts), width), np.int64)
+  for i, p in enumerate(prompts):
+    ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+  return ids, mask
+
+
+# Plain rotary (llama), soft-capped sliding attention (gemma2), LongRoPE's
+# whole-sequence recompute (phi3), learned positions (gpt2).
+@needs_hf
+@pytest.mark.parametrize("family", ["llama", "gemma2", "phi3", "gpt2"])
+def test_generate_serves_a_ragged_batch_stopping_at_eos_as_transformers(checkpoints, family):
+  """Prompts of 6, 3 and 5 tokens in one batch, greedy: transformers'
+  ``generate(do_sample=False)`` left-padded with the same end-of-sequence
+  and pad tokens, token for token (finished rows padded, the loop stopped
+  when all have finished); as a list of prompts and as input_ids with an
+  attention_mask; one compiled program for all the calls."""
+  hub, ours = checkpoints(family)
+  prompts = [IDS[0, :PROMPT], IDS[1, :3], IDS[0, 2:7]]
+  run = lambda *a, **kw: np.asarray(models.generate(ours.b, ours.params, *a,
+                                                    max_new_tokens=NEW, **kw))
+  free = run(prompts)  # no end-of-sequence token: every row runs NEW tokens
+  assert free.shape == (3, PROMPT + NEW)
+  eos = int(free[1, PROMPT + 1])  # the short prompt's second new token
+  pad = (eos + 1) % V
+  compiled = generate_program._cache_size()
+
+  def theirs(ids, mask, **kw):
+    with torch.no_grad():
+      return hub.model.generate(torch.tensor(ids), attention_mask=torch.tensor(mask),
+                                do_sample=False, max_new_tokens=NEW, **kw).numpy()
+
+  ids, mask = _left_padded(prompts, eos)
+  out = run(prompts, eos_token_id=eos)  # pad: the eos
+  np.testing.assert_array_equal(out, theirs(ids, mask, eos_token_id=eos, pad_token_id=eos))
+  assert (out[1, PROMPT + 1:] == eos).all() and out.shape[1] > PROMPT + 2  # row 1 stopped early
+  second = int(free[0, PROMPT + 3])
+  ids, mask = _left_padded(prompts, pad)
+  out = run(ids, attention_mask=mask, eos_token_id=[eos, second], pad_token_id=pad)
+  np.testing.assert_array_equal(out, theirs(ids, mask, eos_token_id=[eos, second],
+                                            pad_token_id=pad))
+  assert (out[1, PROMPT + 2:] == pad).all()
+  assert generate_program._cache_size() == compiled  # the same buckets: no new program
+
+
+@needs_hf
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_packed_rows_match_each_document_alone_in_transformers(checkpoints, family):
+  """Two documents (6 tokens past the sliding window of 4, and 4) packed in
+  one row with 2 of padding: each span's logits are transformers' on the
+  document alone (gemma2: soft-capped, sliding and full layers; mistral:
+  stacked layers)."""
+  hub, ours = checkpoints(family)
+  docs = [IDS[0, :6], IDS[1, :4]]
+  row = np.concatenate(docs + [np.zeros(2, np.int32)])[None]
+  seg = np.asarray([[1] * 6 + [2] * 4 + [0] * 2])
+  pos = np.asarray([list(range(6)) + list(range(4)) + [0, 0]])
+  logits = np.asarray(ours.b.apply(ours.params, row, segment_ids=seg, positions=pos))[0]
+  at = 0
+  for d in docs:
+    with torch.no_grad():
+      alone = hub.model(torch.tensor(d[None], dtype=torch.long)).logits.numpy()[0]
+    np.testing.assert_allclose(logits[at:at + len(d)], alone, rtol=0, atol=1e-4)
+    at += len(d)
+
+
+# --------------------------------------------------------------------------
 # Tensor parallelism (no torch)
 
 
@@ -322,6 +395,60 @@ def test_generate_takes_params_in_any_sharding(tmp_path):
   sampled = [np.asarray(models.generate(b, params, prompt, max_new_tokens=NEW, temperature=1.0,
                                         top_p=0.9, rng=jax.random.key(k))) for k in (0, 1)]
   assert (sampled[0][:, :PROMPT] == prompt).all() and (sampled[0] != sampled[1]).any()
+
+
+def test_generate_compiles_once_per_bucket_and_reads_its_stop_tokens(tmp_path):
+  """Prompts of 2 to 8 tokens and 3 to 8 new tokens share one program (the
+  buckets of 8); the end-of-sequence and pad tokens come from
+  generation_config.json, else config.json; the loop stops when every row
+  has finished; a ragged row is the same prompt run alone."""
+  d = _config_dir(tmp_path, "llama")
+  b = models.from_pretrained(d)
+  params = jax.tree.map(lambda x: np.asarray(np.random.default_rng(0).normal(0, 0.3, x.shape),
+                                             x.dtype),
+                        jax.eval_shape(b.init_fn, jax.random.key(0)))
+  run = lambda prompts, n, **kw: np.asarray(models.generate(b, params, prompts,
+                                                            max_new_tokens=n, **kw))
+  before = generate_program._cache_size()
+  ragged = run([IDS[0, :3], IDS[1, :5]], 3)
+  alone = run([IDS[1, :8], IDS[1, :5]], 8)
+  two = run(IDS[:, :2], 5)
+  # Each row's first new token ends it: the loop stops after one step.
+  assert run(IDS[:, :2], 5, eos_token_id=two[:, 2].tolist()).shape == (2, 3)
+  assert generate_program._cache_size() == before + 1  # one program for every call
+  np.testing.assert_array_equal(ragged[1], alone[1, 3:11])  # row 1: its prompt + 3 tokens
+  assert (ragged[0, :2] == 0).all()  # left-padded with 0 (no pad or eos token known)
+  (tmp_path / "llama" / "generation_config.json").write_text(
+      json.dumps({"eos_token_id": [5, 7], "pad_token_id": 9}))
+  special = lambda d, **kw: special_tokens(models.from_pretrained(d), **kw)
+  assert special(d) == ([5, 7], 9)
+  assert special(d, eos_token_id=3) == ([3], 9)
+  (tmp_path / "llama" / "generation_config.json").write_text(json.dumps({"eos_token_id": 4}))
+  assert special(d) == ([4], 4)  # pad: the first eos
+  config = json.loads((tmp_path / "llama" / "config.json").read_text())
+  (tmp_path / "llama" / "config.json").write_text(json.dumps(dict(config, pad_token_id=2)))
+  assert special(d) == ([4], 2)
+
+
+def test_generate_errors_name_the_fix(tmp_path):
+  b = models.from_pretrained(_config_dir(tmp_path, "llama"))
+  params = jax.eval_shape(b.init_fn, jax.random.key(0))  # never reached
+  ids = IDS[:, :4]
+  cases = [
+      (dict(attention_mask=np.ones((2, 3))), r"attention_mask has shape \[2, 3\] where "
+                                             r"input_ids has \[2, 4\]"),
+      (dict(attention_mask=np.asarray([[1, 1, 1, 1], [0, 0, 0, 0]])),
+       r"row 1 of attention_mask is all padding.*drop the empty rows"),
+      (dict(attention_mask=np.asarray([[1, 1, 1, 1], [1, 1, 0, 0]])),
+       r"row 1 of attention_mask is right-padded.*pads on the left.*padding_side='left'"),
+      (dict(attention_mask=np.asarray([[1, 1, 1, 2], [1, 1, 1, 1]])), r"other than 0 and 1"),
+      (dict(eos_token_id="</s>"), r"eos_token_id='</s>': pass a token id"),
+  ]
+  for kw, match in cases:
+    with pytest.raises(ValueError, match=match):
+      models.generate(b, params, ids, max_new_tokens=2, **kw)
+  with pytest.raises(ValueError, match=r"either a list of prompts.*or input_ids.*not both"):
+    models.generate(b, params, [[1, 2], [3]], attention_mask=np.ones((2, 2)), max_new_tokens=2)
 
 
 # --------------------------------------------------------------------------
