@@ -512,6 +512,44 @@ def test_save_writes_what_the_checkpoint_held_in_its_layout(tmp_path, mesh2):
     np.testing.assert_array_equal(back[k], v.astype(ml_dtypes.bfloat16))
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def _tiny_tokenizer():
+  """A WordLevel tokenizer with a chat template (no download)."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  vocab = {"[UNK]": 0, "</s>": 1, "hello": 2, "world": 3}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+                                              eos_token="</s>", chat_template=CHAT_TEMPLATE)
+
+
+@needs_hf
+def test_save_carries_the_tokenizer_and_its_chat_template(tmp_path, mesh2):
+  _plain_checkpoint(tmp_path)
+  state = _load_into(tmp_path, pretrained.WeightMap(PLAIN_RULES), mesh2)
+  wm = pretrained.WeightMap(PLAIN_RULES)
+  tok = _tiny_tokenizer()
+  messages = [{"role": "user", "content": "hello world"}]
+  want = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+  assert want == "<user>hello world</s><assistant>"
+  pretrained.save(state, tmp_path / "a", wm, tokenizer=tok)  # the object: save_pretrained
+  pretrained.save(state, tmp_path / "b", wm, tokenizer=tmp_path / "a")  # a directory: copied
+  for d in ("a", "b"):
+    back = transformers.AutoTokenizer.from_pretrained(tmp_path / d)
+    assert back.chat_template == CHAT_TEMPLATE, d
+    assert back.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == want
+    assert back("hello world")["input_ids"] == [2, 3]
+  assert sorted(os.listdir(tmp_path / "b")) == sorted(os.listdir(tmp_path / "a"))
+  with pytest.raises(ValueError, match=r"save\(tokenizer='.*empty'\): no tokenizer files there "
+                     r"\(looked for tokenizer.json, "):
+    (tmp_path / "empty").mkdir()
+    pretrained.save(state, tmp_path / "c", wm, tokenizer=str(tmp_path / "empty"))
+  assert not (tmp_path / "c").exists()  # refused before anything is written
+
+
 # --------------------------------------------------------------------------
 # Two processes: each reads its own devices' slices
 

@@ -202,7 +202,7 @@ def _files(entries: list, max_bytes: int) -> list:
 def save(state: ShardedTrainState, directory, weight_map: WeightMap, *,
          max_shard_size="5GB", dtype=None, overwrite: bool = False,
          metadata: Optional[dict] = None, config=None,
-         generation_config=None) -> list[str]:
+         generation_config=None, tokenizer=None) -> list[str]:
   """Writes the parameters of ``state`` as a Hugging Face checkpoint.
 
   Args:
@@ -232,10 +232,17 @@ def save(state: ShardedTrainState, directory, weight_map: WeightMap, *,
     generation_config: ``generation_config.json``, likewise: a dict, a
       path, or an object with ``to_dict()``; default: the weight map's
       (the source directory's, where it had one); ``False`` writes none.
+    tokenizer: the tokenizer to write beside the weights, with its chat
+      template (so the directory reloads with ``AutoTokenizer``, template
+      included): a transformers tokenizer (its ``save_pretrained``), or a
+      directory whose tokenizer files are copied (:data:`TOKENIZER_FILES`:
+      ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``,
+      ...). Default None: none.
 
   Returns:
-    The files written, in order (the weights; ``config.json`` and
-    ``generation_config.json`` are written beside them).
+    The files written, in order (the weights; ``config.json``,
+    ``generation_config.json`` and the tokenizer's files are written beside
+    them).
 
   With a ``config.json`` the directory is what transformers'
   ``save_pretrained`` writes: ``AutoModelForCausalLM.from_pretrained(directory)``
@@ -259,6 +266,7 @@ def save(state: ShardedTrainState, directory, weight_map: WeightMap, *,
     raise FileExistsError(
         f"save: {directory} exists. Fix: pick a new directory, or pass overwrite=True "
         "(the old one is replaced once the new one is complete).")
+  tokenizer_files = _tokenizer_files(tokenizer)
   todo = entries(plan, weight_map, dtype)
   groups = _files(todo, parse_size(max_shard_size))
   n = len(groups)
@@ -289,6 +297,7 @@ def save(state: ShardedTrainState, directory, weight_map: WeightMap, *,
     written.append(os.path.join(directory, name))
   if rank == 0:
     _write_configs(tmp, todo, weight_map, config, generation_config)
+    _write_tokenizer(tmp, tokenizer, tokenizer_files)
   if n > 1 and rank == 0:
     index = {"metadata": {"total_size": sum(e.nbytes for e in todo)},
              "weight_map": {e.name: name for group, name in zip(groups, names) for e in group}}
@@ -321,6 +330,47 @@ def _as_dict(value, name: str, what: str) -> Optional[dict]:
     return dict(value.to_dict())
   raise TypeError(f"save({what}=...) takes a dict, a path or an object with to_dict(), got "
                   f"{type(value).__name__}.")
+
+
+# What transformers' tokenizers save (fast and slow, sentencepiece, BPE,
+# WordPiece) and read back with AutoTokenizer, chat templates included.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "chat_template.jinja", "chat_template.json", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "vocab.json", "merges.txt", "vocab.txt")
+
+
+def _tokenizer_files(tokenizer) -> Optional[list]:
+  """What ``save(tokenizer=...)`` writes, checked before anything is
+  written: None (nothing), the :data:`TOKENIZER_FILES` paths a directory
+  holds, or ``[]`` for a tokenizer object (its ``save_pretrained``)."""
+  if tokenizer is None or tokenizer is False:
+    return None
+  if isinstance(tokenizer, (str, os.PathLike)):
+    src = os.fspath(tokenizer)
+    found = [os.path.join(src, n) for n in TOKENIZER_FILES
+             if os.path.isfile(os.path.join(src, n))]
+    if not found:
+      raise ValueError(
+          f"save(tokenizer={src!r}): no tokenizer files there (looked for "
+          f"{', '.join(TOKENIZER_FILES)}). Fix: pass the directory the tokenizer was loaded "
+          "from, or the tokenizer object (AutoTokenizer.from_pretrained(...)).")
+    return found
+  if callable(getattr(tokenizer, "save_pretrained", None)):
+    return []
+  raise TypeError(f"save(tokenizer=...) takes a transformers tokenizer (with save_pretrained) "
+                  f"or a directory of tokenizer files, got {type(tokenizer).__name__}.")
+
+
+def _write_tokenizer(tmp: str, tokenizer, found: Optional[list]) -> None:
+  """The tokenizer's files into ``tmp``: the directory's ``found`` files
+  copied, or the object's ``save_pretrained``."""
+  if found is None:
+    return
+  for path in found:
+    shutil.copyfile(path, os.path.join(tmp, os.path.basename(path)))
+  if not found:
+    tokenizer.save_pretrained(tmp)
 
 
 _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
