@@ -55,7 +55,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
 
@@ -461,13 +460,11 @@ def main(argv=None) -> dict:
   print("loss curve: " + " ".join(f"{x:.4f}" for x in losses))
 
   out = args.out or os.path.join(tempfile.mkdtemp(prefix="tuned_"), "tuned")
-  # The weights, config.json and generation_config.json (the checkpoint's).
-  files = pretrained.save(state, out, model.weight_map, overwrite=args.out is not None)
-  if jax.process_index() == 0:
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "tokenizer.model"):
-      if os.path.exists(os.path.join(checkpoint, name)):
-        shutil.copy(os.path.join(checkpoint, name), os.path.join(out, name))
+  # The weights, config.json and generation_config.json (the checkpoint's),
+  # and the checkpoint's tokenizer with its chat template where it has one.
+  has_tokenizer = any(os.path.exists(os.path.join(checkpoint, f)) for f in TOKENIZER_FILES)
+  files = pretrained.save(state, out, model.weight_map, overwrite=args.out is not None,
+                          tokenizer=checkpoint if has_tokenizer else None)
   merged = " (the adapters merged into the base)" if args.lora_mode else ""
   print(f"saved {len(files)} file(s) to {out} (Hugging Face's layout, with config.json)"
         f"{merged}")
