@@ -594,60 +594,142 @@ def as_stored_dtype(new, old):
 # Reading the traced loss
 
 def _call_body(eqn):
-  """The (open jaxpr, consts) of a call equation (``jit``), which is followed
-  output by output; other equations count as depending on all their
-  inputs."""
-  return _compat.call_body(eqn) if _compat.is_call(eqn) else None
+  """The (open jaxpr, consts) of an equation that calls a jaxpr once, input
+  for input and output for output: a ``jit``, a closed call, a
+  ``jax.checkpoint`` / ``remat`` (its body), a ``custom_jvp`` /
+  ``custom_vjp`` function (its primal body: the value, which is all the
+  weight needs). None for any other equation."""
+  if _compat.is_remat(eqn):
+    body = _compat.split_closed(_compat.remat_params(eqn).jaxpr)
+  elif _compat.is_call(eqn):
+    body = _compat.call_body(eqn)
+  else:
+    return None
+  if (body is None or len(body[0].invars) != len(eqn.invars)
+      or len(body[0].outvars) != len(eqn.outvars)):
+    return None
+  return body
+
+
+def _scan_needs(eqn, hits) -> Optional[set]:
+  """A ``scan``'s inputs (consts, carry, xs) its outputs at ``hits`` (carry,
+  ys) depend on: a carried value the body reads is needed from every
+  iteration, so the needed carry grows to a fixed point."""
+  p = _compat.scan_params(eqn)
+  body, nc, ncar = p.body, p.num_consts, p.num_carry
+  if len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars):
+    return None
+  outs = set(hits)
+  while True:
+    ins = needed_inputs(body, sorted(outs))
+    more = {j - nc for j in ins if nc <= j < nc + ncar} - outs
+    if not more:
+      return ins | {nc + j for j in outs if j < ncar}
+    outs |= more
+
+
+def _while_needs(eqn, hits) -> Optional[set]:
+  """A ``while``'s inputs (cond consts, body consts, carry) its outputs at
+  ``hits`` depend on: the carried values the condition reads (the trip
+  count) and those the needed ones are computed from, to a fixed point."""
+  nc, nb, cond, body = _compat.while_parts(eqn)
+  n = len(eqn.invars) - nc - nb
+  if len(cond.invars) != nc + n or len(body.invars) != nb + n or len(body.outvars) != n:
+    return None
+  c_need = needed_inputs(cond, [0])
+  carry = set(hits) | {j - nc for j in c_need if j >= nc}
+  while True:
+    b_need = needed_inputs(body, sorted(carry))
+    more = {j - nb for j in b_need if j >= nb} - carry
+    if not more:
+      return ({j for j in c_need if j < nc} | {nc + j for j in b_need if j < nb}
+              | {nc + nb + j for j in carry})
+    carry |= more
+
+
+def _cond_needs(eqn, hits) -> Optional[set]:
+  """A ``cond``'s inputs (the index, the operands) its outputs at ``hits``
+  depend on: the index, and what any branch reads for them."""
+  needs = {0}
+  for branch in _compat.cond_branches(eqn):
+    b = _compat.split_closed(branch)[0]
+    if len(b.invars) != len(eqn.invars) - 1 or len(b.outvars) != len(eqn.outvars):
+      return None
+    needs |= {i + 1 for i in needed_inputs(b, hits)}
+  return needs
+
+
+def _eqn_needs(eqn, hits) -> Optional[set]:
+  """Positions of ``eqn``'s inputs that its outputs at ``hits`` depend on,
+  seen through the jaxprs it holds (calls, ``jax.checkpoint``, custom
+  derivative rules' primal bodies, ``scan``, ``while``, ``cond``); None
+  where it cannot see inside (every input counts)."""
+  body = _call_body(eqn)
+  if body is not None:
+    return needed_inputs(body[0], hits)
+  if _compat.is_scan(eqn):
+    return _scan_needs(eqn, hits)
+  name = eqn.primitive.name
+  if name == "while":
+    return _while_needs(eqn, hits)
+  if name == "cond":
+    return _cond_needs(eqn, hits)
+  return None
 
 
 def _needed(jaxpr, outs) -> tuple[list, set]:
-  """``(needed equations as (eqn, needed output positions), live vars)``
-  for the outputs at positions ``outs``."""
+  """``(needed equations as (eqn, needed output positions, needed input
+  positions or None for all), live vars)`` for the outputs at positions
+  ``outs``."""
   live = {jaxpr.outvars[i] for i in outs if not isinstance(jaxpr.outvars[i], Literal)}
   needed = []
   for eqn in reversed(jaxpr.eqns):
     hits = [i for i, o in enumerate(eqn.outvars) if o in live]
     if not hits:
       continue
-    needed.append((eqn, hits))
-    inner = _call_body(eqn)
-    if inner is not None:
-      for i in needed_inputs(inner[0], hits):
-        if not isinstance(eqn.invars[i], Literal):
-          live.add(eqn.invars[i])
-    else:
-      live.update(v for v in eqn.invars if not isinstance(v, Literal))
+    needs = _eqn_needs(eqn, hits)
+    needed.append((eqn, hits, needs))
+    live.update(v for i, v in enumerate(eqn.invars)
+                if not isinstance(v, Literal) and (needs is None or i in needs))
   needed.reverse()
   return needed, live
 
 
 def needed_inputs(jaxpr, outs) -> set:
-  """Positions of ``jaxpr``'s inputs that its outputs at ``outs`` depend on
-  (through ``jit`` calls output by output; any other equation's outputs
-  depend on all its inputs)."""
+  """Positions of ``jaxpr``'s inputs that its outputs at ``outs`` depend on,
+  seen through nested calls, ``jax.checkpoint``, ``custom_jvp`` /
+  ``custom_vjp`` functions, ``scan``, ``while`` and ``cond``; any other
+  equation's outputs depend on all its inputs."""
   _, live = _needed(jaxpr, outs)
   return {i for i, v in enumerate(jaxpr.invars) if v in live}
 
 
 def eval_outputs(jaxpr, consts, args, outs) -> list:
   """Evaluates only what ``jaxpr``'s outputs at ``outs`` need. ``args`` holds
-  values for the inputs they depend on (``None`` for the others)."""
+  values for the inputs they depend on (``None`` for the others). Calls are
+  evaluated body first, for the needed outputs only; a loop or ``cond``
+  gets zeros for the operands its needed outputs do not read."""
   needed, _ = _needed(jaxpr, outs)
   env = dict(zip(jaxpr.constvars, consts))
   env.update({v: a for v, a in zip(jaxpr.invars, args) if a is not None})
   read = lambda v: v.val if isinstance(v, Literal) else env[v]
-  for eqn, hits in needed:
+
+  def operand(v, i, needs):
+    if isinstance(v, Literal) or v in env or (needs is not None and i in needs):
+      return read(v)
+    return lax.full(v.aval.shape, 0, v.aval.dtype)  # not read by the needed outputs
+
+  for eqn, hits, needs in needed:
     inner = _call_body(eqn)
     if inner is not None:
       ij, consts = inner
-      use = needed_inputs(ij, hits)
-      vals = eval_outputs(ij, consts,
-                          [read(v) if i in use else None for i, v in enumerate(eqn.invars)],
-                          hits)
+      vals = eval_outputs(ij, consts, [read(v) if i in needs else None
+                                       for i, v in enumerate(eqn.invars)], hits)
       for i, x in zip(hits, vals):
         env[eqn.outvars[i]] = x
     else:
-      for v, x in zip(eqn.outvars, _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])):
+      vals = [operand(v, i, needs) for i, v in enumerate(eqn.invars)]
+      for v, x in zip(eqn.outvars, _compat.bind_eqn(eqn, vals)):
         env[v] = x
   return [read(jaxpr.outvars[i]) for i in outs]
 
