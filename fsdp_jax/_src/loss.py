@@ -56,7 +56,11 @@ class WeightedLoss:
   ``weight`` must not depend on the parameters (it is computed from the
   batch, e.g. a padding mask, before the gradient); with
   ``gradient_accumulation_steps > 1`` it must not depend on the model state
-  either. Both are checked when the step is traced.
+  either. Both are checked when the step is traced, following the weight
+  into nested ``jit`` calls, ``jax.checkpoint`` / ``remat``, ``custom_jvp``
+  / ``custom_vjp`` functions, ``scan``, ``while`` and ``cond`` (a loss
+  wrapped in ``jax.checkpoint`` is fine); any other primitive counts as
+  reading all its inputs.
 
   Attributes:
     total: scalar float, the weighted sum of the per-example losses of this
