@@ -8,7 +8,8 @@ One section per name in ``fsdp_jax.__all__`` (its signature and docstring;
 the public methods of classes, the members of enums), grouped by what it is
 for; then the custom-step building blocks of ``fsdp_jax.custom``; then the
 public sub-modules (``fsdp_jax.hooks``, ``fsdp_jax.hlo``,
-``fsdp_jax.distributed``, ``fsdp_jax.launch``); then the deprecated names of
+``fsdp_jax.pretrained``, ``fsdp_jax.models``, ``fsdp_jax.distributed``,
+``fsdp_jax.launch``); then the deprecated names of
 ``fsdp_jax/_src/deprecations.py`` and what replaces each. Docstrings are
 Google style with RST inline markup; they are turned into Markdown: ``Args:``
 lists become bullet lists, ``>>>`` examples become ``pycon`` blocks, ``::``
@@ -61,7 +62,8 @@ TITLES = {
 }
 # The custom-step building blocks, then the public sub-modules, in this order.
 CUSTOM_MODULE = "fsdp_jax.custom"
-SUBMODULES = ["fsdp_jax.hooks", "fsdp_jax.hlo", "fsdp_jax.pretrained", "fsdp_jax.distributed",
+SUBMODULES = ["fsdp_jax.hooks", "fsdp_jax.hlo", "fsdp_jax.pretrained", "fsdp_jax.models",
+              "fsdp_jax.distributed",
               "fsdp_jax.launch"]
 
 _SECTION = re.compile(

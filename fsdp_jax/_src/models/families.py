@@ -46,7 +46,12 @@ class CausalLM:
       the rotary or learned positions; default ``arange(T)``).
       ``apply`` and ``loss_fn`` are jitted functions (a step that calls
       them inlines them); ``init_fn`` is plain, for ``init_train_state``
-      to trace (``jax.jit(b.init_fn)(key)`` to call it yourself).
+      to trace (``jax.jit(b.init_fn)(key)`` to call it yourself). Both
+      refuse, with an error naming the fix: token ids outside the
+      vocabulary, read before dispatch where they are concrete (host or
+      computed arrays; ``loss_fn.check_batch``, which ``shard_train_step``
+      and ``shard_eval_step`` call on each batch), ``labels`` of another
+      shape, and parameters of another model (checked as they are traced).
     loss_fn: ``loss_fn(params, batch)``, batch ``{"input_ids", "labels"}``
       (``labels`` default: the input ids), optionally ``"segment_ids"`` and
       ``"positions"`` (packed rows, as ``apply`` takes them; no target is
