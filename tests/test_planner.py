@@ -178,9 +178,9 @@ def test_compiled_step_matches_where_the_model_does_not(loss, config_kw, mesh_sh
 def test_remat_what_if_and_the_compile_step_choice(planner, monkeypatch):
   """remat=True rewrites the loss with a jax.checkpoint per unit and
   compiles that step: close to the step of the model written with them.
-  Programs above the size limit are modelled unless asked; a what-if the
-  loss cannot be rewritten for (LoRA) is modelled, and refused when asked
-  to compile."""
+  Programs above the size limit are modelled unless asked. remat=True is
+  FSDPConfig(activation_checkpointing=ActivationCheckpointing("full")),
+  which the engine applies with LoRA too."""
   config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP)
   cpu = fsdp_jax.DeviceSpec.preset("cpu")
   plain = planner.estimate(config, {"shard": 8}, cpu)
@@ -201,9 +201,13 @@ def test_remat_what_if_and_the_compile_step_choice(planner, monkeypatch):
   assert planner.estimate(config, {"shard": 8}, cpu, compile_step=True).compiled
   lora = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP, use_orig_params=True,
                              lora=fsdp_jax.LoRA(targets=("blocks.*.w1",), rank=2))
-  with pytest.raises(ValueError, match=r"compile_step=True: .*remat=True with LoRA's adapter "
-                                       r"path.* Fix: pass compile_step=None"):
-    planner.estimate(lora, {"shard": 8}, cpu, remat=True, compile_step=True)
+  checkpointed = fsdp_jax.FSDPConfig(
+      auto_wrap_policy=WRAP, use_orig_params=True, lora=lora.lora,
+      activation_checkpointing=fsdp_jax.ActivationCheckpointing("full"))
+  est = planner.estimate(lora, {"shard": 8}, cpu, remat=True, compile_step=True)
+  assert est.compiled and est.remat and est.config == checkpointed
+  again = planner.estimate(checkpointed, {"shard": 8}, cpu, compile_step=True)
+  assert again.bytes_per_device == est.bytes_per_device
 
 
 def test_mesh_larger_than_the_machine(planner):

@@ -21,7 +21,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from fsdp_jax._src import grads as grads_lib, loss as loss_lib, optim
 from fsdp_jax._src import state as state_lib, step as step_lib
-from fsdp_jax._src.config import FSDPConfig
+from fsdp_jax._src.config import ActivationCheckpointing, FSDPConfig
 from fsdp_jax._src.mesh import REPLICATE, SHARD, TENSOR
 from fsdp_jax._src.planner import programs, schedule, segments as segments_lib
 from fsdp_jax._src.planner import step_program
@@ -287,7 +287,13 @@ class Planner:
       raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1.")
     if accumulation not in ("no_sync", "sharded"):
       raise ValueError(f"accumulation={accumulation!r}: use 'no_sync' or 'sharded'.")
-    plan, ms = self.plan(config, mesh_shape)
+    # remat=True is FSDPConfig(activation_checkpointing=ActivationCheckpointing("full")):
+    # the step compiled with the engine's checkpoints, the units' programs
+    # modelled under a checkpoint each (traced without them).
+    if remat and config.activation_checkpointing is None:
+      config = dataclasses.replace(config, activation_checkpointing=ActivationCheckpointing())
+    remat = config.activation_checkpointing is not None
+    plan, ms = self.plan(dataclasses.replace(config, activation_checkpointing=None), mesh_shape)
     step_lib.check_batch(plan, self.batch)
     world = plan.axes.world_size
     if steps > 1:
@@ -320,10 +326,7 @@ class Planner:
     notes = list(_notes(plan, segments, steps, accumulation))
     total, compiled = mem.peak, False
     why_not = None
-    if remat and step_program.why_not_checkpointed(plan):
-      why_not = (f"remat=True with {step_program.why_not_checkpointed(plan)}: the loss is not "
-                 "rewritten with a jax.checkpoint per unit there")
-    if compile_step is not False and why_not is None:
+    if compile_step is not False:
       full_plan = self.step_plan(config, mesh_shape)
       why_not = step_program.why_not_compiled(full_plan)
     if compile_step and why_not:
@@ -390,14 +393,13 @@ class Planner:
   def _compiled_peak(self, plan, model_state, steps: int, accumulation: str,
                      checkpointed: bool, remat: bool) -> int:
     """The device bytes of the step's per-device program compiled locally
-    (:mod:`.step_program`), once per distinct step; with ``remat``, of the
-    loss with a ``jax.checkpoint`` per unit."""
+    (:mod:`.step_program`), once per distinct step; with ``remat``, the
+    plan's config checkpoints the units (``activation_checkpointing``)."""
     key = (plan.config, tuple(plan.mesh.shape.items()), steps, accumulation, remat,
            tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(self.batch)))
     if key not in self.step_cache:
-      loss_fn = step_program.checkpoint_units(self.loss_fn, plan) if remat else self.loss_fn
       self.step_cache[key] = step_program.compile_step(
-          loss_fn, plan, self.batch, model_state=model_state,
+          self.loss_fn, plan, self.batch, model_state=model_state,
           rng=jax.ShapeDtypeStruct(np.shape(self.rng), jnp.asarray(self.rng).dtype),
           gradient_accumulation_steps=steps, accumulation=accumulation,
           checkpointed=checkpointed or remat).device_total
@@ -485,9 +487,9 @@ def estimate(loss_fn: Callable, *, optimizer, batch, mesh_shape: dict,
       :func:`fsdp_jax.shard_train_step`.
     remat: estimate each unit's forward under ``jax.checkpoint`` (what
       ``nn.remat`` / ``jax.checkpoint`` per block in the model gives): the
-      loss is rewritten with a checkpoint around each unit's computation
-      but the root's, and that step compiled; modelled with LoRA, tensor
-      parallelism or a scan over stacked layers.
+      same as ``config=FSDPConfig(activation_checkpointing=
+      ActivationCheckpointing("full"))``, whose step is compiled (a config
+      with ``activation_checkpointing`` set is estimated with its policy).
     compile_step: compile the step's per-device program for the peak:
       ``None`` (default) when the loss's per-device program has at most
       5,000 equations (a 32-block transformer; about 40 s on 2 cores),

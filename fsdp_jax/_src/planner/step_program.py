@@ -22,9 +22,9 @@ model; minutes and gigabytes of host memory for a 70B-shaped one), so
 :data:`AUTO_EQUATIONS` equations and models the peak from the segments
 (:mod:`.schedule`) beyond.
 
-The remat what-if (:func:`checkpoint_units`) rewrites the loss with a
-``jax.checkpoint`` around each unit's computation, and the step of that
-loss is compiled the same way.
+The remat what-if compiles the step of a config with
+``activation_checkpointing`` (the engine's ``jax.checkpoint`` around each
+unit's computation, :mod:`fsdp_jax._src.schedule.checkpoints`) the same way.
 """
 
 from __future__ import annotations
@@ -80,107 +80,6 @@ def abstract_state(plan: Plan, model_state: Any, rng: Any) -> state_lib.ShardedT
       step=int32, params=params, opt_state=opt_state, model_state=model_state,
       comm_hook_state=None, nonfinite_steps=int32 if plan.nonfinite == "skip" else None,
       rng=rng, plan=plan)
-
-
-# --------------------------------------------------------------------------
-# The remat what-if: the loss with each unit's computation checkpointed
-
-
-def why_not_checkpointed(plan: Plan) -> Optional[str]:
-  """Why :func:`checkpoint_units` cannot rewrite the loss for this plan, or
-  None."""
-  if plan.config.lora is not None:
-    return "LoRA's adapter path"
-  if plan.config.tensor_parallel is not None:
-    return "tensor parallelism"
-  if any(u.stacked for u in plan.units):
-    return "a scan over stacked layers"
-  return None
-
-
-def checkpoint_units(loss_fn, plan: Plan):
-  """``loss_fn`` with the computation of each unit but the root (from its
-  first read of the unit's parameters to its last) under ``jax.checkpoint``
-  saving nothing but its inputs: what ``nn.remat`` / ``jax.checkpoint``
-  around each block gives (PyTorch's ``apply_activation_checkpointing`` on
-  the wrapped modules). The step then treats those checkpoints as a
-  model's own. A loss that runs collectives itself is returned as it is."""
-  roots = {u.index for u in plan.units if u.is_root}
-
-  def wrapped(params, *args, **kwargs):
-    leaves, treedef = jax.tree.flatten(params)
-    if len(leaves) != len(plan.leaves):
-      return loss_fn(params, *args, **kwargs)
-    closed, out_shape = jax.make_jaxpr(
-        lambda *ls: loss_fn(jax.tree.unflatten(treedef, ls), *args, **kwargs),
-        return_shape=True)(*leaves)
-    if _has_collective(closed.jaxpr):
-      return loss_fn(params, *args, **kwargs)
-    n = len(leaves)
-    flat = jax.make_jaxpr(lambda *ls: _inline(closed.jaxpr, closed.consts, list(ls),
-                                              set(closed.jaxpr.invars[:n])))(*leaves)
-    outs = _run_checkpointed(flat, leaves, segments_lib.segment(flat, n, plan), plan, roots)
-    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
-
-  return wrapped
-
-
-def _inline(jaxpr, consts, args, params: set) -> list:
-  """``jaxpr`` evaluated with the calls that read parameters inlined (their
-  equations become the program's, so that units can be cut apart)."""
-  env: dict = {}
-  read = lambda v: v.val if isinstance(v, _compat.Literal) else env[v]
-  for v, c in zip(jaxpr.constvars, consts):
-    env[v] = c
-  from_params = set()
-  for v, a in zip(jaxpr.invars, args):
-    env[v] = a
-    if v in params:
-      from_params.add(v)
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
-    reads = [v for v in eqn.invars if not isinstance(v, _compat.Literal) and v in from_params]
-    body = _compat.call_body(eqn) if _compat.is_call(eqn) else None
-    if body is not None and reads and not _compat.has_custom_rule(eqn):
-      inner, inner_consts = body
-      inner_params = {bv for bv, ov in zip(inner.invars, eqn.invars)
-                      if not isinstance(ov, _compat.Literal) and ov in from_params}
-      outs = _inline(inner, inner_consts, invals, inner_params)
-    else:
-      outs = _compat.bind_eqn(eqn, invals)
-    for v, o in zip(eqn.outvars, outs):
-      env[v] = o
-    if reads:
-      from_params.update(eqn.outvars)
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _run_checkpointed(flat, leaves, segs, plan: Plan, roots: set) -> list:
-  """The flat program, segment by segment, each unit's (not the root's)
-  under ``jax.checkpoint``."""
-  jaxpr = flat.jaxpr
-  env: dict = dict(zip(jaxpr.constvars, flat.consts))
-  env.update(zip(jaxpr.invars, leaves))
-  read = lambda v: v.val if isinstance(v, _compat.Literal) else env[v]
-  for seg in segs:
-    theta = [v for v, _ in seg.params]
-
-    def run(theta_vals, in_vals, seg=seg, theta=theta):
-      local = dict(env)
-      local.update(zip(theta, theta_vals))
-      local.update(zip(seg.inputs, in_vals))
-      get = lambda v: v.val if isinstance(v, _compat.Literal) else local[v]
-      for eqn in seg.eqns:
-        for v, o in zip(eqn.outvars, _compat.bind_eqn(eqn, [get(v) for v in eqn.invars])):
-          local[v] = o
-      return [local[v] for v in seg.outputs]
-
-    if any(u not in roots for u in seg.units):
-      run = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable,
-                           prevent_cse=True)
-    outs = run([read(v) for v in theta], [read(v) for v in seg.inputs])
-    env.update(zip(seg.outputs, outs))
-  return [read(v) for v in jaxpr.outvars]
 
 
 @dataclasses.dataclass(frozen=True)
