@@ -711,3 +711,28 @@ def test_activation_checkpointing_values_and_errors(monkeypatch):
   monkeypatch.setattr(offload, "memory_kinds", lambda d: ["device"])
   with pytest.raises(ValueError, match=r"policy='offload'.*'pinned_host'.*\['device'\]"):
     step_for(AC("offload"))
+
+
+@pytest.mark.parametrize("policy", ["offload", "full"])
+def test_offload_policy_marks_the_units_activations_for_host_memory(policy):
+  """``"offload"``: each checkpoint's residuals are the unit's gathered
+  parameters (on the device: the strategy keeps or re-gathers them) and the
+  activations it reads, moved to host memory (``f32<host>``); on this CPU
+  backend the copy is a no-op, on a GPU it frees device memory. ``"full"``
+  keeps them on the device."""
+  from fsdp_jax._src import _compat, local_loss  # pylint: disable=import-outside-toplevel
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP_BLOCKS, activation_checkpointing=AC(policy))
+  state = jax.eval_shape(lambda: fsdp_jax.init_train_state(
+      params=mlp_params(), optimizer=adam(), mesh=mesh_for(FULL_SHARD, 2), config=config))
+  closed = local_loss.LocalLoss(make_loss(), state.plan).traced(mlp_batches()[0])[0]
+  params = set(closed.jaxpr.invars[:len(state.plan.leaves)])
+  eqns = [e for e in closed.jaxpr.eqns
+          if _compat.is_remat(e) and _compat.remat_params(e).policy is not None]
+  assert len(eqns) == BLOCKS
+  for eqn in eqns:
+    args = [jnp.ones(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    saved = _compat.saved_residuals(lambda *a, eqn=eqn: _compat.bind_eqn(eqn, a), *args)
+    on_host = [str(aval) for aval, _ in saved if "<host>" in str(aval)]
+    activations = [v for v in eqn.invars if v not in params]
+    assert len(saved) == len(eqn.invars), saved  # the inputs, nothing computed
+    assert len(on_host) == (len(activations) if policy == "offload" else 0), saved
