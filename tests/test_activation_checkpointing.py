@@ -704,6 +704,10 @@ def test_activation_checkpointing_values_and_errors(monkeypatch):
     fsdp_jax.shard_train_step(make_loss(), adam(), mesh=mesh, config=config).lower(
         state, mlp_batches()[0])
 
+  state = fsdp_jax.init_train_state(
+      params=mlp_params(), optimizer=adam(), mesh=mesh, config=fsdp_jax.FSDPConfig(
+          auto_wrap_policy=WRAP_BLOCKS, activation_checkpointing=AC("dots", "blocks.*")))
+  assert "activation checkpointing: dots (blocks.*)" in str(state.plan)
   with pytest.raises(ValueError, match=r"'layers\.\*' names no unit\. The units are: "
                                        r"<root>, blocks\.0, blocks\.1, blocks\.2"):
     step_for(AC(units=["blocks.*", "layers.*"]))

@@ -211,6 +211,9 @@ def describe(plan) -> str:
   if mp is not None:
     lines.append(f"  mixed precision: param {mp.param_dtype}, reduce "
                  f"{mp.effective_reduce_dtype}, buffers {mp.buffer_dtype}")
+  if cfg.activation_checkpointing is not None:
+    lines.append(f"  activation checkpointing: {cfg.activation_checkpointing.describe()}, "
+                 "each unit's computation recomputed in backward")
   ignored = [l.name for l in plan.ignored_leaves]
   if ignored:
     lines.append(f"  ignored (a full copy per device, never gathered, gradients not "
