@@ -630,8 +630,17 @@ def test_nd_quantized_base_matches_reference_on_decoded_weights(nd_model):
     (fsdp_jax.LoRA(targets=("*.wq",), input_dims=2),
      r"input_dims=...\) gives target 'layers.0.wq' \(shape \(10, 10\)\) 2 input.*Fix"),
     (fsdp_jax.LoRA(targets=("*.wq",), rank=11),
-     r"rank=11\) is larger than a dimension of target 'layers.0.wq' \(shape \(10, 10\)\).*"
+     r"rank=11\) is larger than a dimension of target 'layers.0.wq' \(shape \(10, 10\): "
+     r"10 inputs, 10 outputs\), whose min\(m, n\) = 10 is the smallest.*Fix: pass "
      r"rank<=10"),
+    # The limit that fits every target: the head's 5 outputs, not the first
+    # target's 10.
+    (fsdp_jax.LoRA(targets=("*.wq", "head", "*.wo"), rank=11),
+     r"rank=11\) is larger than a dimension of target 'head' \(shape \(10, 5\): 10 inputs, "
+     r"5 outputs\), whose min\(m, n\) = 5 is the smallest over all 3 targets .*; 2 other "
+     r"target\(s\) are below the rank too \('layers.0.wo', 'layers.0.wq'\)\. Fix: pass "
+     r"rank<=5, or narrow "
+     r"targets=\('\*.wq', 'head', '\*.wo'\) to leave out 'head' and the others"),
     (fsdp_jax.LoRA(targets=("*.wq",), trainable=("nothing",)),
      r"trainable=...\) entry 'nothing' matches no parameter"),
     (fsdp_jax.LoRA(targets=("*.wq",), trainable=("layers",),

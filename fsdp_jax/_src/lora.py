@@ -355,15 +355,31 @@ def find_targets(tree, lora: LoRA, stacked_patterns=()) -> dict:
             f"dimension(s), but its kernel has {len(per_layer)} dimensions per layer and "
             f"needs at least one output dimension. Fix: input_dims <= {len(per_layer) - 1} "
             "for it.")
-      t = Target(i, names[i], per_layer[:k], per_layer[k:], shape[:lead])
-      if lora.rank > min(t.m, t.n):
-        raise ValueError(
-            f"LoRA(rank={lora.rank}) is larger than a dimension of target {names[i]!r} "
-            f"(shape {shape}): the rank is at most min(m, n) = {min(t.m, t.n)} ({t.m} "
-            f"inputs, {t.n} outputs). Fix: pass rank<={min(t.m, t.n)} or narrow "
-            f"targets={lora.targets!r}.")
-      out[i] = t
+      out[i] = Target(i, names[i], per_layer[:k], per_layer[k:], shape[:lead])
+  _check_rank(lora, out, shapes)
   return out
+
+
+def _check_rank(lora: LoRA, targets: dict, shapes: list) -> None:
+  """A ``ValueError`` when the rank exceeds ``min(m, n)`` of a target, naming
+  the smallest such limit over all targets (the rank that fits them all)."""
+  limit = {i: min(t.m, t.n) for i, t in targets.items()}
+  over = sorted((i for i in targets if lora.rank > limit[i]), key=lambda i: (limit[i], i))
+  if not over:
+    return
+  t = targets[over[0]]
+  others = [targets[i].name for i in over[1:]]
+  also = ""
+  if others:
+    shown = ", ".join(repr(n) for n in others[:3]) + (" ..." if len(others) > 3 else "")
+    also = f"; {len(others)} other target(s) are below the rank too ({shown})"
+  raise ValueError(
+      f"LoRA(rank={lora.rank}) is larger than a dimension of target {t.name!r} (shape "
+      f"{shapes[over[0]]}: {t.m} inputs, {t.n} outputs), whose min(m, n) = {limit[over[0]]} "
+      f"is the smallest over all {len(targets)} targets (the rank is at most min(m, n) of "
+      f"every target){also}. Fix: pass rank<={limit[over[0]]}, or narrow "
+      f"targets={lora.targets!r} to leave out {t.name!r}"
+      f"{' and the others below the rank' if others else ''}.")
 
 
 def trainable_leaves(tree, lora: LoRA) -> set:
