@@ -38,6 +38,7 @@ compiling their sources took about 0.3 CPU seconds a process.
 import collections
 import compileall
 import gc
+import importlib.util
 import json
 import os
 import pathlib
@@ -66,6 +67,10 @@ if not _NATIVE:  # tests/helpers.py: TEST_XLA_FLAGS (LLVM optimisations off)
   fsdp_jax.simulate_cpu_devices(8)
 elif fsdp_jax.distributed.detect_platform() == "cpu":
   fsdp_jax.simulate_cpu_devices(1)  # the CPU flags, on the one CPU device
+# fsdp_jax.data is the optional extra fsdp_jax[data]: without grain its
+# modules' doctests are not collected (tests/test_data.py skips, saying why).
+if importlib.util.find_spec("grain") is None or importlib.util.find_spec("transformers") is None:
+  collect_ignore_glob = ["fsdp_jax/data/*", "fsdp_jax/_src/data/*"]
 # make_mesh's error when a mesh asks for more devices than there are.
 _TOO_FEW_DEVICES = re.compile(r"needs \d+ devices but only \d+ are available")
 

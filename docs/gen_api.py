@@ -64,7 +64,7 @@ TITLES = {
 CUSTOM_MODULE = "fsdp_jax.custom"
 SUBMODULES = ["fsdp_jax.hooks", "fsdp_jax.hlo", "fsdp_jax.pretrained", "fsdp_jax.models",
               "fsdp_jax.distributed",
-              "fsdp_jax.launch"]
+              "fsdp_jax.launch", "fsdp_jax.data"]
 
 _SECTION = re.compile(
     r"^(Args|Arguments|Attributes|Returns|Yields|Raises|Example|Examples|Note|Notes)"

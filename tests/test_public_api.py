@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import pathlib
 import pkgutil
@@ -29,7 +30,7 @@ from fsdp_jax._src import deprecations
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLIC_MODULES = ("fsdp_jax", "fsdp_jax.custom", "fsdp_jax.hooks", "fsdp_jax.hlo",
                   "fsdp_jax.pretrained", "fsdp_jax.models", "fsdp_jax.distributed",
-                  "fsdp_jax.launch", "fsdp_jax.plan")
+                  "fsdp_jax.launch", "fsdp_jax.plan", "fsdp_jax.data")
 
 # Public callables whose docstring has no runnable example: this list may only
 # shrink. Add an example (tiny meshes, tiny params) rather than a name here.
@@ -48,8 +49,16 @@ WITHOUT_EXAMPLE = {
 }
 
 
+# Public modules of an optional extra: checked where the extra is installed.
+EXTRAS = {"fsdp_jax.data": ("grain", "transformers")}
+
+
+def _installed(mod_name: str) -> bool:
+  return all(importlib.util.find_spec(n) is not None for n in EXTRAS.get(mod_name, ()))
+
+
 def _public_names():
-  for mod_name in PUBLIC_MODULES:
+  for mod_name in filter(_installed, PUBLIC_MODULES):
     mod = importlib.import_module(mod_name)
     for name in mod.__all__:
       yield mod_name, name
@@ -57,6 +66,8 @@ def _public_names():
 
 @pytest.mark.parametrize("module", PUBLIC_MODULES)
 def test_all_names_resolve(module):
+  if not _installed(module):
+    pytest.skip(f"{module} needs the extra's packages {EXTRAS[module]}")
   mod = importlib.import_module(module)
   assert len(set(mod.__all__)) == len(mod.__all__), "duplicates in __all__"
   with warnings.catch_warnings():
