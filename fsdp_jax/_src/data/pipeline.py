@@ -150,6 +150,23 @@ def sft_dataset(source, tokenizer, *, seq_len: int, packing: Optional[str] = "fi
     ValueError: a bad argument, an empty source, or a bad first row (a later
       bad row raises when it is read), each naming the file and line and
       the fix.
+
+  Example:
+    >>> import tokenizers, transformers, fsdp_jax.data
+    >>> words = tokenizers.models.WordLevel(
+    ...     {"<pad>": 0, "</s>": 1, "<unk>": 2, "hi": 3, "there": 4}, unk_token="<unk>")
+    >>> backend = tokenizers.Tokenizer(words)
+    >>> backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    >>> tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend,
+    ...                                            pad_token="<pad>", eos_token="</s>")
+    >>> rows = [{"prompt": "hi", "completion": " there"}, {"text": "hi hi"}]
+    >>> row = next(iter(fsdp_jax.data.sft_dataset(rows, tok, seq_len=8, shuffle_seed=None)))
+    >>> row["input_ids"].tolist()     # both examples, each with its eos, then padding
+    [3, 4, 1, 3, 3, 1, 0, 0]
+    >>> row["labels"].tolist()        # the completion; the text but its first token
+    [-100, 4, 1, -100, 3, 1, -100, -100]
+    >>> row["segment_ids"].tolist(), row["positions"].tolist()
+    ([1, 1, 1, 2, 2, 2, 0, 0], [0, 1, 2, 0, 1, 2, 0, 0])
   """
   _check_args(seq_len, packing, loss_on, truncation, num_epochs, packing_bins)
   src = sources.open_source(source)
