@@ -13,7 +13,9 @@ precision's, Flax's ``promote_dtype``), nested ``jit`` calls,
 layers (the scan slices the value's parts). Any other use (a transpose, a
 reshape, a ``while`` loop) sees the merged weight ``W + s * A @ B``; the
 step records it and ``print(state.plan)`` lists it, and adapter dropout,
-which needs the adapter path's input, is refused there.
+which needs the adapter path's input, is refused there. Dropout is the
+train step's only (``wrap_loss(train=True)``); evaluation wraps with
+``train=False``, PEFT's eval mode.
 """
 
 from __future__ import annotations
