@@ -5,8 +5,10 @@
 ``loss_fn`` (pure functions over parameters named as the checkpoint's
 modules), ``weight_map`` (for :func:`fsdp_jax.pretrained.load` / ``save``),
 ``wrap_policy`` (one FSDP unit per decoder layer), ``tensor_parallel``
-(Megatron's rules) and ``lora_targets``. :func:`generate` continues
-prompts with a key/value cache. Families: ``llama``, ``mistral``,
+(Megatron's rules) and ``lora_targets``; ``apply`` and ``loss_fn`` take
+packed rows (``segment_ids``, ``positions``). :func:`generate` continues a
+batch of prompts of any lengths with a key/value cache, stopping at the
+end-of-sequence tokens. Families: ``llama``, ``mistral``,
 ``qwen2``, ``qwen3``, ``gemma2``, ``gemma3_text``, ``phi3``, ``gpt2``. See
 docs/families.md.
 

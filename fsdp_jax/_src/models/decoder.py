@@ -265,6 +265,9 @@ def forward(cfg: ModelConfig, params: dict, tokens, *, scan: bool = False, cache
   layers = root[n.layers]
   k_seg = None
   if segment_ids is not None:
+    if cache is not None and kv_segment_ids is None:
+      raise ValueError("forward: segment_ids with a cache need kv_segment_ids [B, S], the "
+                       "cached keys' segments.")
     k_seg = segment_ids if cache is None else jnp.asarray(kv_segment_ids, jnp.int32)
   kw = dict(q_pos=q_pos, start=start, implementation=implementation, q_seg=segment_ids,
             k_seg=k_seg)
