@@ -126,6 +126,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--scan", action="store_true",
                  help="stack the layers and run them with lax.scan")
   p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+  p.add_argument("--remat", choices=("full", "dots", "offload"), default=None,
+                 help="activation checkpointing of each layer: FSDPConfig("
+                 "activation_checkpointing=ActivationCheckpointing(policy))")
   p.add_argument("--steps", type=int, default=20)
   p.add_argument("--batch-size", type=int, default=8)
   p.add_argument("--seq-len", type=int, default=64)
@@ -381,7 +384,9 @@ def main(argv=None) -> dict:
       sharding_strategy=fsdp_jax.ShardingStrategy[args.strategy],
       mixed_precision=(fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16)
                        if args.precision == "bf16" else None),
-      lora=lora_config(args, model))
+      lora=lora_config(args, model),
+      activation_checkpointing=(fsdp_jax.ActivationCheckpointing(args.remat)
+                                if args.remat else None))
   optimizer = optax.adamw(args.lr, weight_decay=0.0)
   t0 = time.perf_counter()
   source = pretrained.load(checkpoint, model.weight_map)

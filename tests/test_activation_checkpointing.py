@@ -19,6 +19,12 @@ with each block its own FSDP unit and check that
    over a stacked unit (one layer gathered per loop iteration);
 5. checkpoint policies (``dots_with_no_batch_dims_saveable``, names) give the
    same numbers and collectives.
+6. ``FSDPConfig(activation_checkpointing=ActivationCheckpointing(...))``,
+   the framework checkpointing each unit of an unchanged model (PyTorch's
+   ``apply_activation_checkpointing``): the same losses and parameters as
+   the step without it (1e-6), the same all-gathers per unit, less memory,
+   over the strategies, layouts, TP, LoRA, accumulation, offload, stacked
+   layers and the three policies (spread over the cases), and its errors.
 
 for FULL_SHARD and SHARD_GRAD_OP on 2, 3 and 4 devices and HYBRID_SHARD on a
 2 x 2 mesh.
