@@ -114,11 +114,13 @@ class Checked:
     self.check_batch = check
     self.__doc__ = getattr(fn, "__doc__", None)
 
-  def __call__(self, params, inputs, *args, **kwargs):
+  def __call__(self, params, inputs, **kwargs):
     self.check_batch(inputs)
-    return self.jitted(params, inputs, *args, **kwargs)
+    return self.jitted(params, inputs, **kwargs)
 
   def __getattr__(self, name):
+    if name == "jitted":  # not set yet (copy, pickle)
+      raise AttributeError(name)
     return getattr(self.jitted, name)
 
 

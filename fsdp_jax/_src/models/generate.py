@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fsdp_jax._src.models import decoder
+from fsdp_jax._src.models import checks, decoder
 from fsdp_jax._src.models.families import CausalLM, cache_spec
 
 
@@ -63,6 +63,7 @@ def _run(b: CausalLM, params, ids, mask, key, temperature, top_p, max_new, eos, 
          new_bucket: int, sample: bool):
   """``ids`` / ``mask`` ``[B, P]`` left-padded to the prompt bucket; the
   sequence ``[B, P + new_bucket]`` and the number of tokens made."""
+  checks.check_params(b.config, b.scan, params, "generate")
   batch, prompt = ids.shape
   length = prompt + new_bucket
   spec = cache_spec(b, batch, length)
@@ -267,6 +268,7 @@ def generate(b: CausalLM, params, input_ids, *, max_new_tokens: int,
     raise ValueError(f"generate: temperature={temperature} must be >= 0 (0: greedy).")
   eos, pad = special_tokens(b, eos_token_id, pad_token_id)
   ids, mask = _prompts(input_ids, attention_mask, 0 if pad is None else pad)
+  checks.check_input_ids(b.config, ids, "generate")
   longest = int(mask.sum(1).max()) + int(max_new_tokens)
   if b.config.rope is None and longest > b.config.max_positions:
     raise ValueError(f"generate: {longest} positions, past the model's "
