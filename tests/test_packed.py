@@ -94,7 +94,8 @@ def test_packed_rows_give_each_documents_loss_and_gradients(family, tmp_path):
 
 def test_packed_loss_under_the_sharded_step_matches_one_device(tmp_path):
   """FSDP over 3 devices (6 rows of 12, 2 per device), three SGD steps:
-  the packed losses of one unsharded jax.jit."""
+  the packed losses of one unsharded jax.jit; shard_eval_step's loss of
+  the untrained state is the first of them."""
   b, params = _bundle(tmp_path, "llama")
   batch, _ = _packed()
   batch = {k: np.concatenate([v, v[::-1], np.roll(v, 4, axis=1)]) for k, v in batch.items()}
@@ -106,6 +107,8 @@ def test_packed_loss_under_the_sharded_step_matches_one_device(tmp_path):
   config = b.fsdp_config()
   state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=config)
   step = fsdp_jax.shard_train_step(b.loss_fn, opt, mesh=mesh, config=config)
+  evaluated = float(fsdp_jax.shard_eval_step(b.loss_fn)(state, batch))
+  np.testing.assert_allclose(evaluated, ref_losses[0], rtol=0, atol=1e-5)
   losses = []
   for one in batches:
     state, metrics = step(state, one)
