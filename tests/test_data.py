@@ -328,7 +328,9 @@ def test_inspect_prints_what_the_data_becomes(tok_dir, tmp_path):
 
 @pytest.mark.slow
 def test_import_fsdp_jax_needs_no_grain():
-  code = ("import sys, fsdp_jax\nassert 'grain' not in sys.modules\n"
+  code = ("import sys, fsdp_jax\n"
+          "fsdp_jax.CheckpointManager, fsdp_jax.shard_train_step, fsdp_jax.models.from_pretrained\n"
+          "assert not {'grain', 'transformers', 'tokenizers'} & set(sys.modules)\n"
           "sys.modules['grain'] = None\n"
           "try:\n  import fsdp_jax.data\nexcept ImportError as e:\n  print(e)\n")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -118,6 +118,9 @@ class Encoder:
     try:
       out = self.tokenizer.apply_chat_template(
           messages, chat_template=self.chat_template, tokenize=True, return_dict=True, **kw)
+    except ImportError as e:  # transformers renders templates with jinja2
+      raise ImportError(f"{where}: rendering the chat template needs {e.name or 'jinja2'}: "
+                        f"{e}. Fix: pip install fsdp_jax[data].") from e
     except Exception as e:  # jinja's TemplateError (raise_exception), KeyError, ...
       roles = sorted({str(m.get("role")) for m in messages})
       raise ValueError(
