@@ -24,6 +24,7 @@
     python -m benchmarks families       # fsdp_jax.models' families vs the example Llama (MODELS.md)
     python -m benchmarks eval           # the eval step and reshard_params: memory (EVAL.md)
     python -m benchmarks planner        # the planner against the compiled step: memory, time, cost, what fits (PLANNER.md)
+    python -m benchmarks activations    # the blocked loss's memory against the unblocked loss (ACTIVATIONS.md)
 
 ``python -m benchmarks <name> --help`` lists a measurement's options.
 """
@@ -63,6 +64,7 @@ MEASUREMENTS = {
     "families": ("benchmarks.families", "main"),
     "eval": ("benchmarks.eval", "main"),
     "planner": ("benchmarks.planner", "main"),
+    "activations": ("benchmarks.activations", "main"),
 }
 
 
