@@ -31,6 +31,7 @@ import pytest
 import fsdp_jax
 from fsdp_jax._src.planner import step_program
 from fsdp_jax._src.planner.estimator import Planner
+from tests.helpers import TEST_XLA_FLAGS, subprocess_env
 
 V, D, F, S, LAYERS = 64, 32, 96, 32, 2
 ROWS_PER_DEVICE = 2
@@ -388,6 +389,90 @@ def test_command_line_prints_the_search(tmp_path, capsys):
   assert steps == sorted(steps)
   assert [r["compiled"] for r in rows] == [True, False]  # the fastest confirmed
   assert "| 1 | FULL_SHARD orig shard=8 " in text and " | compiled | yes | " in text
+
+
+def test_search_confirms_the_setting_the_model_chose(planner, monkeypatch):
+  """The search confirms the fastest by compiling the same configuration,
+  savers included, as estimate() compiles it: when the compiled step
+  without savers is far above the model (XLA's breadth-first CPU scheduler
+  did that at Llama 3 8B's size), the CPU offload candidate the modelled
+  pass found is still confirmed, with estimate()'s peak."""
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP)
+  offload = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP,
+                                cpu_offload=fsdp_jax.CPUOffload(offload_params=True))
+  cpu = fsdp_jax.DeviceSpec.preset("cpu")
+  plain = planner.estimate(config, {"shard": 8}, cpu, compile_step=False)
+  moved = planner.estimate(offload, {"shard": 8}, cpu)
+  assert moved.compiled
+  limit = (moved.bytes_per_device["total"] + plain.bytes_per_device["total"]) // 2
+  real = Planner._compiled_peak
+
+  def far_above_without_savers(self, plan, *args):
+    peak = real(self, plan, *args)
+    return peak if plan.offloaded else 10 * peak
+
+  monkeypatch.setattr(Planner, "_compiled_peak", far_above_without_savers)
+  space = {"config": config, "sharding_strategy": [fsdp_jax.ShardingStrategy.FULL_SHARD],
+           "use_orig_params": [False], "remat": [False], "gradient_accumulation_steps": [1]}
+  found = search_lib.run(planner, devices=8, space=space, memory_limit=limit)
+  assert [e.describe_config() for e in found] == ["FULL_SHARD flat shard=8 offload"]
+  assert found[0].compiled
+  assert found[0].bytes_per_device["total"] == moved.bytes_per_device["total"]
+
+
+# The child of the next test: a process without fsdp_jax's CPU flags.
+_CHILD = """
+import importlib, json, sys, warnings
+from fsdp_jax._src.planner import programs
+concurrency = programs.concurrency_scheduler()  # this process's own flags
+import jax, jax.numpy as jnp, optax, fsdp_jax
+from fsdp_jax._src.planner.estimator import Planner
+search_lib = importlib.import_module("fsdp_jax._src.planner.search")
+model = fsdp_jax.models.from_pretrained(sys.argv[1])
+tokens = jax.ShapeDtypeStruct((16, 64), jnp.int32)
+planner = Planner(model.loss_fn, optimizer=optax.adamw(1e-4), init_fn=model.init_fn,
+                  batch={"input_ids": tokens, "labels": tokens})
+config = fsdp_jax.FSDPConfig(auto_wrap_policy=model.wrap_policy)
+cpu = fsdp_jax.DeviceSpec.preset("cpu")
+plain = planner.estimate(config, {"shard": 8}, cpu)
+remat = planner.estimate(config, {"shard": 8}, cpu, remat=True)
+limit = (plain.bytes_per_device["total"] + remat.bytes_per_device["total"]) // 2
+with warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  found = search_lib.run(planner, devices=8, memory_limit=limit, space={
+      "config": config, "sharding_strategy": [fsdp_jax.ShardingStrategy.FULL_SHARD],
+      "use_orig_params": [False], "cpu_offload": [False], "gradient_accumulation_steps": [1]})
+print(json.dumps({"concurrency": concurrency, "limit": limit,
+                  "plain": plain.bytes_per_device["total"],
+                  "remat": remat.bytes_per_device["total"],
+                  "found": [[e.describe_config(), e.compiled, e.bytes_per_device["total"],
+                             list(e.notes)] for e in found],
+                  "warned": [str(w.message) for w in caught]}))
+"""
+
+
+@pytest.mark.slow
+def test_search_confirmation_matches_estimate_without_cpu_flags(tmp_path):
+  """In a process without fsdp_jax's CPU XLA flags (XLA:CPU's breadth-first
+  scheduler, which no program option changes), the search confirms the
+  candidate its modelled pass found with the same compiled peak as
+  estimate() on that candidate, and says the scheduler differs (what the
+  command line avoids by setting the flags in its own process)."""
+  (tmp_path / "config.json").write_text(json.dumps(
+      {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+  # The test run's compile-speed flags, not fsdp_jax's CPU flags.
+  env = {k: v for k, v in subprocess_env(XLA_FLAGS=TEST_XLA_FLAGS).items()
+         if k != "JAX_NUM_CPU_DEVICES"}
+  out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], capture_output=True,
+                       text=True, env=env, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  child = json.loads(out.stdout.strip().splitlines()[-1])
+  assert child["concurrency"] is True
+  assert child["remat"] <= child["limit"] < child["plain"]
+  [(name, compiled, total, notes)] = child["found"]
+  assert name == "FULL_SHARD flat shard=8 remat" and compiled and total == child["remat"]
+  assert any("schedules breadth-first" in n for n in notes) and child["warned"]
 
 
 @pytest.mark.slow

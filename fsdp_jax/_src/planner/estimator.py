@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Callable, Optional
 
 import jax
@@ -348,6 +349,9 @@ class Planner:
                    "which costs about one compile of it)")
     elif why_not is not None:
       notes.append(f"the peak is modelled, not compiled: {why_not}")
+    if programs.concurrency_scheduler():
+      notes.append(programs.SCHEDULER_NOTE)
+      warnings.warn(programs.SCHEDULER_NOTE, stacklevel=2)
     first = jax.tree.leaves(self.batch)[0]
     tokens = int(np.prod(first.shape[:2])) if len(first.shape) >= 2 else int(first.shape[0])
     return Estimate(

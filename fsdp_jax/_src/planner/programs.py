@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import types
 from typing import Any, Optional
@@ -503,6 +504,58 @@ def local_options(*, checkpointed: bool = True) -> dict:
   """fsdp_jax's compiler options for a program on one local device."""
   device_mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("planner",))
   return mesh_lib.compiler_options(device_mesh, checkpointed=checkpointed)
+
+
+# --------------------------------------------------------------------------
+# XLA:CPU's scheduler: a process flag, not a program's option
+
+
+def use_cpu_flags() -> bool:
+  """Adds fsdp_jax's CPU XLA flags (:data:`fsdp_jax._src.mesh.CPU_XLA_FLAGS`:
+  the memory-minimising scheduler among them) to ``XLA_FLAGS`` when JAX has
+  not started its backends yet (a process of its own: ``python -m
+  fsdp_jax.plan``); the number of devices is left as it is. Returns whether
+  the process compiles with them (the flags were set, or were there)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  missing = [f for f in mesh_lib.CPU_XLA_FLAGS if f not in flags]
+  if missing and not _compat.backends_initialized():
+    os.environ["XLA_FLAGS"] = " ".join([flags, *missing]).strip()
+  return not concurrency_scheduler()
+
+
+@functools.lru_cache(maxsize=None)
+def concurrency_scheduler() -> bool:
+  """Whether this process's XLA:CPU schedules programs breadth-first (its
+  concurrency-optimised scheduler, the default) instead of minimising memory
+  (``--xla_cpu_enable_concurrency_optimized_scheduler=false``, which
+  :func:`fsdp_jax.simulate_cpu_devices` sets). XLA reads that choice from
+  ``XLA_FLAGS`` when the process first compiles; a program's
+  ``compiler_options`` do not change it (jax 0.10: a program of eight
+  independent chains held 8 of its buffers at once under either option
+  value without the flag, 1 with it; jax 0.12: 9 and 2). Measured once per
+  process on such a program; False off CPU."""
+  if jax.default_backend() != "cpu":
+    return False
+
+  def chains(x):
+    total = jnp.zeros((), x.dtype)
+    for i in range(8):
+      held = jax.lax.optimization_barrier(jnp.sin(x * (i + 1)) @ x)
+      total = total + jnp.sum(jnp.tanh(held) @ x)
+    return total
+
+  x = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+  temp = jax.jit(chains).lower(x).compile().memory_analysis().temp_size_in_bytes
+  return temp >= 4 * nbytes(x)
+
+
+SCHEDULER_NOTE = (
+    "XLA:CPU in this process schedules breadth-first (XLA_FLAGS lacked "
+    "--xla_cpu_enable_concurrency_optimized_scheduler=false when JAX started; a program's "
+    "compiler options cannot change it): the compiled programs hold more buffers at once "
+    "than under fsdp_jax's CPU flags, so the peak is higher than the step's. Fix: call "
+    "fsdp_jax.simulate_cpu_devices() before JAX starts, or set that flag in XLA_FLAGS "
+    "(python -m fsdp_jax.plan sets it itself)")
 
 
 def optimizer_inputs(plan: Plan) -> list:

@@ -158,9 +158,14 @@ def search(loss_fn: Callable, *, optimizer, batch, devices: int,
 
 
 def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[int] = None,
-        space: Optional[dict] = None, compile_step: Optional[bool] = None) -> list:
+        space: Optional[dict] = None, compile_step: Optional[bool] = None,
+        misses: Optional[list] = None) -> list:
   """:func:`search` with a planner of one's own (several searches of one
-  model share its traces and compiled programs: :meth:`Planner.with_batch`)."""
+  model share its traces and compiled programs: :meth:`Planner.with_batch`).
+  ``misses``: a list that gets, for each candidate that does not fit (or
+  that its confirmation dropped), its attempt with the smallest peak,
+  smallest first (what ``python -m fsdp_jax.plan`` shows when nothing
+  fits)."""
   space = _check_space(space)
   device = device_spec(device)
   if not isinstance(devices, int) or devices < 1:
@@ -211,6 +216,7 @@ def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[
       candidates.append(_Candidate(config, mesh))
 
   found, errors, tried = [], [], 0
+  saver_space = (remats, offloads, space.get("gradient_accumulation_steps"), accumulation)
   for cand in candidates:
     dp = math.prod(v for k, v in cand.mesh_shape.items() if k != tensor_axis)
     if rows % dp:
@@ -222,9 +228,8 @@ def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[
         raise errors[-1]
       continue
     try:
-      est = _first_fit(planner, cand, device, limit, rows // dp, remats, offloads,
-                       space.get("gradient_accumulation_steps"), accumulation,
-                       bool(compile_step))
+      est, closest = _first_fit(planner, cand, device, limit, rows // dp, saver_space,
+                                bool(compile_step))
     except ValueError as e:
       if explicit_tensor or meshes_given is not None or "divide" not in str(e):
         raise
@@ -233,59 +238,100 @@ def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[
     tried += 1
     if est is not None:
       found.append(est)
+    elif misses is not None:
+      misses.append(closest)
   if not tried and errors:
     raise errors[0]
-  found.sort(key=lambda e: (e.step_seconds, e.bytes_per_device["total"]))
+  found.sort(key=_speed)
   if compile_step is None:
-    # Confirm the fastest: its settings again, each step compiled (when the
-    # program is small enough); one that does not fit then is dropped.
+    # Confirm the fastest: the same configuration (savers included) with its
+    # step compiled, as estimate() compiles it (when the program is small
+    # enough). One the compiled step does not fit goes on to the savers after
+    # the one it used, compiled; one that none fits is dropped and the next
+    # fastest is confirmed. Stops at the first that fits compiled.
     for _ in range(len(found)):
       if not found or found[0].compiled:
         break
       best = found.pop(0)
-      cand = _Candidate(dataclasses.replace(best.config, cpu_offload=None), best.mesh_shape)
-      dp = math.prod(v for k, v in cand.mesh_shape.items() if k != tensor_axis)
-      est = _first_fit(planner, cand, device, limit, rows // dp, remats, offloads,
-                       space.get("gradient_accumulation_steps"), accumulation, None)
+      dp = math.prod(v for k, v in best.mesh_shape.items() if k != tensor_axis)
+      # The candidate as enumerated: its savers are the start setting.
+      config = dataclasses.replace(best.config, cpu_offload=None,
+                                   activation_checkpointing=base.activation_checkpointing)
+      est, closest = _first_fit(planner, _Candidate(config, best.mesh_shape),
+                                device, limit, rows // dp, saver_space, None,
+                                start=_setting(best))
       if est is not None:
         found.append(est)
-        found.sort(key=lambda e: (e.step_seconds, e.bytes_per_device["total"]))
+        found.sort(key=_speed)
         if not est.compiled:
           break  # too large to compile by default: modelled
+      elif misses is not None:
+        misses.append(closest)
+  if misses is not None:
+    misses.sort(key=lambda e: e.bytes_per_device["total"])
   return found
 
 
-def _first_fit(planner: Planner, cand: _Candidate, device, limit, local_rows: int, remats,
-               offloads, steps_space, accumulation, compile_step) -> Optional[Estimate]:
-  """The candidate without memory savers if it fits, else the first saver
-  setting that does (see :func:`search`), else None. ``compile_step`` as
-  for :meth:`Planner.estimate` (``True`` compiles a remat setting where the
-  loss can be rewritten with its checkpoints, and models it elsewhere)."""
-  est = planner.estimate(cand.config, cand.mesh_shape, device, memory_limit=limit,
-                         compile_step=compile_step)
-  if est.fits:
-    return est
-  b = est.bytes_per_device
-  # What no activation saver changes: the stored state, gathered units, gradients.
-  fixed = b["total"] - b["activations"]
+def _speed(e: Estimate):
+  return (e.step_seconds, e.bytes_per_device["total"])
+
+
+def _setting(est: Estimate) -> tuple:
+  """An estimate's memory savers: (remat, CPU offload, microbatches)."""
+  offload = est.config.cpu_offload is not None and bool(est.config.cpu_offload.offload_params)
+  return (bool(est.remat), offload, est.gradient_accumulation_steps)
+
+
+def _modelled_fixed(est: Estimate) -> int:
+  """What no activation saver changes at the modelled peak: the stored
+  state, gathered units, gradients (the modelled parts: a compiled total
+  less modelled activations would mix two programs' figures)."""
+  return sum(est.parts.values()) - est.bytes_per_device["activations"]
+
+
+def _first_fit(planner: Planner, cand: _Candidate, device, limit, local_rows: int,
+               saver_space: tuple, compile_step, start: Optional[tuple] = None) -> tuple:
+  """``(estimate, None)``: the candidate without memory savers if it fits,
+  else the first saver setting that does (see :func:`search`);
+  ``(None, closest)`` when none fits, ``closest`` the attempt with the
+  smallest peak. ``compile_step`` as for :meth:`Planner.estimate`
+  (``True`` compiles a remat setting where the loss can be rewritten with
+  its checkpoints, and models it elsewhere). ``start``: a setting
+  ``(remat, offload, microbatches)`` to begin at (the savers before it are
+  skipped: a search's confirmation of what the modelled pass found)."""
+  remats, offloads, steps_space, accumulation = saver_space
+  # The savers that can help are chosen from the modelled estimate (cheap:
+  # its programs are shared; a compiled one is the whole step's).
+  base = planner.estimate(cand.config, cand.mesh_shape, device, memory_limit=limit,
+                          compile_step=compile_step if start is None else False)
+  b = base.bytes_per_device
+  fixed = _modelled_fixed(base)
   steps = [s for s in (steps_space or [2 ** k for k in range(1, 12)])
            if s > 1 and local_rows % s == 0]
-  settings = []
-  if fixed < est.memory_limit:
+  settings = [(False, False, 1)]
+  if fixed < base.memory_limit:
     settings += [(False, False, s) for s in steps]
     if True in remats:
       settings += [(True, False, s) for s in [1] + steps]
   # CPU offload moves the stored parameters and optimizer state to the host.
-  if True in offloads and fixed - b["params"] - b["optimizer"] < est.memory_limit:
+  if True in offloads and fixed - b["params"] - b["optimizer"] < base.memory_limit:
     settings += [(r, True, s) for r in sorted(set(remats)) for s in [1] + steps]
+  if start is not None:
+    settings = settings[settings.index(start):] if start in settings else [start]
+  closest = None
   for remat, offload, s in settings:
-    config = cand.config
-    if offload:
-      config = dataclasses.replace(config, cpu_offload=CPUOffload(offload_params=True))
-    est = planner.estimate(config, cand.mesh_shape, device, memory_limit=limit,
-                           gradient_accumulation_steps=s, accumulation=accumulation,
-                           remat=remat,
-                           compile_step=None if (remat and compile_step) else compile_step)
+    if (remat, offload, s) == (False, False, 1) and start is None:
+      est = base
+    else:
+      config = cand.config
+      if offload:
+        config = dataclasses.replace(config, cpu_offload=CPUOffload(offload_params=True))
+      est = planner.estimate(config, cand.mesh_shape, device, memory_limit=limit,
+                             gradient_accumulation_steps=s,
+                             accumulation=accumulation if s > 1 else "no_sync", remat=remat,
+                             compile_step=None if (remat and compile_step) else compile_step)
     if est.fits:
-      return est
-  return None
+      return est, None
+    if closest is None or est.bytes_per_device["total"] < closest.bytes_per_device["total"]:
+      closest = est
+  return None, closest
