@@ -29,6 +29,7 @@ def _full_config(policy):
       comm_hook=fsdp_jax.hooks.LowPrecisionHook(dtype=jnp.float32),
       forward_prefetch_units={"blocks.0": ["blocks.1"]},
       all_gather_quantization=None,
+      activation_checkpointing=fsdp_jax.ActivationCheckpointing("dots", units=["blocks.*"]),
   )
 
 
@@ -69,6 +70,7 @@ def test_a_differing_field_makes_configs_unequal():
       "comm_hook": fsdp_jax.hooks.LowPrecisionHook(dtype=jnp.bfloat16),
       "forward_prefetch_units": {"blocks.0": ["blocks.2"]},
       "nonfinite": "skip",
+      "activation_checkpointing": fsdp_jax.ActivationCheckpointing("full"),
   }
   assert fsdp_jax.FSDPConfig(**base) == fsdp_jax.FSDPConfig(**base)
   for field, value in changes.items():
@@ -167,7 +169,8 @@ def test_a_step_given_another_config_or_mesh_names_both():
 
 
 @pytest.mark.parametrize("cls", [fsdp_jax.FSDPConfig, fsdp_jax.MixedPrecision,
-                                 fsdp_jax.CPUOffload, fsdp_jax.Quantization])
+                                 fsdp_jax.CPUOffload, fsdp_jax.Quantization,
+                                 fsdp_jax.ActivationCheckpointing])
 def test_every_field_is_documented(cls):
   import inspect  # pylint: disable=import-outside-toplevel
   doc = inspect.getdoc(cls)
