@@ -205,6 +205,46 @@ def resume_round(directory: str):
   return losses[0], flat(fsdp_jax.summon_full_params(state))
 
 
+def data_round(directory: str):
+  """fsdp_jax.data's batches from each process's share of 40 rows
+  (grain.sharding.ShardByJaxProcess), saved with the state after 2 batches
+  and restored into a fresh iterator: ``(global batches after the save,
+  the same after the restore, the iterator files saved)``, or None without
+  grain."""
+  import importlib.util
+  if importlib.util.find_spec("grain") is None:
+    return None
+  import grain
+  import jax
+  from jax.experimental import multihost_utils
+  import fsdp_jax
+  from fsdp_jax import CheckpointManager, data
+  from fsdp_jax._src.data.pipeline import _shard
+
+  state, _, _ = setup()
+
+  def batches():
+    rows = grain.MapDataset.source([{"x": np.full(3, i, np.int32)} for i in range(40)])
+    rows = _shard(rows.shuffle(seed=1), grain.sharding.ShardByJaxProcess(drop_remainder=True))
+    return data.batches(rows.to_iter_dataset(), global_batch=8, mesh=state.plan.mesh)
+
+  def take(it, n):
+    return [multihost_utils.process_allgather(next(it)["x"], tiled=True)[:, 0].tolist()
+            for _ in range(n)]
+
+  it = batches()
+  take(it, 2)
+  with CheckpointManager(directory) as mngr:
+    mngr.save(state, data_iterator=it, force=True)
+    mngr.wait_until_finished()
+    after_save = take(it, 3)
+    again = batches()
+    mngr.restore(state, data_iterator=again)
+  files = sorted(f for f in os.listdir(os.path.join(directory, str(int(jax.device_get(
+      state.step))), "data_iterator")) if f.endswith(".json"))
+  return after_save, take(again, 3), files
+
+
 def main_train(args, info):
   import jax
   out = {"world_size": info.world_size, "devices": jax.device_count(),
@@ -273,6 +313,7 @@ def main_checkpoint(args, info):
   full = state_dict(state, rank0_only=True, offload_to_cpu=True)
   ref = dotted(np_params())
   out["state_dict_keys"] = sorted(full)
+  out["data"] = data_round(os.path.join(args.save_dir, "data"))
   out["state_dict_matches"] = (info.rank != 0 and full == {}) or (
       sorted(full) == sorted(ref)
       and all(np.array_equal(np.asarray(full[k]), ref[k]) for k in ref))

@@ -170,6 +170,14 @@ def test_checkpoint_crosses_process_counts(tmp_path):
     np.testing.assert_allclose(np.asarray(got["saved"]["params"][name], np.float32), ref,
                                rtol=2e-4, atol=1e-6, err_msg=name)
   assert got["state_dict_matches"], got["state_dict_keys"]
+  # fsdp_jax.data: each process's iterator state saved beside the arrays
+  # and set back: the batches after the restore are the saved run's.
+  if got["data"] is not None:
+    after_save, after_restore, files = got["data"]
+    assert after_restore == after_save, (after_save, after_restore)
+    assert files == ["process_0-of-2.json", "process_1-of-2.json"]
+    seen = [i for batch in after_save for i in batch]
+    assert len(set(seen)) == len(seen) == 24  # the processes' shares are disjoint
 
 
 # --------------------------------------------------------------------------
