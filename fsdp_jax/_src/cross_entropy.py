@@ -2,20 +2,20 @@
 tokens at a time, so no ``[tokens, vocab]`` logits array is ever live, in
 the forward pass or the backward.
 
-:func:`chunked_cross_entropy` is a ``lax.scan`` over blocks of
-``block_tokens`` tokens whose body (the block's logits, in float32, and
-their cross-entropy) is a ``jax.checkpoint``: the forward keeps nothing of
-a block but its inputs (its rows of the hidden state and its labels), and
-the backward recomputes each block's logits, forms their cotangent, the
-block's rows of the hidden state's gradient and the block's addend of the
-head's gradient, which the scan's transpose accumulates in its carry.
+:func:`chunked_cross_entropy` is a ``jax.custom_vjp``. Its forward pass is
+a ``lax.scan`` over blocks of ``block_tokens`` tokens (each block's logits
+in float32, their logsumexp, the labels' logits) that keeps each token's
+logsumexp only. Its backward pass recomputes the logits a block at a time,
+twice: over blocks of tokens for the hidden state's gradient, then over
+blocks of the vocabulary for the kernel's, each column block contracted
+over every token in one float32-accumulated matmul and written into the
+gradient in place (no kernel-sized addend or accumulator).
 
-Written with public JAX only (a scan and a checkpoint, no custom
-differentiation rule), it composes with what the step does to a loss: the
-gathers placed before the first use of the head's unit, and tensor
-parallelism (``tensor_eval``), which keeps a head split by vocabulary split
-inside the scan's body (the vocabulary-parallel cross-entropy of each
-block).
+Tensor parallelism (``tensor_eval``) recognises the rule (:data:`BACKWARD`)
+and runs the function's own body instead, on the slices of a head split by
+vocabulary: a scan whose body is a ``jax.checkpoint`` of each block's
+cross-entropy, which JAX differentiates (the vocabulary-parallel
+cross-entropy of each block, nothing gathered).
 """
 
 from __future__ import annotations
@@ -80,11 +80,12 @@ def chunked_cross_entropy(hidden, head_kernel, labels, *, block_tokens: int,
   into blocks of ``block_tokens``; a ``lax.scan`` computes each block's
   logits ``[block_tokens, vocab]`` in float32 (``preferred_element_type``:
   a 16-bit head accumulates and keeps its logits in float32), optionally
-  soft-caps them, and takes their cross-entropy. The scan's body is a
-  ``jax.checkpoint``: the backward pass recomputes a block's logits rather
-  than keeping them, so the largest temporaries, forward and backward, are
-  a few ``[block_tokens, vocab]`` float32 arrays, plus the head's gradient
-  (accumulated over the blocks in the kernel's dtype). A token count that
+  soft-caps them, and takes their cross-entropy, keeping each token's
+  logsumexp only. The backward pass (a ``jax.custom_vjp``) recomputes the
+  logits a block at a time: by blocks of tokens for ``hidden``'s gradient,
+  by as many blocks of the vocabulary for the kernel's (each written into
+  it in place). The largest temporaries, forward and backward, are a few
+  ``[block_tokens, vocab]``-sized float32 arrays. A token count that
   ``block_tokens`` does not divide is padded with ignored tokens.
 
   The labels are aligned with ``hidden`` (token ``t``'s label is

@@ -57,7 +57,9 @@ class CausalLM:
       ``"positions"`` (packed rows, as ``apply`` takes them; no target is
       taken across a document boundary or on padding, so a packed row's
       loss is the token-weighted sum of its documents' own): transformers'
-      causal-LM loss, the labels shifted inside and ``-100`` ignored, as a
+      causal-LM loss, the labels shifted inside and ``-100`` ignored (the
+      head and its cross-entropy computed ``loss_block_tokens`` tokens at
+      a time: :func:`~fsdp_jax.chunked_cross_entropy`), as a
       :class:`~fsdp_jax.WeightedLoss` whose ratio is the mean over the
       tokens (``float(loss)``); ``shard_train_step`` reports and
       differentiates the mean over every device's tokens, as one
