@@ -7,6 +7,8 @@ fsdp_jax and save it back.
     python examples/finetune.py --family qwen3   # a small random Qwen3 instead
     python examples/finetune.py --lora     # LoRA adapters, the base frozen
     python examples/finetune.py --qlora    # QLoRA: the frozen base stored in NF4
+    python examples/finetune.py --checkpoint path/to/instruct --data chat.jsonl
+                                           # TRL's JSONL rows, packed (fsdp_jax[data])
 
 The checkpoint directory is what ``save_pretrained`` writes (``config.json``
 and safetensors files, sharded with an index or not) for a Llama, Mistral,
@@ -33,6 +35,13 @@ memory each device holds, and writes the adapters in PEFT's format to
 ``--out/adapter`` (``peft.PeftModel.from_pretrained(base_model,
 out/adapter)`` loads them) besides the merged model in ``--out``.
 
+With ``--data`` the training data is a JSONL file in TRL's forms
+(``messages``, ``prompt``/``completion``, ``text``) read by
+``fsdp_jax.data`` (``pip install fsdp_jax[data]``) with the checkpoint's
+tokenizer (or ``--tokenizer``): packed first-fit into ``--seq-len`` rows, the
+loss on the assistant turns, the last tenth of the rows held out; the
+script prints the padding fraction and the tokens per second.
+
 Every ``--eval-every`` steps the held-out tenth of the text is evaluated
 with ``fsdp_jax.shard_eval_step`` (the train step's forward without the
 backward, sharded the same way: PyTorch's ``model.eval()`` and
@@ -52,6 +61,7 @@ so it runs anywhere, torch or not. Without a GPU it simulates 8 CPU devices.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -115,6 +125,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "random one of --family, made here)")
   p.add_argument("--family", choices=models.FAMILIES, default="llama",
                  help="the family of the random checkpoint made without --checkpoint")
+  p.add_argument("--data", default=None,
+                 help="fine-tuning JSONL in TRL's forms ('messages', 'prompt'/'completion' or "
+                 "'text' rows) through fsdp_jax.data (pip install fsdp_jax[data]): packed, the "
+                 "loss on the assistant turns, the last tenth held out")
+  p.add_argument("--tokenizer", default=None,
+                 help="the tokenizer's directory for --data (default: the checkpoint's)")
   p.add_argument("--text", default=None, help="training text file (default: Python's "
                  "textwrap module source)")
   p.add_argument("--out", default=None, help="where to save the tuned model (default: a "
@@ -282,6 +298,46 @@ def tokenize(text: str, checkpoint: str, vocab_size: int) -> np.ndarray:
   return ids
 
 
+def sft_data(args, checkpoint: str, vocab_size: int, mesh, batch_size: int):
+  """``--data``: JSONL rows in TRL's forms through ``fsdp_jax.data`` (the
+  optional extra ``fsdp_jax[data]``): the last tenth of the rows held out;
+  the rest packed first-fit into ``--seq-len`` rows (segment ids and
+  positions per document), the loss on the assistant turns (completions,
+  text), repeated as long as the steps ask. Returns the training batches
+  (an iterator of global arrays), the held-out batches and the held-out
+  token ids (the sampling prompts)."""
+  try:
+    from fsdp_jax import data  # pylint: disable=import-outside-toplevel  (optional extra)
+  except ImportError as e:
+    raise SystemExit(f"--data: {e}") from None
+  tok = load_tokenizer(args.tokenizer or checkpoint)
+  if tok is None:
+    raise SystemExit(f"--data needs a tokenizer and {args.tokenizer or checkpoint} has none (or "
+                     "transformers is missing): pass --tokenizer DIR (what save_pretrained "
+                     "wrote; with a chat template for 'messages' rows)")
+  if len(tok) > vocab_size:
+    raise SystemExit(f"--data: the tokenizer has {len(tok):,} tokens, more than the model's "
+                     f"vocabulary of {vocab_size:,}: pass the model's own tokenizer")
+  with open(args.data, encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  cut = len(rows) * 9 // 10
+  common = dict(seq_len=args.seq_len, packing="first_fit", loss_on="assistant",
+                truncation="truncate")
+  train = data.sft_dataset(rows[:cut], tok, num_epochs=None, shuffle_seed=args.seed, **common)
+  held = data.sft_dataset(rows[cut:], tok, shuffle_seed=None, **common)
+  eval_batches = list(itertools.islice(data.batches(held, global_batch=batch_size, mesh=mesh),
+                                       args.eval_batches))
+  if not eval_batches:
+    raise SystemExit(f"--data: the held-out tenth ({len(rows) - cut} rows) fills no batch of "
+                     f"{batch_size} rows: use more rows or a smaller --batch-size")
+  seg = np.asarray(eval_batches[0]["segment_ids"])
+  held_ids = np.asarray(eval_batches[0]["input_ids"])[seg > 0]
+  print(f"data: {cut:,} training and {len(rows) - cut:,} held-out rows of {args.data}, "
+        f"tokenizer {type(tok).__name__} ({len(tok):,} tokens), packed first-fit into "
+        f"{args.seq_len}-token rows, loss on the assistant turns")
+  return data.batches(train, global_batch=batch_size, mesh=mesh), eval_batches, held_ids
+
+
 # ---------------------------------------------------------------------------
 # Evaluation: the held-out split, sharded as in training
 
@@ -399,35 +455,41 @@ def main(argv=None) -> dict:
     print(f"{args.lora_mode.upper()}: targets {','.join(fsdp_config.lora.targets)}; "
           f"{len(state.plan.lora_targets)} kernels adapted")
 
-  if args.text:
-    with open(args.text, encoding="utf-8", errors="replace") as f:
-      text = f.read()
-  else:
-    import textwrap  # pylint: disable=import-outside-toplevel
-    with open(textwrap.__file__, encoding="utf-8") as f:
-      text = f.read()
-  ids = tokenize(text, checkpoint, model.config.vocab_size)
-  # The last tenth is held out for evaluation and prompts.
-  ids, held_out = ids[:len(ids) * 9 // 10], ids[len(ids) * 9 // 10:]
-  if min(len(ids), len(held_out)) < args.seq_len + 2:
-    raise SystemExit(f"the text has {len(ids) + len(held_out)} tokens: too few for --seq-len "
-                     f"{args.seq_len} in the training split and the held-out tenth")
-
   # The model's causal-LM loss: labels shifted inside, the mean over every
-  # device's tokens.
+  # device's tokens (packed rows: within each document, -100 labels skipped).
   step = fsdp_jax.shard_train_step(model.loss_fn, optimizer)
-  rng = np.random.default_rng(args.seed)
   batch_size = -(-args.batch_size // n) * n  # a multiple of the data-parallel size
+  if args.data:
+    batches, eval_batches, held_out = sft_data(args, checkpoint, model.config.vocab_size,
+                                               mesh, batch_size)
+  else:
+    if args.text:
+      with open(args.text, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    else:
+      import textwrap  # pylint: disable=import-outside-toplevel
+      with open(textwrap.__file__, encoding="utf-8") as f:
+        text = f.read()
+    ids = tokenize(text, checkpoint, model.config.vocab_size)
+    # The last tenth is held out for evaluation and prompts.
+    ids, held_out = ids[:len(ids) * 9 // 10], ids[len(ids) * 9 // 10:]
+    if min(len(ids), len(held_out)) < args.seq_len + 2:
+      raise SystemExit(f"the text has {len(ids) + len(held_out)} tokens: too few for "
+                       f"--seq-len {args.seq_len} in the training split and the held-out tenth")
+    rng = np.random.default_rng(args.seed)
 
-  def next_batch():
-    starts = rng.integers(0, len(ids) - args.seq_len - 1, batch_size)
-    window = np.stack([ids[s:s + args.seq_len + 1] for s in starts])
-    return {"input_ids": window, "labels": window}  # seq_len predicted tokens per row
+    def next_batch():
+      starts = rng.integers(0, len(ids) - args.seq_len - 1, batch_size)
+      window = np.stack([ids[s:s + args.seq_len + 1] for s in starts])
+      return {"input_ids": window, "labels": window}  # seq_len predicted tokens per row
 
-  batches = [next_batch() for _ in range(args.steps)]
+    batches = iter([next_batch() for _ in range(args.steps)])
+    eval_batches = held_out_batches(held_out, batch_size, args.seq_len, args.eval_batches)
+  first = next(batches)
+  batches = itertools.chain([first], batches)
   # Compiled once here (the steps below reuse it): tracing the step is also
   # what tells the plan how the loss uses each LoRA target.
-  compiled = step.lower(state, batches[0]).compile()
+  compiled = step.lower(state, first).compile()
   if args.lora_mode:
     for line in str(state.plan).splitlines():
       if line.startswith("  LoRA") or line.startswith("    adapter path") or (
@@ -438,8 +500,10 @@ def main(argv=None) -> dict:
           if "peak" in memory else "")
   print(f"memory per device (bytes): params {memory['params']:,}, grads {memory['grads']:,}, "
         f"optimizer state {memory['optimizer']:,}{peak}")
-  eval_step = make_eval_step(model) if args.eval_every else None
-  eval_batches = held_out_batches(held_out, batch_size, args.seq_len, args.eval_batches)
+  eval_step = None
+  if args.eval_every:  # packed rows: the model's own loss (segments, -100 labels)
+    eval_step = (fsdp_jax.shard_eval_step(model.loss_fn) if args.data
+                 else make_eval_step(model))
   evals = []
 
   def run_eval(at_step: int) -> None:
@@ -451,9 +515,13 @@ def main(argv=None) -> dict:
   if eval_step is not None:
     run_eval(0)
   bar = tqdm(range(args.steps), desc="fine-tune") if tqdm is not None else range(args.steps)
-  losses = []
-  for i in bar:
-    state, metrics = step(state, batches[i])
+  losses, tokens, slots, t_train = [], 0, 0, time.perf_counter()
+  for _ in bar:
+    batch = next(batches)
+    if args.data:
+      tokens += int(jnp.sum(batch["segment_ids"] > 0))
+      slots += int(np.prod(batch["segment_ids"].shape))
+    state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
     if tqdm is not None:
       bar.set_postfix(loss=f"{losses[-1]:.4f}")
@@ -462,6 +530,10 @@ def main(argv=None) -> dict:
     if eval_step is not None and (len(losses) % args.eval_every == 0 or len(losses) == args.steps):
       run_eval(len(losses))
   print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} after {args.steps} steps")
+  if args.data:
+    print(f"data: padding {1 - tokens / slots:.1%} of the rows' slots; {tokens:,} tokens in "
+          f"{time.perf_counter() - t_train:.1f} s of training (evaluations included): "
+          f"{tokens / (time.perf_counter() - t_train):,.0f} tokens/s")
   print("loss curve: " + " ".join(f"{x:.4f}" for x in losses))
 
   out = args.out or os.path.join(tempfile.mkdtemp(prefix="tuned_"), "tuned")
@@ -485,7 +557,8 @@ def main(argv=None) -> dict:
   if args.sample_tokens:
     prompt_len = min(16, len(held_out) // 4)
     prompts = np.stack([held_out[:prompt_len], held_out[len(held_out) // 2:][:prompt_len]])
-    samples = sample(state, model, prompts, args, detokenizer(checkpoint))
+    samples = sample(state, model, prompts, args,
+                     detokenizer((args.data and args.tokenizer) or checkpoint))
   return {"losses": losses, "out": out, "checkpoint": checkpoint, "adapter": adapter,
           "memory": memory, "evals": evals, "samples": samples}
 
