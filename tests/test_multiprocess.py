@@ -8,6 +8,8 @@
 * A process that is killed, or raises, mid-training is named by the survivor,
   which exits with fsdp_jax.distributed.EXIT_PEER_LOST in well under 60 s.
 * monitored_barrier names the process that did not arrive.
+* A checkpoint crosses process counts; fsdp_jax.data's iterator states
+  (one per process) resume 2 processes on the saved run's next batches.
 * The launcher: --help, argument errors, environment, exit codes, stopping
   the other workers when one fails, a busy --master-port.
 * Who can reach the job: the coordination service listens on loopback only
