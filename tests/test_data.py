@@ -322,7 +322,7 @@ def test_inspect_prints_what_the_data_becomes(tok_dir, tmp_path):
   assert s["examples"] == 3 and s["too_long"] == 1 and s["rows"] == 2
   assert s["loss_tokens"] == 7 and s["tokens"] == 29 and s["documents_per_row"] == (1.0, 1, 1)
   assert f"padding: {19 / 48:.1%}" in text and "tokens in the loss: 7 of 29" in text
-  assert "longer than seq_len: 1 examples, first " + path + ":3 (41 tokens)" in text
+  assert "longer than seq_len: 1 example, first " + path + ":3 (41 tokens)" in text
   assert "[[five <|end|>]]" in text and "[[ok bye <|end|>]]" in text
 
 

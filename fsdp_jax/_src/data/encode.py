@@ -33,6 +33,7 @@ import numpy as np
 __all__ = ["Encoder", "IGNORE", "LOSS_ON", "TRUNCATION", "load_tokenizer"]
 
 IGNORE = -100
+USUAL_ROLES = ("system", "user", "assistant")
 LOSS_ON = ("assistant", "completion", "all")
 TRUNCATION = ("error", "drop", "truncate")
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -132,9 +133,11 @@ class Encoder:
     return out
 
   def _check_roles(self, where: str, messages) -> None:
-    """A role seen for the first time must show its content in the rendered
-    text: a template that silently drops a role it does not know would
-    train on a conversation missing that turn."""
+    """A role other than system/user/assistant, seen for the first time,
+    must show its content in the rendered text: a template that silently
+    drops a role it does not know would train on a conversation missing
+    that turn. (The three usual roles are not checked: templates may
+    rewrite their content, e.g. drop an earlier turn's reasoning.)"""
     new = [m for m in messages if m.get("role") not in self._checked_roles]
     if not new:
       return
@@ -142,7 +145,8 @@ class Encoder:
                                               tokenize=False)
     for m in new:
       content = m.get("content")
-      if isinstance(content, str) and content.strip() and content not in text:
+      if (m.get("role") not in USUAL_ROLES and isinstance(content, str) and content.strip()
+          and content.strip() not in text):
         raise ValueError(
             f"{where}: the chat template drops the turns of role {m['role']!r} (its content "
             f"{content[:40]!r} is not in the rendered conversation). Fix: map the role to "

@@ -116,7 +116,8 @@ def main(argv=None) -> dict:
   if s["too_long"]:
     what = {"error": "sft_dataset raises on the first (left out of the figures above)",
             "drop": "dropped", "truncate": "truncated to seq_len"}[args.truncation]
-    print(f"longer than seq_len: {s['too_long']:,} examples, first {s['first_too_long']}: "
+    print(f"longer than seq_len: {s['too_long']:,} example{'s' * (s['too_long'] != 1)}, "
+          f"first {s['first_too_long']}: "
           f"{what}")
   else:
     print("longer than seq_len: none (nothing dropped or truncated)")
