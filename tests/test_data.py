@@ -301,6 +301,10 @@ def test_restore_without_saved_iterator_state_touches_nothing(tok, tmp_path):
     mngr.save(state)
     with pytest.raises(ValueError, match="saved without data_iterator="):
       mngr.restore(state, data_iterator=it)
+    with pytest.raises(TypeError, match="without get_state.*Fix: pass a checkpointable"):
+      mngr.save(state.replace(step=state.step + 1), data_iterator=iter([1]), force=True)
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [0]  # nothing written
   assert it.get_state() == before
   with pytest.raises(ValueError, match="saved with global_batch=2, this iterator has "
                      "global_batch=4"):
