@@ -270,7 +270,9 @@ class ActivationCheckpointing(_ValueEquality):
     units: which units: ``None`` (default) every unit but the root; a glob
       pattern or a sequence of them over unit names (as ``print(state.plan)``
       lists them; ``*`` within one dotted segment, ``**`` across), each of
-      which must name a unit; or a predicate ``units(name) -> bool``.
+      which must name a unit; or a predicate ``units(name) -> bool``, asked
+      about every unit's name (``"<root>"`` too). LoRA's adapters and
+      tensor-parallel parts go with the unit they belong to.
 
   Example:
     >>> import fsdp_jax
