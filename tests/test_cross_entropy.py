@@ -167,13 +167,17 @@ def test_family_loss_blocked_equals_unblocked(tmp_path):
   assert float(blocked.loss_fn(params, batch).weight) == 2 * (T - 1) - 4
 
 
-def test_family_trains_blocked_under_tensor_parallelism(tmp_path):
-  """Gemma 2 (tied head split by vocabulary, soft-capped) on shard=2 x
-  tensor=2, three AdamW steps with the blocked loss: the numbers of one
-  device's unblocked loss, and the blocks' cross-entropy ran on the
-  vocabulary slices (nothing gathered over "tensor")."""
-  blocked = _family(tmp_path, "gemma2", loss_block_tokens=5)
-  whole = _family(tmp_path, "gemma2", loss_block_tokens=None)
+@pytest.mark.parametrize("name, block", [("llama", 6), ("gemma2", 5)])
+def test_family_trains_blocked_under_tensor_parallelism(name, block, tmp_path):
+  """Llama (column-parallel lm_head; blocks of 6 divide a device's 18
+  tokens, so the final norm's output, a partial sum over "tensor", reaches
+  the blocks unpadded and is summed there) and Gemma 2 (tied head split by
+  vocabulary, soft-capped; blocks of 5, padded) on shard=2 x tensor=2,
+  three AdamW steps with the blocked loss: the numbers of one device's
+  unblocked loss, and the blocks' cross-entropy ran on the vocabulary
+  slices (nothing gathered over "tensor")."""
+  blocked = _family(tmp_path, name, loss_block_tokens=block)
+  whole = _family(tmp_path, name, loss_block_tokens=None)
   params = jax.device_get(jax.jit(blocked.init_fn)(jax.random.key(0)))
   batches = [_batch()] * 3
   opt = optax.adamw(1e-2)

@@ -366,10 +366,15 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
     return _remat(eqn, invals, ctx)
   if _compat.is_scan(eqn):
     return _scan(eqn, invals, ctx)
-  if name in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call") or (
-      _compat.custom_vjp_backward(eqn) is cross_entropy.BACKWARD):
+  if _compat.custom_vjp_backward(eqn) is cross_entropy.BACKWARD:
     # The blocked loss runs its own body (a checkpointed scan over blocks of
-    # tokens) on the head's vocabulary slices; JAX differentiates it.
+    # tokens) on the head's vocabulary slices; JAX differentiates it. Its
+    # hidden state, the scan's operand, is summed first where it is partial
+    # (a norm's output scaling a row-parallel sum).
+    body = _compat.inlinable_body(eqn)
+    invals = [ctx.full(x, "the blocked loss") if isinstance(x, Partial) else x for x in invals]
+    return evaluate(body[0], body[1], invals, ctx)
+  if name in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call"):
     body = _compat.inlinable_body(eqn)
     if body is not None:
       return evaluate(body[0], body[1], invals, ctx)
