@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Optional
@@ -35,6 +36,10 @@ from fsdp_jax._src.config import FSDPConfig, MixedPrecision, ShardingStrategy
 from fsdp_jax._src.lora import LoRA
 from fsdp_jax._src.models import families as models
 from fsdp_jax._src.tensor import TensorParallel
+from fsdp_jax._src.planner import programs
+from fsdp_jax._src.planner.devices import device_spec
+from fsdp_jax._src.planner.estimator import Planner
+from fsdp_jax._src.planner.search import run as _run_search
 from fsdp_jax._src.planner import (
     PRESETS as PRESETS,
     DeviceSpec as DeviceSpec,
@@ -100,14 +105,6 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
-def _model(path: str):
-  """The model bundle of a config.json (``fsdp_jax.models.from_pretrained``)."""
-  directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-  if not os.path.exists(os.path.join(directory, "config.json")):
-    raise SystemExit(f"--hf-config {path!r}: no config.json there.")
-  return models.from_pretrained(directory)
-
-
 def _configs(bundle, args):
   """The base FSDPConfig the search varies."""
   kw = {"auto_wrap_policy": getattr(bundle, "wrap_policy", None)}
@@ -146,12 +143,77 @@ def table(estimates: list, top: Optional[int] = None) -> str:
   return "\n".join(rows)
 
 
+class _UserError(Exception):
+  """A mistake in the command line's input: its message is printed alone."""
+
+
+def _model(path: str):
+  """The model bundle of a config.json (``fsdp_jax.models.from_pretrained``)."""
+  directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+  if not os.path.exists(os.path.join(directory, "config.json")):
+    raise _UserError(f"--hf-config {path!r}: no config.json there.")
+  try:
+    return models.from_pretrained(directory)
+  except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as e:
+    raise _UserError(f"--hf-config {path!r}: {e}") from e
+
+
+def _needs(e: Estimate, limit: int, args) -> str:
+  """What could close the gap of an estimate that does not fit: each saver
+  it does not use whose bytes are at least the gap (remat: the
+  activations; CPU offload: the parameters and optimizer state), LoRA, more
+  devices (its sharded state spread further), fewer tokens."""
+  b = e.bytes_per_device
+  miss = b["total"] - limit
+  out = []
+  if not e.remat and b["activations"] >= miss:
+    out.append("remat")
+  offloaded = e.config.cpu_offload is not None and e.config.cpu_offload.offload_params
+  if not offloaded and b["params"] + b["optimizer"] >= miss:
+    out.append("CPU offload")
+  if e.config.lora is None:
+    out.append("LoRA/QLoRA (--lora)")
+  elif e.config.lora.base_quantization is None:
+    out.append("QLoRA")
+  # The stored state shards over the data-parallel axes: more devices shrink it.
+  sharded = b["params"] + b["grads"] + b["optimizer"]
+  if e.config.sharding_strategy != ShardingStrategy.NO_SHARD and sharded > miss > 0:
+    more = math.ceil(e.devices * sharded / (sharded - miss))
+    out.append(f"more devices (about {more}, all else equal)")
+  out.append(f"fewer tokens per device (now {args.global_batch // max(1, e.devices)} x "
+             f"{args.seq})")
+  return ", ".join(out)
+
+
+def _rows(found: list) -> list:
+  return [{"configuration": e.describe_config(), "mesh_shape": e.mesh_shape,
+           "bytes_per_device": e.bytes_per_device, "compiled": e.compiled,
+           "step_seconds": e.step_seconds,
+           "tokens_per_second_per_device": e.tokens_per_second_per_device} for e in found]
+
+
 def main(argv=None, *, model=None) -> int:
-  """``python -m fsdp_jax.plan``: prints the search as a table.
+  """``python -m fsdp_jax.plan``: prints the search as a table; when
+  nothing fits, the closest configurations, by how much each misses the
+  memory limit and what could close the gap. A mistake in the input (an
+  unknown device or model, a batch the devices do not divide...) prints its
+  message alone to stderr and exits with status 2.
+
+  ``--json FILE`` writes an object: ``fits`` (the configurations that fit,
+  fastest first: ``configuration``, ``mesh_shape``, ``bytes_per_device``,
+  ``compiled``, ``step_seconds``, ``tokens_per_second_per_device``),
+  ``closest`` (when nothing fits: the nearest misses, smallest peak first,
+  each also with ``misses_by_bytes`` and ``needs``), ``devices``,
+  ``device``, ``memory_limit_bytes``, ``global_batch``, ``seq``.
 
   ``model`` (for callers that build their own): a bundle with ``init_fn``,
   ``loss_fn``, ``wrap_policy``, ``tensor_parallel`` and ``lora_targets``,
   used instead of ``from_pretrained(--hf-config)``.
+
+  On CPU the command sets fsdp_jax's CPU XLA flags for its own process
+  before JAX starts (:func:`fsdp_jax.simulate_cpu_devices`'s, the number of
+  devices aside): XLA reads its scheduler from them only, so the answer is
+  the same whatever ``XLA_FLAGS`` the shell has.
 
   Example:
     >>> from fsdp_jax.plan import main
@@ -159,9 +221,28 @@ def main(argv=None, *, model=None) -> int:
     ...       "--global-batch", "8"])
     Traceback (most recent call last):
     ...
-    SystemExit: --hf-config 'no/such/dir': no config.json there.
+    SystemExit: 2
   """
   args = _parser().parse_args(argv)
+  try:
+    return _main(args, model)
+  except _UserError as e:
+    print(f"python -m fsdp_jax.plan: error: {e}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+
+def _main(args, model) -> int:
+  if args.devices < 1:
+    raise _UserError(f"--devices {args.devices}: the number of devices must be at least 1.")
+  for flag, value in (("--seq", args.seq), ("--global-batch", args.global_batch),
+                      ("--top", args.top)):
+    if value < 1:
+      raise _UserError(f"{flag} {value}: must be at least 1.")
+  try:
+    device = device_spec(args.device)
+  except ValueError as e:
+    raise _UserError(f"--device {args.device!r}: {e}") from e
+  programs.use_cpu_flags()
   bundle = model if model is not None else _model(args.hf_config)
   config = _configs(bundle, args)
   batch = {"input_ids": jax.ShapeDtypeStruct((args.global_batch, args.seq), jnp.int32),
@@ -172,24 +253,45 @@ def main(argv=None, *, model=None) -> int:
                args.layout]}
   if args.strategy:
     space["sharding_strategy"] = [ShardingStrategy[name] for name in args.strategy]
-  found = search(bundle.loss_fn, optimizer=optax.adamw(1e-4), batch=batch,
-                 devices=args.devices, init_fn=bundle.init_fn, device=args.device,
-                 memory_limit=limit, space=space)
-  device = DeviceSpec.preset(args.device) if isinstance(args.device, str) else args.device
-  print(f"{len(found)} configurations fit {args.devices} x {device.name} "
-        f"({(limit or device.memory_bytes) / 2**30:.1f} GiB each), global batch "
-        f"{args.global_batch} x {args.seq} tokens; fastest first:")
-  print(table(found, args.top))
+  misses: list = []
+  planner = Planner(bundle.loss_fn, optimizer=optax.adamw(1e-4), batch=batch,
+                    init_fn=bundle.init_fn)
+  try:
+    found = _run_search(planner, devices=args.devices, device=device, memory_limit=limit,
+                        space=space, misses=misses)
+  except ValueError as e:
+    if "Fix" not in str(e):  # the search's input checks name the fix
+      raise
+    raise _UserError(str(e)) from e
+  limit = limit or device.memory_bytes
+  where = (f"{args.devices} x {device.name} ({limit / 2**30:.1f} GiB each), global batch "
+           f"{args.global_batch} x {args.seq} tokens")
+  closest = [] if found else misses[:args.top]
   if found:
+    print(f"{len(found)} configurations fit {where}; fastest first:")
+    print(table(found, args.top))
     print()
     print(found[0])
+  elif not closest:
+    print(f"Nothing fits {where}.")
+  else:
+    print(f"Nothing fits {where}. The closest, smallest peak first:")
+    rows = ["| # | configuration | memory/device GiB | peak | misses by GiB | would need |",
+            "|---|---|---|---|---|---|"]
+    for k, e in enumerate(closest, 1):
+      total = e.bytes_per_device["total"]
+      rows.append(f"| {k} | {e.describe_config()} | {total / 2**30:.2f} | "
+                  f"{'compiled' if e.compiled else 'modelled'} | "
+                  f"{(total - limit) / 2**30:.2f} | {_needs(e, limit, args)} |")
+    print("\n".join(rows))
   if args.json:
+    out = {"devices": args.devices, "device": device.name, "memory_limit_bytes": limit,
+           "global_batch": args.global_batch, "seq": args.seq, "fits": _rows(found),
+           "closest": [dict(r, misses_by_bytes=e.bytes_per_device["total"] - limit,
+                            needs=_needs(e, limit, args))
+                       for r, e in zip(_rows(closest), closest)]}
     with open(args.json, "w") as f:
-      json.dump([{"configuration": e.describe_config(), "mesh_shape": e.mesh_shape,
-                  "bytes_per_device": e.bytes_per_device, "compiled": e.compiled,
-                  "step_seconds": e.step_seconds,
-                  "tokens_per_second_per_device": e.tokens_per_second_per_device}
-                 for e in found], f, indent=1)
+      json.dump(out, f, indent=1)
   return 0
 
 

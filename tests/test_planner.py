@@ -382,13 +382,91 @@ def test_command_line_prints_the_search(tmp_path, capsys):
   text = capsys.readouterr().out
   assert "configurations fit 8 x A100-80GB" in text
   assert "| 1 | FULL_SHARD orig shard=8 " in text and "| 2 | " not in text
-  rows = json.loads(out.read_text())  # every estimate that fits: LoRA and QLoRA
+  answer = json.loads(out.read_text())
+  assert answer["closest"] == [] and answer["memory_limit_bytes"] == 80 * 2**30
+  rows = answer["fits"]  # every estimate that fits: LoRA and QLoRA
   assert len(rows) == 2 and all("LoRA" in r["configuration"] for r in rows)
   assert {"QLoRA" in r["configuration"] for r in rows} == {True, False}
   steps = [r["step_seconds"] for r in rows]
   assert steps == sorted(steps)
   assert [r["compiled"] for r in rows] == [True, False]  # the fastest confirmed
   assert "| 1 | FULL_SHARD orig shard=8 " in text and " | compiled | yes | " in text
+
+
+def test_command_line_explains_what_does_not_fit(tmp_path, capsys):
+  """Nothing fits: the closest configurations, smallest peak first, each
+  with its peak, the limit it misses and by how much, and what could close
+  the gap; --json says so as an object (never an empty list)."""
+  out = tmp_path / "plan.json"
+  (tmp_path / "config.json").write_text("{}")
+  fsdp_jax.plan.main(["--hf-config", str(tmp_path / "config.json"), "--devices", "8",
+                      "--seq", str(S), "--global-batch", "16", "--memory-limit-gib", "0.0001",
+                      "--strategy", "FULL_SHARD", "--strategy", "NO_SHARD", "--layout", "flat",
+                      "--json", str(out)], model=Bundle())
+  text = capsys.readouterr().out
+  assert "Nothing fits 8 x H100-80GB (0.0 GiB each)" in text and "| 1 | " in text
+  answer = json.loads(out.read_text())
+  limit = int(0.0001 * 2**30)
+  assert answer["fits"] == [] and answer["memory_limit_bytes"] == limit
+  closest = answer["closest"]
+  assert [r["configuration"].split()[0] for r in closest] == ["FULL_SHARD", "NO_SHARD"]
+  totals = [r["bytes_per_device"]["total"] for r in closest]
+  assert totals == sorted(totals)
+  for r in closest:
+    assert r["misses_by_bytes"] == r["bytes_per_device"]["total"] - limit > 0
+    # the savers it does not use that free at least the gap, LoRA, more devices
+    b, miss = r["bytes_per_device"], r["misses_by_bytes"]
+    assert r["needs"].startswith("remat, ") == (
+        "remat" not in r["configuration"] and b["activations"] >= miss)
+    assert ("CPU offload" in r["needs"]) == (
+        "offload" not in r["configuration"] and b["params"] + b["optimizer"] >= miss)
+    assert "LoRA/QLoRA (--lora)" in r["needs"]
+    sharded = b["params"] + b["grads"] + b["optimizer"]  # what more devices would shrink
+    assert ("more devices" in r["needs"]) == (sharded > miss and "NO_SHARD" not in
+                                              r["configuration"])
+    gib = f"| {r['bytes_per_device']['total'] / 2**30:.2f} | modelled | "
+    assert gib + f"{r['misses_by_bytes'] / 2**30:.2f} | " + r["needs"] + " |" in text
+  # What closes a gap: the savers that free at least it, more devices
+  # (the sharded state spread further: 8 x 6 / (6 - 2)), fewer tokens.
+  est = fsdp_jax.Estimate(
+      config=fsdp_jax.FSDPConfig(), mesh_shape={"shard": 8}, fits=False, step_seconds=1.0,
+      bytes_per_device={"params": 1, "grads": 1, "optimizer": 4, "activations": 2,
+                        "total": 12}, device=fsdp_jax.DeviceSpec.preset("cpu"),
+      memory_limit=10)
+  args = fsdp_jax.plan._parser().parse_args(
+      ["--hf-config", ".", "--devices", "8", "--seq", "64", "--global-batch", "16"])
+  assert fsdp_jax.plan._needs(est, 10, args) == (
+      "remat, CPU offload, LoRA/QLoRA (--lora), more devices (about 12, all else equal), "
+      "fewer tokens per device (now 2 x 64)")
+
+
+def test_command_line_mistakes_print_the_message_alone(tmp_path, capsys):
+  """A mistake in the input: its message on stderr, exit status 2, no
+  traceback."""
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_family"}))
+  base = ["--hf-config", str(tmp_path / "config.json"), "--devices", "8", "--seq", str(S),
+          "--global-batch", "16", "--strategy", "FULL_SHARD", "--layout", "flat"]
+
+  def fails(args, model=Bundle(), **changes):
+    argv = list(base)
+    for flag, value in changes.items():
+      argv[argv.index(flag) + 1] = value
+    with pytest.raises(SystemExit) as e:
+      fsdp_jax.plan.main(argv + args, model=model)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    return err
+
+  assert "--device 'H900': Unknown device 'H900'. Fix: pass one of the presets" in fails(
+      ["--device", "H900"])
+  assert ("the global batch of 12 rows is not divisible by the data-parallel size 8 of mesh "
+          "{'shard': 8}. Fix: use a global batch that is a multiple of 8, e.g. 16"
+          in fails([], **{"--global-batch": "12"}))
+  assert "--devices 0: the number of devices must be at least 1" in fails(
+      [], **{"--devices": "0"})
+  assert "no_such_family" in fails([], model=None)
+  assert "no config.json there" in fails([], model=None,
+                                         **{"--hf-config": str(tmp_path / "none" / "x.json")})
 
 
 def test_search_confirms_the_setting_the_model_chose(planner, monkeypatch):

@@ -119,11 +119,13 @@ def search(loss_fn: Callable, *, optimizer, batch, devices: int,
       allowed: iterables of bools), ``gradient_accumulation_steps``,
       ``accumulation``, ``lora`` (``("lora", "qlora")``).
     compile_step: ``None`` (default): every candidate's peak is modelled,
-      then the fastest that fits is confirmed by compiling its step (as
-      ``estimate(compile_step=None)`` does: when the loss's program is small
-      enough; a candidate the compiled step does not fit is dropped and the
-      next confirmed); ``True``: every candidate's step is compiled (exact,
-      a compile each); ``False``: modelled only.
+      then the fastest that fits is confirmed by compiling its step with
+      the savers it uses (as ``estimate(compile_step=None)`` on that
+      configuration does: when the loss's program is small enough); one the
+      compiled step does not fit goes on to the next savers, and is dropped
+      when none fits, the next fastest then confirmed; ``True``: every
+      candidate's step is compiled (exact, a compile each); ``False``:
+      modelled only.
 
   Returns:
     The estimates that fit, fastest first (empty if none does). Each says

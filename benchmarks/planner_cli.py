@@ -1,0 +1,93 @@
+"""How long ``python -m fsdp_jax.plan`` takes, and where the time goes.
+
+    python -m benchmarks.planner_cli                 # Llama 3 8B, 8,192 tokens, 8 x H100-80GB
+    python -m benchmarks.planner_cli --seq 4096 --devices 64 --global-batch 64
+
+Writes Llama 3 8B's ``config.json`` (its published shape) to a temporary
+directory and runs the command on it in a fresh process without the
+shell's ``XLA_FLAGS`` (as from a plain shell), with timers around the
+planner's compiles: the step compiled per device (the search's
+confirmation), the units' programs (the modelled pass). Prints the
+command's output and one JSON line: wall seconds, seconds per part, the
+answer. Figures in docs/planner.md ("Cost").
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+             "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
+             "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu"}
+
+
+def child(argv) -> None:
+  """The command, its compiles timed (runs in the fresh process)."""
+  # pylint: disable=import-outside-toplevel  (after the parent set the environment)
+  from fsdp_jax._src.planner import estimator, programs, step_program
+  import fsdp_jax.plan
+  seconds, counts = collections.defaultdict(float), collections.Counter()
+
+  def timed(module, name, label):
+    f = getattr(module, name)
+
+    def run(*a, **k):
+      t = time.perf_counter()
+      try:
+        return f(*a, **k)
+      finally:
+        seconds[label] += time.perf_counter() - t
+        counts[label] += 1
+    setattr(module, name, run)
+
+  timed(step_program, "compile_step", "step compiles")
+  timed(programs, "compile_segments", "unit programs")
+  timed(estimator.segments_lib, "trace_loss", "loss traces")
+  out = [a for k, a in enumerate(argv) if k and argv[k - 1] == "--json"]
+  t0 = time.perf_counter()
+  fsdp_jax.plan.main(argv)
+  answer = json.load(open(out[0])) if out else {}
+  best = (answer.get("fits") or [{}])[0]
+  print(json.dumps({"wall_seconds": time.perf_counter() - t0, "seconds": dict(seconds),
+                    "counts": dict(counts), "best": best.get("configuration"),
+                    "best_gib": best.get("bytes_per_device", {}).get("total", 0) / 2**30,
+                    "fitting": len(answer.get("fits", []))}))
+
+
+def main(argv=None) -> int:
+  if argv and argv[0] == "--child":
+    child(argv[1:])
+    return 0
+  p = argparse.ArgumentParser(prog="python -m benchmarks.planner_cli", description=__doc__)
+  p.add_argument("--seq", type=int, default=8192)
+  p.add_argument("--devices", type=int, default=8)
+  p.add_argument("--global-batch", type=int, default=8)
+  p.add_argument("--device", default="H100-80GB")
+  args = p.parse_args(argv)
+  with tempfile.TemporaryDirectory() as d:
+    with open(os.path.join(d, "config.json"), "w") as f:
+      json.dump(LLAMA3_8B, f)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "benchmarks.planner_cli", "--child",
+                    "--hf-config", os.path.join(d, "config.json"),
+                    "--devices", str(args.devices), "--device", args.device,
+                    "--seq", str(args.seq), "--global-batch", str(args.global_batch),
+                    "--json", os.path.join(d, "plan.json")], env=env, check=True)
+    print(f"process: {time.perf_counter() - t0:.1f} s; load average {os.getloadavg()}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
