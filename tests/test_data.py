@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.util
 import io
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -310,6 +312,31 @@ def test_restore_without_saved_iterator_state_touches_nothing(tok, tmp_path):
                      "global_batch=4"):
     data.batches(data.sft_dataset(CHAT * 4, tok, seq_len=32), global_batch=4,
                  mesh=fsdp_jax.make_mesh(shard=4, devices=jax.devices()[:4])).set_state(before)
+
+
+# ---------------------------------------------------------------------------
+# examples/finetune.py --data
+
+
+def test_finetune_example_reads_chat_jsonl(tok, tok_dir, tmp_path):
+  spec = importlib.util.spec_from_file_location(
+      "example_finetune_data", pathlib.Path(__file__).parents[1] / "examples" / "finetune.py")
+  finetune = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(finetune)
+  path = write_jsonl(tmp_path / "chat.jsonl", CHAT * 10)  # 20 rows: 18 trained, 2 held out
+  args = finetune.parse_args(["--data", path, "--tokenizer", tok_dir, "--seq-len", "24",
+                              "--eval-batches", "3"])  # 20 + 9 tokens: one a row
+  mesh = fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2])
+  train, evals, held_ids = finetune.sft_data(args, "no checkpoint", 256, mesh, 2)
+  assert len(evals) == 1  # the 2 held-out rows make one batch of 2
+  assistant = set(tok(text="five ok bye no <|end|>")["input_ids"])
+  for batch in (next(train), evals[0]):
+    assert batch["input_ids"].shape == (2, 24) and batch["segment_ids"].sharding.mesh == mesh
+    labels, ids = np.asarray(batch["labels"]), np.asarray(batch["input_ids"])
+    assert set(ids[labels != -100].tolist()) <= assistant  # the assistant turns only
+  assert len(held_ids) == int((np.asarray(evals[0]["segment_ids"]) > 0).sum()) == 29
+  with pytest.raises(SystemExit, match="more than the model's vocabulary of 16"):
+    finetune.sft_data(args, "no checkpoint", 16, mesh, 2)
 
 
 # ---------------------------------------------------------------------------
