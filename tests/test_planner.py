@@ -400,13 +400,13 @@ def test_command_line_explains_what_does_not_fit(tmp_path, capsys):
   out = tmp_path / "plan.json"
   (tmp_path / "config.json").write_text("{}")
   fsdp_jax.plan.main(["--hf-config", str(tmp_path / "config.json"), "--devices", "8",
-                      "--seq", str(S), "--global-batch", "16", "--memory-limit-gib", "0.0001",
+                      "--seq", str(S), "--global-batch", "16", "--memory-limit-gib", "0.000001",
                       "--strategy", "FULL_SHARD", "--strategy", "NO_SHARD", "--layout", "flat",
                       "--json", str(out)], model=Bundle())
   text = capsys.readouterr().out
   assert "Nothing fits 8 x H100-80GB (0.0 GiB each)" in text and "| 1 | " in text
   answer = json.loads(out.read_text())
-  limit = int(0.0001 * 2**30)
+  limit = int(0.000001 * 2**30)
   assert answer["fits"] == [] and answer["memory_limit_bytes"] == limit
   closest = answer["closest"]
   assert [r["configuration"].split()[0] for r in closest] == ["FULL_SHARD", "NO_SHARD"]
