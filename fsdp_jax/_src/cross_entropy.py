@@ -78,9 +78,10 @@ def chunked_cross_entropy(hidden, head_kernel, labels, *, block_tokens: int,
 
   The tokens (every position of ``hidden``'s leading dimensions) are cut
   into blocks of ``block_tokens``; a ``lax.scan`` computes each block's
-  logits ``[block_tokens, vocab]`` in float32 (``preferred_element_type``:
-  a 16-bit head accumulates and keeps its logits in float32), optionally
-  soft-caps them, and takes their cross-entropy, keeping each token's
+  logits ``[block_tokens, vocab]`` (in the operands' dtype, as the
+  unblocked ``hidden @ head_kernel`` gives them: a 16-bit head's logits are
+  rounded to 16 bits), optionally soft-caps them, and takes their float32
+  cross-entropy, keeping each token's
   logsumexp only. The backward pass (a ``jax.custom_vjp``) recomputes the
   logits a block at a time: by blocks of tokens for ``hidden``'s gradient,
   by as many blocks of the vocabulary for the kernel's (each written into
@@ -151,12 +152,16 @@ def chunked_cross_entropy(hidden, head_kernel, labels, *, block_tokens: int,
 
 def _logits(h, kernel, soft_cap):
   """A block's logits in float32 (soft-capped), and the derivative of the
-  cap at them (None without one)."""
-  z = jnp.dot(h, kernel, preferred_element_type=jnp.float32)
+  cap at them (None without one). As in the unblocked head, the logits are
+  the matmul's in the operands' dtype (a 16-bit head rounds them to 16
+  bits, and soft-caps them there: Liger's fused linear cross-entropy does
+  the same) and only then widened to float32 for the softmax."""
+  dtype = jnp.result_type(h, kernel)
+  z = jnp.dot(h, kernel, preferred_element_type=jnp.float32).astype(dtype)
   if soft_cap is None:
-    return z, None
+    return z.astype(jnp.float32), None
   c = jnp.tanh(z / soft_cap)
-  return soft_cap * c, 1.0 - c * c
+  return (c * soft_cap).astype(jnp.float32), (1.0 - c.astype(jnp.float32) ** 2)
 
 
 def _forward(block, soft_cap, hidden, kernel, labels):

@@ -363,9 +363,9 @@ def blocked_causal_lm_loss(cfg: ModelConfig, params: dict, hidden, labels, block
   head and its cross-entropy computed ``block_tokens`` tokens at a time
   (:func:`~fsdp_jax.chunked_cross_entropy`): the labels shifted (position
   ``t`` predicts ``labels[t + 1]``; the last position predicts nothing),
-  the tied head included, Gemma 2's final soft-capping applied. The block's
-  logits are float32 whatever the parameters' dtype (the unblocked loss
-  rounds 16-bit logits to their dtype before its float32 softmax)."""
+  the tied head included, Gemma 2's final soft-capping applied. As in the
+  unblocked loss, 16-bit parameters give 16-bit logits (soft-capped in
+  16 bits), widened to float32 for the softmax."""
   shifted = jnp.pad(labels[:, 1:], ((0, 0), (0, 1)), constant_values=-100)
   return chunked_cross_entropy(hidden, head_kernel(cfg, params), shifted,
                                block_tokens=block_tokens, soft_cap=cfg.final_softcap)
