@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -469,6 +470,21 @@ def test_command_line_mistakes_print_the_message_alone(tmp_path, capsys):
                                          **{"--hf-config": str(tmp_path / "none" / "x.json")})
 
 
+def test_command_line_sets_the_cpu_flags_before_jax_starts(tmp_path, monkeypatch, capsys):
+  """The command adds fsdp_jax's CPU flags (the memory-minimising
+  scheduler) to XLA_FLAGS before the model is built, when JAX has not
+  started (XLA reads the scheduler from the process's flags only); the
+  shell's own flags are kept."""
+  monkeypatch.setattr(fsdp_jax._src._compat, "backends_initialized", lambda: False)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/nowhere")
+  with pytest.raises(SystemExit):  # stops at the missing config.json, after the flags
+    fsdp_jax.plan.main(["--hf-config", str(tmp_path / "config.json"), "--devices", "8",
+                        "--seq", str(S), "--global-batch", "16"])
+  assert "no config.json there" in capsys.readouterr().err
+  assert os.environ["XLA_FLAGS"].split() == ["--xla_dump_to=/nowhere",
+                                             *fsdp_jax._src.mesh.CPU_XLA_FLAGS]
+
+
 def test_search_confirms_the_setting_the_model_chose(planner, monkeypatch):
   """The search confirms the fastest by compiling the same configuration,
   savers included, as estimate() compiles it: when the compiled step
@@ -496,6 +512,12 @@ def test_search_confirms_the_setting_the_model_chose(planner, monkeypatch):
   assert [e.describe_config() for e in found] == ["FULL_SHARD flat shard=8 offload"]
   assert found[0].compiled
   assert found[0].bytes_per_device["total"] == moved.bytes_per_device["total"]
+  # Every candidate compiled: which savers can help is still read from the
+  # modelled peak's parts, not the compiled plain step's total.
+  compiled = search_lib.run(planner, devices=8, space=space, memory_limit=limit,
+                            compile_step=True)
+  assert [(e.describe_config(), e.compiled, e.bytes_per_device["total"]) for e in compiled] == [
+      ("FULL_SHARD flat shard=8 offload", True, moved.bytes_per_device["total"])]
 
 
 # The child of the next test: a process without fsdp_jax's CPU flags.
