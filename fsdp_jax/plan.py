@@ -175,8 +175,9 @@ def _needs(e: Estimate, limit: int, args) -> str:
     out.append("LoRA/QLoRA (--lora)")
   elif e.config.lora.base_quantization is None:
     out.append("QLoRA")
-  # The stored state shards over the data-parallel axes: more devices shrink it.
-  sharded = b["params"] + b["grads"] + b["optimizer"]
+  # The stored state shards over the data-parallel axes: more devices shrink
+  # it (what is on the device: offloaded parameters and optimizer state are not).
+  sharded = b["grads"] + (0 if offloaded else b["params"] + b["optimizer"])
   if e.config.sharding_strategy != ShardingStrategy.NO_SHARD and sharded > miss > 0:
     more = math.ceil(e.devices * sharded / (sharded - miss))
     out.append(f"more devices (about {more}, all else equal)")

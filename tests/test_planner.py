@@ -17,6 +17,7 @@ across cases, as a search reuses them).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -422,7 +423,8 @@ def test_command_line_explains_what_does_not_fit(tmp_path, capsys):
     assert ("CPU offload" in r["needs"]) == (
         "offload" not in r["configuration"] and b["params"] + b["optimizer"] >= miss)
     assert "LoRA/QLoRA (--lora)" in r["needs"]
-    sharded = b["params"] + b["grads"] + b["optimizer"]  # what more devices would shrink
+    sharded = b["grads"] + (0 if "offload" in r["configuration"] else
+                            b["params"] + b["optimizer"])  # what more devices would shrink
     assert ("more devices" in r["needs"]) == (sharded > miss and "NO_SHARD" not in
                                               r["configuration"])
     gib = f"| {r['bytes_per_device']['total'] / 2**30:.2f} | modelled | "
@@ -438,6 +440,14 @@ def test_command_line_explains_what_does_not_fit(tmp_path, capsys):
       ["--hf-config", ".", "--devices", "8", "--seq", "64", "--global-batch", "16"])
   assert fsdp_jax.plan._needs(est, 10, args) == (
       "remat, CPU offload, LoRA/QLoRA (--lora), more devices (about 12, all else equal), "
+      "fewer tokens per device (now 2 x 64)")
+  # Offloaded: the parameters and optimizer state are off the device already
+  # (8 x 1 / (1 - 0.5) devices for the gradients alone).
+  moved = dataclasses.replace(
+      est, config=fsdp_jax.FSDPConfig(cpu_offload=fsdp_jax.CPUOffload(offload_params=True)),
+      bytes_per_device={**est.bytes_per_device, "total": 3})
+  assert fsdp_jax.plan._needs(moved, 2.5, args) == (
+      "remat, LoRA/QLoRA (--lora), more devices (about 16, all else equal), "
       "fewer tokens per device (now 2 x 64)")
 
 
