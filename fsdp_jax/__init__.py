@@ -37,6 +37,7 @@ _PUBLIC = {
     "fsdp_jax._src.quantization": ("Quantization",),
     "fsdp_jax._src.lora": ("LoRA",),
     "fsdp_jax._src.tensor": ("TensorParallel",),
+    "fsdp_jax._src.context": ("ContextParallel",),
     "fsdp_jax._src.wrap": ("CustomPolicy", "ModuleWrapPolicy", "Node", "lambda_auto_wrap_policy",
         "size_based_auto_wrap_policy"),
     # Devices.
@@ -84,6 +85,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
   from fsdp_jax._src.quantization import Quantization as Quantization
   from fsdp_jax._src.lora import LoRA as LoRA
   from fsdp_jax._src.tensor import TensorParallel as TensorParallel
+  from fsdp_jax._src.context import ContextParallel as ContextParallel
   from fsdp_jax._src.wrap import (
       CustomPolicy as CustomPolicy,
       ModuleWrapPolicy as ModuleWrapPolicy,

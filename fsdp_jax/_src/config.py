@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fsdp_jax._src.collectives import check_hook
+from fsdp_jax._src.context import ContextParallel
 from fsdp_jax._src.lora import LoRA
 from fsdp_jax._src.quantization import Quantization
 from fsdp_jax._src.tensor import TensorParallel
@@ -464,6 +465,12 @@ class FSDPConfig(_ValueEquality):
       each selected unit's computation runs under ``jax.checkpoint``
       (PyTorch's ``apply_activation_checkpointing``); ``None`` (default):
       only the model's own checkpoints. See ``docs/activation_checkpointing.md``.
+    context_parallel: a :class:`~fsdp_jax.ContextParallel`: context
+      parallelism over the mesh's ``"context"`` axis (``make_mesh(...,
+      context=C)``): each sequence split into ``C`` chunks, the weights
+      sharded over shard x context; the model and loss are unchanged
+      (default ``None``: ``ContextParallel()`` when the mesh has a context
+      axis). See ``docs/context_parallel.md``.
 
   Example:
     >>> import fsdp_jax
@@ -504,8 +511,14 @@ class FSDPConfig(_ValueEquality):
   lora: Optional[LoRA] = None
   tensor_parallel: Optional[TensorParallel] = None
   activation_checkpointing: Optional[ActivationCheckpointing] = None
+  context_parallel: Optional[ContextParallel] = None
 
   def __post_init__(self):
+    if self.context_parallel is not None and not isinstance(self.context_parallel,
+                                                            ContextParallel):
+      raise TypeError(
+          f"context_parallel={self.context_parallel!r} must be a fsdp_jax.ContextParallel "
+          "or None, e.g. context_parallel=fsdp_jax.ContextParallel(dim=1).")
     if self.activation_checkpointing is not None and not isinstance(
         self.activation_checkpointing, ActivationCheckpointing):
       raise TypeError(

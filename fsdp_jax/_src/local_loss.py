@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from fsdp_jax._src import _compat, adapters, collectives, frameworks, layout, offload, schedule
 from fsdp_jax._src import tensor_eval
+from fsdp_jax._src import context as context_lib, context_eval
 from fsdp_jax._src import loss as loss_lib
 from fsdp_jax._src.config import is_key_dtype
 from fsdp_jax._src.loss import LossOutput
@@ -87,6 +88,14 @@ class LocalLoss:
                            for l in plan.leaves),
           axis=plan.axes.tensor_axes[0], size=plan.t, axis_env=plan.axis_env,
           report=plan.tensor_report, split_outputs=split_outputs)
+    cp = plan.context
+    if cp is not None:
+      # Each device runs the loss on its chunk of the sequence, positions
+      # mixed over the context axis exactly (fsdp_jax._src.context_eval).
+      loss_fn = context_eval.wrap_loss(
+          loss_fn, dim=cp.dim, split_mask=lambda b: context_lib.split_mask(cp, b),
+          axis=plan.axes.context_axes[0], size=plan.axes.context_size,
+          axis_env=plan.axis_env, report=context_eval.Report())
     self.loss_fn = loss_fn
     self.plan = plan
     self.forward_inputs = loss_lib.check_forward_inputs(forward_inputs)

@@ -1,7 +1,11 @@
 """Device meshes for FSDP: a ``("shard",)`` axis, or ``("replicate", "shard")``
 for the hybrid strategies (shard within a group, replicate across groups),
-each optionally followed by a ``"tensor"`` axis for tensor parallelism
-(adjacent devices: one NVLink node)."""
+each optionally followed by a ``"context"`` axis for context parallelism
+(the sequence split; the weights sharded over it too) and a ``"tensor"``
+axis for tensor parallelism (adjacent devices: one NVLink node). The order is
+``("replicate", "shard", "context", "tensor")``: the context group's devices
+are adjacent after the tensor group's, as torchtitan orders ``dp_shard, cp,
+tp``."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from jax.sharding import AxisType, Mesh
 
 from fsdp_jax._src import _compat
 from fsdp_jax._src.config import FSDPConfig, ShardingStrategy
+from fsdp_jax._src.context import CONTEXT, ContextParallel
 
 SHARD = "shard"
 REPLICATE = "replicate"
@@ -223,11 +228,12 @@ def _cpu_devices_hint(devices: Sequence[jax.Device], needed: int) -> str:
           f"JAX_NUM_CPU_DEVICES={needed} in the environment).")
 
 
-def _warn_idle(used: int, n: int, shard, replicate, tensor) -> None:
+def _warn_idle(used: int, n: int, shard, replicate, tensor, context=None) -> None:
   """Warns that a mesh built from all devices leaves some idle (once per
   message: Python's warning registry keeps one per distinct text and caller)."""
   sizes = ", ".join(f"{k}={v}" for k, v in (("replicate", replicate), ("shard", shard),
-                                           ("tensor", tensor)) if v is not None)
+                                           ("context", context), ("tensor", tensor))
+                    if v is not None)
   warnings.warn(
       f"make_mesh({sizes}) uses {used} of the {n} devices; the other {n - used} stay idle. "
       f"Fix: pick sizes whose product is {n} (or leave shard= out: it defaults to the "
@@ -236,7 +242,7 @@ def _warn_idle(used: int, n: int, shard, replicate, tensor) -> None:
 
 
 def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
-              tensor: Optional[int] = None,
+              tensor: Optional[int] = None, context: Optional[int] = None,
               devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
   """Builds an FSDP mesh.
 
@@ -248,12 +254,17 @@ def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
   tensor parallelism (``FSDPConfig(tensor_parallel=...)``): the ``T``
   devices of a tensor group are adjacent (one NVLink node, or one process),
   FSDP shards across groups, as torchtitan's ``("dp_shard", "tp")`` mesh.
+  With ``context=C`` an axis ``"context"`` of size ``C`` is added after
+  ``"shard"`` (before ``"tensor"``) for context parallelism
+  (:class:`~fsdp_jax.ContextParallel`): each sequence is split into ``C``
+  chunks over it, and FSDP shards the weights over shard x context.
 
   Args:
     shard: size of the ``"shard"`` axis (default: all devices / (replicate
       * tensor)).
     replicate: size of the ``"replicate"`` axis, or ``None`` for no such axis.
     tensor: size of the ``"tensor"`` axis, or ``None`` for no such axis.
+    context: size of the ``"context"`` axis, or ``None`` for no such axis.
     devices: the devices to use (default ``jax.devices()``). Without it, a
       mesh smaller than ``jax.devices()`` warns (a ``UserWarning`` naming how
       many devices it uses); pass ``devices=`` to use a subset on purpose.
@@ -266,6 +277,8 @@ def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
     {'replicate': 2, 'shard': 2}
     >>> dict(fsdp_jax.make_mesh(shard=4, tensor=2, devices=jax.devices()[:8]).shape)
     {'shard': 4, 'tensor': 2}
+    >>> dict(fsdp_jax.make_mesh(shard=2, context=4, devices=jax.devices()[:8]).shape)
+    {'shard': 2, 'context': 4}
   """
   chosen = devices is not None
   if devices is None:
@@ -276,29 +289,32 @@ def make_mesh(*, shard: Optional[int] = None, replicate: Optional[int] = None,
   n = len(devices)
   rep = 1 if replicate is None else int(replicate)
   tp = 1 if tensor is None else int(tensor)
-  if rep < 1 or tp < 1 or (shard is not None and int(shard) < 1):
+  cp = 1 if context is None else int(context)
+  if rep < 1 or tp < 1 or cp < 1 or (shard is not None and int(shard) < 1):
     raise ValueError(f"make_mesh: sizes must be positive; got shard={shard}, "
-                     f"replicate={replicate}, tensor={tensor}.")
+                     f"replicate={replicate}, context={context}, tensor={tensor}.")
   if shard is None:
-    if n % (rep * tp):
+    if n % (rep * tp * cp):
       raise ValueError(
-          f"make_mesh: {n} devices cannot be split into replicate={rep} x tensor={tp} "
-          f"groups; pass sizes whose product divides {n}, or shard= explicitly.")
-    shard = n // (rep * tp)
+          f"make_mesh: {n} devices cannot be split into replicate={rep} x context={cp} x "
+          f"tensor={tp} groups; pass sizes whose product divides {n}, or shard= explicitly.")
+    shard = n // (rep * tp * cp)
   shard = int(shard)
-  if rep * shard * tp > n:
+  used = rep * shard * cp * tp
+  if used > n:
     raise ValueError(
         f"make_mesh: replicate={rep} x shard={shard}"
+        + (f" x context={cp}" if context is not None else "")
         + (f" x tensor={tp}" if tensor is not None else "")
-        + f" needs {rep * shard * tp} devices but only {n} are available; pass devices= or "
-        "smaller sizes." + _cpu_devices_hint(devices, rep * shard * tp))
-  if not chosen and rep * shard * tp < n:
-    _warn_idle(rep * shard * tp, n, shard, replicate, tensor)
-  devices = devices[: rep * shard * tp]
+        + f" needs {used} devices but only {n} are available; pass devices= or "
+        "smaller sizes." + _cpu_devices_hint(devices, used))
+  if not chosen and used < n:
+    _warn_idle(used, n, shard, replicate, tensor, context)
+  devices = devices[:used]
   names = ((REPLICATE,) if replicate is not None else ()) + (SHARD,) + (
-      (TENSOR,) if tensor is not None else ())
+      (CONTEXT,) if context is not None else ()) + ((TENSOR,) if tensor is not None else ())
   shape = ((rep,) if replicate is not None else ()) + (shard,) + (
-      (tp,) if tensor is not None else ())
+      (cp,) if context is not None else ()) + ((tp,) if tensor is not None else ())
   return Mesh(np.array(devices).reshape(shape), names,
               axis_types=(AxisType.Auto,) * len(names))
 
@@ -312,6 +328,11 @@ class MeshAxes:
   ``data_axes`` all axes the batch is split over. ``tensor_axes`` is
   ``("tensor",)`` under tensor parallelism (the batch is replicated over it,
   the rules' leaves are split over it), of size ``tensor_size``.
+  ``context_axes`` is ``("context",)`` under context parallelism, of size
+  ``context_size``: it is one of the shard axes (the weights are sharded
+  over it) and of the data axes (the loss and gradients are averaged over
+  it), but the batch is split over it along the sequence dimension, not
+  dim 0 (:attr:`batch_axes` are the data axes without it).
   """
 
   shard_axes: tuple[str, ...]
@@ -321,6 +342,18 @@ class MeshAxes:
   world_size: int
   tensor_axes: tuple[str, ...] = ()
   tensor_size: int = 1
+  context_axes: tuple[str, ...] = ()
+  context_size: int = 1
+
+  @property
+  def batch_axes(self) -> tuple[str, ...]:
+    """The axes a batch's dim 0 is split over."""
+    return tuple(a for a in self.data_axes if a not in self.context_axes)
+
+  @property
+  def batch_size(self) -> int:
+    """The devices a batch's dim 0 is split over."""
+    return self.world_size // self.context_size
 
 
 def mesh_axes(mesh: Mesh, config: FSDPConfig) -> MeshAxes:
@@ -328,7 +361,8 @@ def mesh_axes(mesh: Mesh, config: FSDPConfig) -> MeshAxes:
   all_names = tuple(mesh.axis_names)
   tp = config.tensor_parallel
   tensor_axis = TENSOR if tp is None else tp.axis
-  names = tuple(a for a in all_names if a != tensor_axis)
+  names = tuple(a for a in all_names if a not in (tensor_axis, CONTEXT))
+  context = _context_axes(mesh, config, all_names, tensor_axis)
   strategy = config.sharding_strategy
   t = "" if tensor_axis not in all_names else ", tensor=T"
   fix_1d = f"fsdp_jax.make_mesh(shard=N{t})"
@@ -361,10 +395,47 @@ def mesh_axes(mesh: Mesh, config: FSDPConfig) -> MeshAxes:
         f"{strategy.name} needs a mesh with axes ('shard',) or ('replicate', "
         f"'shard'){' and a last tensor axis' if t else ''}; got axes {all_names} with "
         f"shape {dict(mesh.shape)}. Build one with {fix_1d}.")
+  cax = (CONTEXT,) if context else ()
+  c = int(mesh.shape[CONTEXT]) if context else 1
+  names = names + cax
   world = int(np.prod([mesh.shape[a] for a in names]))
   tensor = ((tensor_axis,), int(mesh.shape[tensor_axis])) if tp is not None else ((), 1)
   if strategy is ShardingStrategy.NO_SHARD:
-    return MeshAxes((), names, names, 1, world, *tensor)
+    return MeshAxes((), names, names, 1, world, *tensor, cax, c)
   if config.is_hybrid:
-    return MeshAxes((SHARD,), (REPLICATE,), names, mesh.shape[SHARD], world, *tensor)
-  return MeshAxes(names, (), names, world, world, *tensor)
+    return MeshAxes((SHARD,) + cax, (REPLICATE,), names, mesh.shape[SHARD] * c, world,
+                    *tensor, cax, c)
+  return MeshAxes(names, (), names, world, world, *tensor, cax, c)
+
+
+def context_parallel(mesh: Mesh, config: FSDPConfig):
+  """The :class:`ContextParallel` options a step on ``mesh`` uses: the
+  config's, or the defaults when the mesh has a context axis; None without
+  one."""
+  if CONTEXT not in tuple(mesh.axis_names):
+    return None
+  return config.context_parallel or ContextParallel()
+
+
+def _context_axes(mesh: Mesh, config: FSDPConfig, all_names: tuple, tensor_axis) -> bool:
+  """Whether the mesh has a context axis; checks where it is and what it
+  composes with."""
+  if CONTEXT not in all_names:
+    if config.context_parallel is not None:
+      raise ValueError(
+          f"FSDPConfig(context_parallel=...) splits sequences over the mesh axis 'context', "
+          f"but the mesh has axes {all_names} (shape {dict(mesh.shape)}). Fix: build the mesh "
+          "with fsdp_jax.make_mesh(..., context=C), or drop context_parallel.")
+    return False
+  rest = tuple(a for a in all_names if a != tensor_axis)
+  if rest[-1] != CONTEXT:
+    raise ValueError(
+        f"The 'context' axis must follow the FSDP axes (before a tensor axis); got axes "
+        f"{all_names}. Fix: build the mesh with fsdp_jax.make_mesh(..., context=C).")
+  if config.tensor_parallel is not None:
+    raise NotImplementedError(
+        f"Context parallelism with tensor parallelism (mesh {dict(mesh.shape)}) is not yet "
+        "supported: the loss cannot yet run on sequence chunks and tensor slices at once. "
+        "Fix: use one of them: make_mesh(shard=S, context=C) or make_mesh(shard=S, "
+        "tensor=T).")
+  return True

@@ -25,7 +25,8 @@ from fsdp_jax._src.lora import is_lora_weight
 from fsdp_jax._src.collectives import GatherSpec, LeafLayout
 from fsdp_jax._src.config import (FSDPConfig, MixedPrecision, data_axis_names,
                                   gradient_divide_factors, is_float_dtype)
-from fsdp_jax._src.mesh import MeshAxes
+from fsdp_jax._src import context as context_lib
+from fsdp_jax._src.mesh import MeshAxes, context_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +224,12 @@ class Plan:
   def t(self) -> int:
     """The tensor-parallel axis size (1 without tensor parallelism)."""
     return self.axes.tensor_size
+
+  @property
+  def context(self):
+    """The :class:`~fsdp_jax.ContextParallel` options under a context axis,
+    else None."""
+    return context_parallel(self.mesh, self.config) if self.axes.context_axes else None
 
   def tensor_size(self, unit: UnitSpec) -> int:
     """How many tensor slices the unit's stored arrays stack (1: replicated)."""
@@ -699,13 +706,30 @@ def batch_spec(plan: Plan) -> P:
     >>> fsdp_jax.custom.batch_spec(state.plan) == P("shard")  # dim 0 over the data axes
     True
   """
-  axes = plan.axes.data_axes
+  axes = plan.axes.batch_axes
   return P(axes[0] if len(axes) == 1 else axes)
+
+
+def batch_specs(plan: Plan, batch):
+  """Each batch leaf's ``PartitionSpec``: dim 0 over the data-parallel axes
+  (:func:`batch_spec`); under context parallelism the selected leaves also
+  split along the sequence dimension over ``"context"``."""
+  spec = batch_spec(plan)
+  cp = plan.context
+  if cp is None:
+    return jax.tree.map(lambda _: spec, batch)
+  flat, treedef = jax.tree.flatten(batch)
+  ctx = plan.axes.context_axes
+  ctx = ctx[0] if len(ctx) == 1 else ctx
+  along = P(*(tuple(spec) + (None,) * (cp.dim - 1) + (ctx,)))
+  return jax.tree.unflatten(treedef, [along if s else spec for s in
+                                      context_lib.split_mask(cp, batch)])
 
 
 def hook_state_spec(plan: Plan) -> P:
   """Per-device hook state: a leading device axis split over the data axes."""
-  return batch_spec(plan)
+  axes = plan.axes.data_axes
+  return P(axes[0] if len(axes) == 1 else axes)
 
 
 def hook_key(unit: UnitSpec, group_index: int) -> str:

@@ -15,6 +15,7 @@ from fsdp_jax._src import _compat
 from fsdp_jax._src import grads as grads_lib
 from fsdp_jax._src import loss as loss_lib
 from fsdp_jax._src import clipping, offload, optim
+from fsdp_jax._src import context as context_lib
 from fsdp_jax._src.config import FSDPConfig, is_float_dtype, value_key
 from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import plan as plan_lib
@@ -30,8 +31,10 @@ def check_batch(plan: Plan, batch) -> None:
   error naming every such leaf (path, shape), the mesh axes and their sizes,
   and the fix, like ``jax.shard_map``'s own check.
   """
-  world = plan.axes.world_size
-  axes = plan.axes.data_axes
+  world = plan.axes.batch_size
+  axes = plan.axes.batch_axes
+  if plan.context is not None:
+    context_lib.check_batch(plan.context, plan.axes.context_size, batch)
   bad = []
   for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
     shape = np.shape(x)
@@ -282,11 +285,9 @@ def shard_train_step(loss_fn: Callable[..., Any],
     check_batch(plan, batch)
     if gradient_accumulation_steps > 1:
       grads_lib.check_microbatches(
-          jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-              (x.shape[0] // plan.axes.world_size,) + x.shape[1:], x.dtype), batch),
-          gradient_accumulation_steps)
+          local_shapes(plan, batch), gradient_accumulation_steps)
     p_specs = plan_lib.param_specs(plan)
-    b_specs = jax.tree.map(lambda _: plan_lib.batch_spec(plan), batch)
+    b_specs = plan_lib.batch_specs(plan, batch)
     ms_specs = jax.tree.map(lambda _: P(), state.model_state)
     rng_specs = jax.tree.map(lambda _: P(), state.rng)
     h_specs = jax.tree.map(lambda _: plan_lib.hook_state_spec(plan), state.comm_hook_state)
@@ -406,14 +407,29 @@ def shard_train_step(loss_fn: Callable[..., Any],
 
   def checkpoints(state: ShardedTrainState, batch) -> bool:
     plan = state.plan
-    local = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        (x.shape[0] // plan.axes.world_size // gradient_accumulation_steps,) + x.shape[1:],
-        x.dtype), batch)
+    local = local_shapes(plan, batch, gradient_accumulation_steps)
     raw = LocalLoss(loss_fn, plan, forward_inputs=forward_inputs)
     return raw.checkpoints(local, state.model_state, state.rng)
 
   return TrainStep(step, donate=donate, mesh=mesh, config=config, checkpoints=checkpoints,
                    batch_check=getattr(loss_fn, "check_batch", None))
+
+
+def local_shapes(plan: Plan, batch, microbatches: int = 1):
+  """Each device's batch leaves as shapes: dim 0 over the data-parallel
+  devices (and microbatches), a context-split leaf's sequence over the
+  context axis."""
+  flat, treedef = jax.tree.flatten(batch)
+  cp = plan.context
+  split = context_lib.split_mask(cp, batch) if cp is not None else [False] * len(flat)
+  out = []
+  for x, s in zip(flat, split):
+    shape = list(np.shape(x))
+    shape[0] //= plan.axes.batch_size * microbatches
+    if s:
+      shape[cp.dim] //= plan.axes.context_size
+    out.append(jax.ShapeDtypeStruct(tuple(shape), x.dtype))
+  return jax.tree.unflatten(treedef, out)
 
 
 def _keep_if(flag, old, new):
@@ -509,11 +525,11 @@ def place_batch(plan: Plan, batch):
   passes its own part of the global batch, in process order, and the global
   array is assembled from the parts (``jax.make_array_from_process_local_data``).
   """
-  sharding = NamedSharding(plan.mesh, plan_lib.batch_spec(plan))
   multi = jax.process_count() > 1
   devices = set(plan.mesh.devices.flat)
 
-  def place(x):
+  def place(x, spec):
+    sharding = NamedSharding(plan.mesh, spec)
     if isinstance(x, jax.ShapeDtypeStruct):  # lowering on shapes alone
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding or sharding)
     if isinstance(x, jax.Array) and (not multi or not x.is_fully_addressable):
@@ -525,7 +541,7 @@ def place_batch(plan: Plan, batch):
       return jax.make_array_from_process_local_data(sharding, np.asarray(x))
     return jax.device_put(x, sharding)
 
-  return jax.tree.map(place, batch)
+  return jax.tree.map(place, batch, plan_lib.batch_specs(plan, batch))
 
 
 def place_checked(plan: Plan, batch, checked_shapes=None, batch_check=None):

@@ -1,0 +1,521 @@
+"""Context parallelism inside the step: ``loss_fn`` (single-device code, for
+whole sequences) re-evaluated on each device's chunk of the sequence, every
+operation that mixes positions computed exactly over the ``"context"`` axis.
+
+``loss_fn`` is traced with the whole sequence (the global shapes of the
+split batch leaves) and its jaxpr evaluated again with each split leaf bound
+to this device's chunk. Each value is either
+
+* replicated: the whole array, the same on every device of the context
+  group (parameters, positions made by ``iota`` / ``jnp.arange``, masks,
+  anything the split leaves do not reach), or
+* :class:`Split`: this device's chunk along one dimension ``dim``, device
+  ``i`` holding positions ``[i * n, (i + 1) * n)`` of a padded length
+  ``C * n``. The traced equation's shape says the logical length ``L <= C *
+  n``: a slice that drops the first or last positions (``labels[:, 1:]``,
+  ``logits[:, :-1]``) keeps the chunking and leaves positions ``>= L``
+  padding, holding real values of the array (never NaN) that reductions
+  leave out.
+
+Rules: elementwise operations, and those along other dimensions (matmuls
+over hidden dimensions, norms, reshapes that keep the sequence whole),
+run on the chunk; a replicated operand of the sequence's length meeting a
+split one is cut to this device's positions, which is how positions made by
+``iota`` (rotary tables, causal and sliding-window masks) take their global
+values. A reduction over the sequence is the local one summed (``psum``) or
+maximised over ``"context"``; a matmul between two split operands along
+different roles (``q @ k^T``, ``probs @ v``) all-gathers the one whose
+sequence is contracted or, when both are free, the smaller (keys and
+values: the all-gather strategy); a matmul contracting both chunks adds up
+over ``"context"``. A slice dropping ``a`` leading positions takes ``a``
+values from the next device (``ppermute``); ``cumsum`` adds the preceding
+chunks' totals. Anything else that touches the split dimension is refused
+with an error naming the primitive, its source line and the fix.
+
+Gradients: the collectives are JAX's own (``all_gather`` <-> ``psum_scatter``,
+``psum`` <-> ``psum``, ``ppermute`` <-> the reverse ``ppermute``), so each
+device's gradient is its share of ``C`` times the global one under the
+step's ``check_vma=False`` shard_map, and the step's average over shard x
+context gives the global gradient exactly (the context axis is one of the
+data axes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fsdp_jax._src import _compat
+from fsdp_jax._src import loss as loss_lib
+
+
+class Split:
+  """This device's chunk of a value split along ``dim`` over the context axis."""
+
+  __slots__ = ("x", "dim")
+
+  def __init__(self, x, dim: int):
+    self.x, self.dim = x, dim
+
+
+@dataclasses.dataclass(eq=False)
+class Report:
+  """Context-axis collectives of the traced loss (forward pass), by kind:
+  ``{kind: [count, bytes per device]}``."""
+
+  counts: dict = dataclasses.field(default_factory=dict)
+
+  def add(self, kind: str, x) -> None:
+    c = self.counts.setdefault(kind, [0, 0])
+    c[0] += 1
+    c[1] += int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+
+
+class Refused(ValueError):
+  """An operation along the split sequence that context parallelism cannot
+  compute exactly."""
+
+
+class _Ctx:
+  def __init__(self, axis: str, size: int, report: Report):
+    self.axis, self.c, self.report = axis, size, report
+    self._memo: dict = {}
+
+  def index(self):
+    return lax.axis_index(self.axis)
+
+  def gather(self, v: Split):
+    """The whole (padded) value of a split one: all-gathered over the axis
+    (once per value); its gradient is reduce-scattered back."""
+    hit = self._memo.get(id(v))
+    if hit is not None and hit[0] is v:
+      return hit[1]
+    out = lax.all_gather(v.x, self.axis, axis=v.dim, tiled=True)
+    self.report.add("all-gather", out)
+    self._memo[id(v)] = (v, out)
+    return out
+
+  def cut(self, x, dim: int, n: int):
+    """This device's chunk (``n`` positions along ``dim``) of a replicated
+    value; one shorter than the padded length (a slice of a split value's
+    length) is padded with its last positions first."""
+    if np.ndim(x) == 0 or np.shape(x)[dim] == 1:
+      return x
+    total = n * self.c
+    size = np.shape(x)[dim]
+    if size < total:
+      edge = lax.slice_in_dim(x, size - 1, size, axis=dim)
+      reps = [1] * np.ndim(x)
+      reps[dim] = total - size
+      x = lax.concatenate([x, jnp.tile(edge, reps)], dim)
+    elif size != total:
+      raise Refused(f"a replicated value of length {size} along dimension {dim} meets a "
+                    f"sequence split into chunks of {n} ({total} in all)")
+    return lax.dynamic_slice_in_dim(x, self.index() * n, n, axis=dim)
+
+  def valid(self, n: int, length: int):
+    """``[n]`` bool: which of this device's positions are below ``length``."""
+    return self.index() * n + jnp.arange(n) < length
+
+
+def _site(eqn) -> str:
+  site = _compat.user_site(eqn)
+  return f" at {site}" if site and site != "?" else ""
+
+
+def _refuse(eqn, what: str):
+  name = eqn.primitive.name
+  raise Refused(
+      f"Context parallelism cannot compute {name}{_site(eqn)} exactly: {what}. It mixes "
+      "positions of the sequence split over the 'context' axis. Fix: write attention with "
+      "jnp (q @ k^T, softmax, @ v) or jax.nn.dot_product_attention, compute this per token, "
+      "or remove the context axis (make_mesh without context=).")
+
+
+def _out_shape(eqn, k=0) -> tuple:
+  return tuple(eqn.outvars[k].aval.shape)
+
+
+def _in_shape(eqn, k=0) -> tuple:
+  v = eqn.invars[k]
+  return tuple(np.shape(v.aval)) if hasattr(v, "aval") else tuple(np.shape(v.val))
+
+
+def evaluate(jaxpr, consts, args, ctx: _Ctx) -> list:
+  env: dict = {}
+  for v, x in zip(jaxpr.constvars, consts):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    invals = [v.val if isinstance(v, _compat.Literal) else env[v] for v in eqn.invars]
+    if not any(isinstance(x, Split) for x in invals):
+      outs = _compat.bind_eqn(eqn, invals)
+    else:
+      outs = _rule(eqn, invals, ctx)
+    for v, x in zip(eqn.outvars, outs):
+      if not isinstance(v, _compat.DropVar):
+        env[v] = x
+  return [v.val if isinstance(v, _compat.Literal) else env[v] for v in jaxpr.outvars]
+
+
+def _rule(eqn, invals, ctx: _Ctx) -> list:
+  name = eqn.primitive.name
+  if name == "dot_general":
+    return [_dot(eqn, invals, ctx)]
+  if name in _compat.ELEMENTWISE_PRIMITIVES:
+    return [_elementwise(eqn, invals, ctx)]
+  if name in _compat.PASSTHROUGH_PRIMITIVES and len(invals) == 1:
+    return [invals[0]]
+  if name in _compat.REDUCTION_PRIMITIVES and len(invals) == 1:
+    return [_reduce(eqn, invals[0], ctx)]
+  if name == "slice":
+    return [_slice(eqn, invals[0], ctx)]
+  if name == "cumsum":
+    return [_cumsum(eqn, invals[0], ctx)]
+  if name in ("transpose", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+              "convert_element_type") and isinstance(invals[0], Split):
+    out = _layout(eqn, invals, ctx)
+    if out is not None:
+      return [out]
+  if name in ("concatenate", "pad"):
+    out = _join(eqn, invals, ctx)
+    if out is not None:
+      return [out]
+  if name == "gather":
+    out = _take(eqn, invals, ctx)
+    if out is not None:
+      return [out]
+  if _compat.is_remat(eqn):
+    return _remat(eqn, invals, ctx)
+  if _compat.is_scan(eqn):
+    return _scan(eqn, invals, ctx)
+  body = _compat.inlinable_body(eqn)
+  if body is not None:
+    return evaluate(body[0], body[1], invals, ctx)
+  _refuse(eqn, "no rule for it on a split sequence")
+
+
+def _elementwise(eqn, invals, ctx: _Ctx):
+  dims = {x.dim for x in invals if isinstance(x, Split)}
+  if len(dims) > 1:
+    # e.g. a packed-document mask, seg[:, :, None] == seg[:, None, :]: the
+    # operand split along the first (query) dimension stays split, the
+    # others (keys) are all-gathered.
+    dim = min(dims)
+    invals = [ctx.gather(x) if isinstance(x, Split) and x.dim != dim else x for x in invals]
+  (dim,) = {x.dim for x in invals if isinstance(x, Split)}
+  n = next(x for x in invals if isinstance(x, Split)).x.shape[dim]
+  vals = [x.x if isinstance(x, Split) else ctx.cut(x, dim, n) for x in invals]
+  return Split(_compat.bind_eqn(eqn, vals)[0], dim)
+
+
+def _padded(eqn, v: Split, ctx: _Ctx, k: int = 0) -> bool:
+  """Whether the split operand ``k``'s logical length is below its padded one."""
+  return _in_shape(eqn, k)[v.dim] < v.x.shape[v.dim] * ctx.c
+
+
+def _reduce(eqn, v, ctx: _Ctx):
+  axes = _compat.reduction_axes(eqn)
+  kind = _compat.REDUCTION_PRIMITIVES[eqn.primitive.name]
+  if v.dim not in axes:
+    out = _compat.bind_eqn(eqn, [v.x])[0]
+    return Split(out, v.dim - sum(a < v.dim for a in axes))
+  x = v.x
+  n = x.shape[v.dim]
+  if _padded(eqn, v, ctx):  # leave out the padding past the logical length
+    keep = ctx.valid(n, _in_shape(eqn)[v.dim])
+    keep = lax.broadcast_in_dim(keep, x.shape, (v.dim,))
+    fill = {"sum": 0, "max": -jnp.inf, "min": jnp.inf, "and": True, "or": False}[kind]
+    if kind in ("max", "min") and not jnp.issubdtype(x.dtype, jnp.floating):
+      info = jnp.iinfo(x.dtype)
+      fill = info.min if kind == "max" else info.max
+    x = jnp.where(keep, x, jnp.asarray(fill, x.dtype))
+  local = _compat.bind_eqn(eqn, [x])[0]
+  if kind == "sum":
+    ctx.report.add("all-reduce", local)
+    return lax.psum(local, ctx.axis)
+  if kind in ("max", "min"):
+    every = lax.all_gather(local, ctx.axis, axis=0)
+    return (jnp.max if kind == "max" else jnp.min)(every, axis=0)
+  _refuse(eqn, f"a {kind} over the split sequence")
+
+
+def _slice(eqn, v, ctx: _Ctx):
+  start, limit, strides = _compat.slice_params(eqn)
+  d = v.dim
+  if strides is not None and any(s != 1 for k, s in enumerate(strides) if k == d):
+    _refuse(eqn, "a strided slice of the split sequence")
+  x = v.x
+  n = x.shape[d]
+  others_start = [0 if k == d else s for k, s in enumerate(start)]
+  others_limit = [x.shape[d] if k == d else l for k, l in enumerate(limit)]
+  x = lax.slice(x, others_start, others_limit,
+                None if strides is None else [1 if k == d else s for k, s in enumerate(strides)])
+  a = start[d]
+  if a == 0:  # keeps the chunking; the tail past `limit` becomes padding
+    return Split(x, d)
+  if a >= n:
+    _refuse(eqn, f"a slice dropping {a} leading positions, more than a chunk ({n})")
+  # y[i] = x[i + a]: this chunk's tail, then the next device's first a
+  # positions (the last device takes its own last positions: padding).
+  c = ctx.c
+  head = lax.slice_in_dim(x, 0, a, axis=d)
+  nxt = lax.ppermute(head, ctx.axis, [(i, (i - 1) % c) for i in range(c)])
+  ctx.report.add("halo", head)
+  edge = lax.slice_in_dim(x, n - a, n, axis=d)
+  last = ctx.index() == c - 1
+  nxt = jnp.where(last, edge, nxt)
+  return Split(lax.concatenate([lax.slice_in_dim(x, a, n, axis=d), nxt], d), d)
+
+
+def _join(eqn, invals, ctx: _Ctx):
+  """``concatenate`` / ``pad`` along a dimension other than the split one."""
+  params = _compat.layout_params(eqn)
+  if eqn.primitive.name == "pad":
+    operand, value = invals
+    if not isinstance(operand, Split) or isinstance(value, Split):
+      return None
+    if tuple(params["padding_config"][operand.dim]) != (0, 0, 0):
+      return None
+    return Split(lax.pad(operand.x, value, params["padding_config"]), operand.dim)
+  dims = {x.dim for x in invals if isinstance(x, Split)}
+  if len(dims) != 1 or params["dimension"] in dims:
+    return None
+  (d,) = dims
+  n = next(x for x in invals if isinstance(x, Split)).x.shape[d]
+  return Split(lax.concatenate([x.x if isinstance(x, Split) else ctx.cut(x, d, n)
+                                for x in invals], params["dimension"]), d)
+
+
+def _take(eqn, invals, ctx: _Ctx):
+  """A ``gather`` from a replicated operand at split indices (an embedding
+  lookup ``emb[ids]``), or batched along the split sequence of both
+  (``take_along_axis(logp, labels)``): the lookup of this device's indices."""
+  operand, indices = invals
+  if not isinstance(indices, Split) or indices.dim == indices.x.ndim - 1:
+    return None
+  dn = eqn.params["dimension_numbers"]
+  obatch = tuple(getattr(dn, "operand_batching_dims", ()))
+  ibatch = tuple(getattr(dn, "start_indices_batching_dims", ()))
+  if isinstance(operand, Split):
+    if operand.dim not in obatch or ibatch[obatch.index(operand.dim)] != indices.dim:
+      return None
+    operand = operand.x
+  elif obatch:
+    return None
+  out = _compat.bind_eqn(eqn, [operand, indices.x])[0]
+  offset = tuple(dn.offset_dims)
+  batch_out = [i for i in range(out.ndim) if i not in offset]
+  return Split(out, batch_out[indices.dim])
+
+
+def _cumsum(eqn, v, ctx: _Ctx):
+  axis = eqn.params["axis"]
+  if axis != v.dim:
+    return Split(_compat.bind_eqn(eqn, [v.x])[0], v.dim)
+  if eqn.params.get("reverse"):
+    _refuse(eqn, "a reverse cumulative sum along the split sequence")
+  local = _compat.bind_eqn(eqn, [v.x])[0]
+  total = lax.slice_in_dim(local, v.x.shape[axis] - 1, v.x.shape[axis], axis=axis)
+  every = lax.all_gather(total, ctx.axis, axis=0)  # [C, ..., 1, ...]
+  before = (jnp.arange(ctx.c) < ctx.index()).astype(local.dtype)
+  offset = jnp.tensordot(before, every, axes=(0, 0))
+  return Split(local + offset, v.dim)
+
+
+def _layout(eqn, invals, ctx: _Ctx):
+  v = invals[0]
+  name = eqn.primitive.name
+  x, d = v.x, v.dim
+  if name == "convert_element_type":
+    return Split(_compat.bind_eqn(eqn, [x])[0], d)
+  if name == "transpose":
+    perm = _compat.transpose_permutation(eqn)
+    return Split(lax.transpose(x, perm), perm.index(d))
+  if name == "broadcast_in_dim":
+    bdims = _compat.broadcast_dimensions(eqn)
+    out = list(_out_shape(eqn))
+    nd = bdims[d]
+    out[nd] = x.shape[d]
+    return Split(lax.broadcast_in_dim(x, tuple(out), bdims), nd)
+  # reshape / squeeze / expand_dims: the sequence dimension kept whole
+  ins, outs = _in_shape(eqn), _out_shape(eqn)
+  k = _reshaped_dim(ins, outs, d, ctx.c)
+  if k is not None and _padded(eqn, v, ctx) and outs[k] != ins[d]:
+    _refuse(eqn, "a reshape merging a sliced sequence with other dimensions")
+  if k is None:
+    _refuse(eqn, f"a reshape {ins} -> {outs} that merges or cuts the split sequence "
+            f"(dimension {d})")
+  shape = list(outs)
+  shape[k] = outs[k] // ins[d] * x.shape[d]
+  return Split(jnp.reshape(x, shape), k)
+
+
+def _reshaped_dim(in_shape: tuple, out_shape: tuple, d: int, c: int):
+  """The output dimension a reshape carries split dimension ``d`` to whole
+  (the same elements before it, its size a multiple of ``d``'s: ``d`` and
+  the dimensions after it merged, ``d`` major), or None."""
+  before = math.prod(in_shape[:d])
+  for k, size in enumerate(out_shape):
+    if math.prod(out_shape[:k]) == before and size % in_shape[d] == 0 and size > 1:
+      return k
+  return None
+
+
+def _dot(eqn, invals, ctx: _Ctx):
+  (lc, rc), (lb, rb) = _compat.dot_dimension_numbers(eqn)
+  lhs, rhs = invals
+  opts = _compat.dot_options(eqn)
+  dn = ((lc, rc), (lb, rb))
+  ls, rs = isinstance(lhs, Split), isinstance(rhs, Split)
+  for v, k in ((lhs, 0), (rhs, 1)):
+    if isinstance(v, Split) and _padded(eqn, v, ctx, k):
+      _refuse(eqn, "a matmul over a sliced sequence")
+  lfree = [i for i in range(len(_in_shape(eqn, 0))) if i not in lc and i not in lb]
+  rfree = [i for i in range(len(_in_shape(eqn, 1))) if i not in rc and i not in rb]
+
+  def role(dim, contract, batch, free):
+    if dim in contract:
+      return ("contract", contract.index(dim))
+    if dim in batch:
+      return ("batch", batch.index(dim))
+    return ("free", free.index(dim))
+
+  rl = role(lhs.dim, lc, lb, lfree) if ls else None
+  rr = role(rhs.dim, rc, rb, rfree) if rs else None
+  if ls and rs and (rl != rr or rl[0] == "free"):
+    # Attention: gather the operand whose sequence is contracted (v in
+    # probs @ v), else the smaller (k in q @ k^T).
+    if rr[0] == "contract" or (rl[0] != "contract" and lhs.x.size >= rhs.x.size):
+      rhs, rs, rr = ctx.gather(rhs), False, None
+    else:
+      lhs, ls, rl = ctx.gather(lhs), False, None
+  if ls and rs:  # the same role
+    kind, j = rl
+    out = lax.dot_general(lhs.x, rhs.x, dn, **opts)
+    if kind == "contract":
+      ctx.report.add("all-reduce", out)
+      return lax.psum(out, ctx.axis)
+    return Split(out, j)
+  if ls:
+    kind, j = rl
+    n = lhs.x.shape[lhs.dim]
+    if kind == "free":
+      return Split(lax.dot_general(lhs.x, rhs, dn, **opts), len(lb) + j)
+    other = rc[j] if kind == "contract" else rb[j]
+    out = lax.dot_general(lhs.x, ctx.cut(rhs, other, n), dn, **opts)
+    if kind == "contract":
+      ctx.report.add("all-reduce", out)
+      return lax.psum(out, ctx.axis)
+    return Split(out, j)
+  kind, j = rr
+  n = rhs.x.shape[rhs.dim]
+  if kind == "free":
+    return Split(lax.dot_general(lhs, rhs.x, dn, **opts), len(lb) + len(lfree) + j)
+  other = lc[j] if kind == "contract" else lb[j]
+  out = lax.dot_general(ctx.cut(lhs, other, n), rhs.x, dn, **opts)
+  if kind == "contract":
+    ctx.report.add("all-reduce", out)
+    return lax.psum(out, ctx.axis)
+  return Split(out, j)
+
+
+def _form(v):
+  return ("split", v.dim) if isinstance(v, Split) else ("full",)
+
+
+def _payload(v):
+  return v.x if isinstance(v, Split) else v
+
+
+def _apply(form, x):
+  return Split(x, form[1]) if form[0] == "split" else x
+
+
+def _remat(eqn, invals, ctx: _Ctx) -> list:
+  p = _compat.remat_params(eqn)
+  forms: list = []
+  in_forms = [_form(x) for x in invals]
+
+  def body(*xs):
+    outs = evaluate(p.jaxpr, [], [_apply(f, x) for f, x in zip(in_forms, xs)], ctx)
+    forms[:] = [_form(o) for o in outs]
+    return [_payload(o) for o in outs]
+
+  prevent_cse = bool(p.prevent_cse) if isinstance(p.prevent_cse, bool) else any(p.prevent_cse)
+  outs = jax.checkpoint(body, policy=p.policy, prevent_cse=prevent_cse)(
+      *[_payload(x) for x in invals])
+  return [_apply(f, o) for f, o in zip(forms, outs)]
+
+
+def _scan(eqn, invals, ctx: _Ctx) -> list:
+  """A scan (over stacked layers): consts and carry keep their forms (a
+  split carry must come out split along the same dimension); the scanned
+  operands and outputs must not be split (refused otherwise)."""
+  p = _compat.scan_params(eqn)
+  nc, ncar = p.num_consts, p.num_carry
+  xs = invals[nc + ncar:]
+  if any(isinstance(x, Split) for x in xs):
+    _refuse(eqn, "a scan over values split along the sequence")
+  c_forms = [_form(x) for x in invals[:nc]]
+  car_forms = [_form(x) for x in invals[nc:nc + ncar]]
+  consts = [_payload(x) for x in invals[:nc]]
+
+  def body(c, x):
+    outs = evaluate(p.body, list(p.body_consts),
+                    [_apply(f, v) for f, v in zip(c_forms, consts)]
+                    + [_apply(f, v) for f, v in zip(car_forms, c)] + list(x), ctx)
+    if [_form(o) for o in outs[:ncar]] != car_forms or any(
+        isinstance(o, Split) for o in outs[ncar:]):
+      _refuse(eqn, "a scan whose carry changes how it is split, or whose outputs are split")
+    return [_payload(o) for o in outs[:ncar]], outs[ncar:]
+
+  c, ys = lax.scan(body, [_payload(x) for x in invals[nc:nc + ncar]], list(xs),
+                   length=p.length, reverse=p.reverse, unroll=p.unroll)
+  return [_apply(f, x) for f, x in zip(car_forms, c)] + list(ys)
+
+
+def wrap_loss(loss_fn: Callable, *, dim: int, split_mask: Callable, axis: str, size: int,
+              axis_env: tuple, report: Report) -> Callable:
+  """``loss_fn`` over whole sequences -> the same loss over this device's
+  chunk of each split batch leaf (``split_mask(batch)``: per leaf, whether
+  it is split along ``dim``). The outputs are replicated over the context
+  axis (a split output is refused)."""
+  user_rng = loss_lib.takes_rng(loss_fn)
+
+  def run(params, args, rng):
+    batch = args[0]
+    flat_b, bdef = jax.tree.flatten(batch)
+    mask = split_mask(batch)
+    structs = []
+    for x, s in zip(flat_b, mask):
+      shape = list(np.shape(x))
+      if s:
+        shape[dim] *= size
+      structs.append(jax.ShapeDtypeStruct(tuple(shape), x.dtype))
+    kw = {"rng": rng} if user_rng else {}
+    call = lambda p, *a: loss_fn(p, *a, **kw)
+    closed, out_shape = jax.make_jaxpr(call, return_shape=True, axis_env=list(axis_env))(
+        params, jax.tree.unflatten(bdef, structs), *args[1:])
+    jaxpr, consts = _compat.split_closed(closed)
+    ctx = _Ctx(axis, size, report)
+    report.counts.clear()
+    values = [Split(x, dim) if s else x for x, s in zip(flat_b, mask)]
+    rest = jax.tree.leaves(args[1:])
+    outs = evaluate(jaxpr, consts, jax.tree.leaves(params) + values + rest, ctx)
+    for o in outs:
+      if isinstance(o, Split):
+        raise Refused(
+            "An output of the loss is split along the sequence (a per-token value). Under "
+            "context parallelism the loss's outputs must be reduced over the sequence "
+            "(a mean or a WeightedLoss); per-token outputs are not supported.")
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  return loss_lib.rewrapped(loss_fn, run, with_rng=user_rng)

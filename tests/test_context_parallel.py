@@ -1,0 +1,196 @@
+"""Context parallelism (make_mesh(..., context=C)): each sequence split into C
+chunks over the "context" axis, the weights sharded over shard x context,
+the model single-device code; checked against the unsharded single-device
+run of the same model, loss and optimizer."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fsdp_jax
+from helpers import assert_trees_close, jit_reference_run, train_steps
+
+S = fsdp_jax.ShardingStrategy
+VOCAB, D, KV, HEADS, SEQ, LAYERS = 11, 16, 4, 2, 16, 2
+
+
+def _params(seed=0):
+  ks = iter(jax.random.split(jax.random.PRNGKey(seed), 4 * LAYERS + 2))
+  n = lambda s: jax.random.normal(next(ks), s) * 0.3
+  layers = [{"wq": n((D, HEADS * KV)), "wk": n((D, KV)), "wv": n((D, KV)),
+             "wo": n((HEADS * KV, D))} for _ in range(LAYERS)]
+  return {"emb": n((VOCAB, D)), "layers": layers, "head": n((D, VOCAB))}
+
+
+def _rope(x, pos):
+  """Rotate-half rotary embedding of ``x`` ``[b, t, ..., KV]`` at ``pos`` ``[t]``."""
+  half = KV // 2
+  ang = pos[:, None].astype(jnp.float32) / (10.0 ** (jnp.arange(half) / half))[None]
+  shape = (1, pos.shape[0]) + (1,) * (x.ndim - 3) + (half,)
+  c, s = jnp.cos(ang).reshape(shape), jnp.sin(ang).reshape(shape)
+  x1, x2 = x[..., :half], x[..., half:]
+  return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], -1)
+
+
+def _forward(p, ids, seg=None, window=None):
+  """A causal decoder in plain JAX: einsum attention with one key/value head
+  (grouped-query), rotary positions from jnp.arange, a causal mask from
+  jnp.tril, packed documents (segment ids), a sliding window."""
+  b, t = ids.shape
+  h = jax.nn.one_hot(ids, VOCAB) @ p["emb"]
+  pos = jnp.arange(t)
+  mask = jnp.tril(jnp.ones((t, t), bool))[None]
+  if window is not None:
+    mask = mask & ((pos[:, None] - pos[None, :]) < window)[None]
+  if seg is not None:
+    mask = mask & (seg[:, :, None] == seg[:, None, :])
+  for lp in p["layers"]:
+    x = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6)
+    q = _rope((x @ lp["wq"]).reshape(b, t, HEADS, KV), pos)
+    k = _rope(x @ lp["wk"], pos)
+    v = x @ lp["wv"]
+    s = jnp.einsum("bqhd,bkd->bhqk", q, k) / np.sqrt(KV)
+    s = jnp.where(mask[:, None], s, -1e9)
+    o = jnp.einsum("bhqk,bkd->bqhd", jax.nn.softmax(s, -1), v)
+    h = h + o.reshape(b, t, HEADS * KV) @ lp["wo"]
+  return h @ p["head"]
+
+
+def weighted_loss(p, batch):
+  """The causal-LM loss: logits[:, :-1] against labels[:, 1:], a masked sum
+  over the global token count."""
+  logits = _forward(p, batch["ids"], batch.get("seg"), batch.get("window"))[:, :-1]
+  labels, w = batch["ids"][:, 1:], batch["w"][:, 1:]
+  nll = -jnp.sum(jax.nn.log_softmax(logits, -1) * jax.nn.one_hot(labels, VOCAB), -1)
+  return fsdp_jax.WeightedLoss(total=jnp.sum(nll * w), weight=jnp.sum(w))
+
+
+def mean_loss(p, batch):
+  logits = _forward(p, batch["ids"])
+  lp = jax.nn.log_softmax(logits, -1)
+  return -jnp.mean(jnp.sum(lp * jax.nn.one_hot(batch["ids"], VOCAB), -1))
+
+
+def _batches(b, seed=0, seg=False, steps=3):
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(steps):
+    x = {"ids": rng.integers(0, VOCAB, (b, SEQ)).astype(np.int32),
+         "w": (rng.random((b, SEQ)) > 0.2).astype(np.float32)}
+    if seg:  # documents of 5, 6 and 5 tokens: boundaries inside chunks of 4
+      x["seg"] = np.tile(np.repeat(np.arange(3), [5, 6, 5]), (b, 1)).astype(np.int32)
+    out.append(x)
+  return out
+
+
+def _ratio(loss_fn):
+  def f(p, batch):
+    out = loss_fn(p, batch)
+    return out.total / out.weight if isinstance(out, fsdp_jax.WeightedLoss) else out
+  return f
+
+
+def _run(loss_fn, mesh_kw, batches, strategy=S.FULL_SHARD):
+  params, opt = _params(), optax.adam(1e-2)
+  ref_losses, ref_params = jit_reference_run(_ratio(loss_fn), params, opt, batches)
+  mesh = fsdp_jax.make_mesh(**mesh_kw, devices=jax.devices()[:int(np.prod(
+      list(mesh_kw.values())))])
+  cfg = fsdp_jax.FSDPConfig(sharding_strategy=strategy)
+  state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=cfg)
+  state, losses = train_steps(fsdp_jax.shard_train_step(loss_fn), state, batches)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_params, rtol=1e-5, atol=1e-5)
+  return state
+
+
+@pytest.mark.parametrize("mesh_kw,strategy,b", [
+    (dict(shard=2, context=4), S.FULL_SHARD, 2),
+    (dict(replicate=2, shard=2, context=2), S.HYBRID_SHARD, 4),
+])
+def test_plain_model_matches_one_device(mesh_kw, strategy, b):
+  state = _run(weighted_loss, mesh_kw, _batches(b), strategy)
+  # The weights are sharded over shard x context.
+  assert state.plan.axes.shard_axes[-1] == "context"
+  assert state.plan.n == mesh_kw["shard"] * mesh_kw["context"]
+
+
+def test_context_8_packed_documents_and_window():
+  """Documents crossing chunk boundaries (segment ids) and a sliding window
+  on context=8: chunks of 2 tokens."""
+  batches = _batches(1, seed=3, seg=True)
+  _run(weighted_loss, dict(context=8), batches)
+  w = lambda p, b: weighted_loss(p, dict(b, window=3))
+  _run(w, dict(shard=2, context=2), _batches(2, seed=4, seg=True))
+
+
+def test_plain_mean_loss():
+  """A plain mean over every token: the same on equal chunks."""
+  _run(mean_loss, dict(shard=2, context=2), [{"ids": b["ids"]} for b in _batches(2)])
+
+
+def test_only_keys_and_values_move_over_context():
+  """Per layer the forward all-gathers over "context" move K and V alone
+  (one key/value head: [batch, T, KV] each), and the rest is the loss's
+  sums and the labels' halo."""
+  mesh = fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])
+  state = fsdp_jax.init_train_state(params=_params(), optimizer=optax.sgd(0.1), mesh=mesh,
+                                    config=fsdp_jax.FSDPConfig())
+  text = fsdp_jax.shard_train_step(weighted_loss).lower(state, _batches(2)[0]).as_text()
+  gathers = [l for l in text.splitlines() if "all_gather" in l and "tensor<1x16x4xf32>" in l
+             .split("->")[-1]]
+  assert len(gathers) == 2 * LAYERS, gathers
+
+
+def test_errors():
+  mesh = fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])
+  state = fsdp_jax.init_train_state(params=_params(), optimizer=optax.sgd(0.1), mesh=mesh,
+                                    config=fsdp_jax.FSDPConfig())
+  step = fsdp_jax.shard_train_step(weighted_loss)
+  b = _batches(2)[0]
+  with pytest.raises(ValueError, match=r"\['ids'\] has shape \(2, 15\).*not divisible by "
+                     r"the context axis size 2.*16"):
+    step(state, {"ids": b["ids"][:, :15], "w": b["w"][:, :15]})
+  with pytest.raises(ValueError, match=r"(?s)different sequence lengths.*\['w'\]: shape \(2, 8\)"):
+    step(state, {"ids": b["ids"], "w": b["w"][:, :8]})
+
+  def flipped(p, batch):  # reverses the sequence: refused, named
+    return jnp.mean(jnp.flip(_forward(p, batch["ids"]), axis=1) ** 2)
+
+  with pytest.raises(ValueError, match=r"(?s)cannot compute rev.*mixes positions.*"
+                     r"Fix:"):
+    fsdp_jax.shard_train_step(flipped)(state, b)
+
+  def per_token(p, batch):
+    return jnp.mean(_forward(p, batch["ids"])), _forward(p, batch["ids"])
+
+  with pytest.raises(ValueError, match="split along the sequence"):
+    fsdp_jax.shard_train_step(per_token)(state, b)
+
+
+def test_config_and_mesh():
+  assert dict(fsdp_jax.make_mesh(context=8).shape) == {"shard": 1, "context": 8}
+  assert tuple(fsdp_jax.make_mesh(replicate=2, shard=2, context=2).axis_names) == (
+      "replicate", "shard", "context")
+  mesh = fsdp_jax.make_mesh(shard=2, context=2, tensor=2)
+  assert tuple(mesh.axis_names) == ("shard", "context", "tensor")
+  cp = fsdp_jax.ContextParallel(leaves=["ids"])
+  assert cp == fsdp_jax.ContextParallel(leaves=("ids",)) and hash(cp) == hash(
+      fsdp_jax.ContextParallel(leaves="ids"))
+  assert fsdp_jax.FSDPConfig(context_parallel=cp) == fsdp_jax.FSDPConfig(
+      context_parallel=fsdp_jax.ContextParallel(leaves=("ids",)))
+  with pytest.raises(ValueError, match="strategy='ring'.*all_gather"):
+    fsdp_jax.ContextParallel(strategy="ring")
+  with pytest.raises(NotImplementedError, match="load_balance=True.*not yet supported"):
+    fsdp_jax.ContextParallel(load_balance=True)
+  tp = fsdp_jax.TensorParallel(rules=[("*.wq", "colwise")])
+  with pytest.raises(NotImplementedError, match="Context parallelism with tensor parallelism"):
+    fsdp_jax.init_train_state(params=_params(), optimizer=optax.sgd(0.1), mesh=mesh,
+                              config=fsdp_jax.FSDPConfig(tensor_parallel=tp))
+  with pytest.raises(ValueError, match="make_mesh\\(..., context=C\\)"):
+    fsdp_jax.init_train_state(params=_params(), optimizer=optax.sgd(0.1),
+                              mesh=fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2]),
+                              config=fsdp_jax.FSDPConfig(context_parallel=cp))
