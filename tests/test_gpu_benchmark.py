@@ -146,7 +146,7 @@ def test_native_device_mode_skips_meshes_larger_than_the_machine():
   both counts, and one that fits runs."""
   out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-rs",
                         "-p", "no:cacheprovider", "tests/test_engine.py", "-k",
-                        "test_matches_unsharded_training and (FULL_SHARD-2-flat or FULL_SHARD-1-flat)"],
+                        "test_matches_unsharded_training and (SHARD_GRAD_OP-2-flat or FULL_SHARD-1-flat)"],
                        cwd=REPO, capture_output=True, text=True, timeout=600,
                        env=subprocess_env(FSDP_JAX_TEST_DEVICES="native", JAX_PLATFORMS="cpu"))
   assert "1 passed, 1 skipped" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
