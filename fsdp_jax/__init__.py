@@ -45,6 +45,7 @@ _PUBLIC = {
     # State and the train step.
     "fsdp_jax._src.loss": ("WeightedLoss", "constant_key"),
     "fsdp_jax._src.cross_entropy": ("chunked_cross_entropy",),
+    "fsdp_jax._src.attention": ("attention",),
     "fsdp_jax._src.plan": ("Plan",),
     "fsdp_jax._src.frameworks": ("module_classes",),
     "fsdp_jax._src.state": ("ShardedTrainState", "init_train_state"),
@@ -104,6 +105,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
   from fsdp_jax._src.loss import WeightedLoss as WeightedLoss
   from fsdp_jax._src.loss import constant_key as constant_key
   from fsdp_jax._src.cross_entropy import chunked_cross_entropy as chunked_cross_entropy
+  from fsdp_jax._src.attention import attention as attention
   from fsdp_jax._src.plan import Plan as Plan
   from fsdp_jax._src.frameworks import module_classes as module_classes
   from fsdp_jax._src.state import (
