@@ -42,7 +42,8 @@ import fsdp_jax  # noqa: E402  (after the path set-up, so the checkout is docume
 MODULE_ORDER = [
     "fsdp_jax._src.config", "fsdp_jax._src.quantization", "fsdp_jax._src.wrap",
     "fsdp_jax._src.mesh", "fsdp_jax._src.state", "fsdp_jax._src.plan",
-    "fsdp_jax._src.step", "fsdp_jax._src.loss", "fsdp_jax._src.cross_entropy", "fsdp_jax._src.full",
+    "fsdp_jax._src.step", "fsdp_jax._src.loss", "fsdp_jax._src.cross_entropy",
+    "fsdp_jax._src.attention", "fsdp_jax._src.full",
     "fsdp_jax._src.state_dicts", "fsdp_jax._src.checkpoint", "fsdp_jax._src.runtime.distributed",
 ]
 # Section titles (the implementation modules are private: titles only).
@@ -56,6 +57,7 @@ TITLES = {
     "fsdp_jax._src.step": "The train step",
     "fsdp_jax._src.loss": "The loss function",
     "fsdp_jax._src.cross_entropy": "The blocked loss",
+    "fsdp_jax._src.attention": "Attention",
     "fsdp_jax._src.full": "Full parameters",
     "fsdp_jax._src.state_dicts": "State dicts",
     "fsdp_jax._src.checkpoint": "Checkpoints",

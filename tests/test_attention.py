@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -264,3 +266,43 @@ def test_errors():
   with pytest.raises(ValueError, match="implementation='flash'"):
     fsdp_jax.attention(q, k, v, implementation="flash")
 
+
+def test_families_run_the_kernel(tmp_path, monkeypatch):
+  """A Gemma 3 decoder (scanned sliding and full layers: a traced window;
+  soft-capped Gemma 2 scores) on packed rows, and its cached generation
+  from left-padded prompts, give with blocks of 4 queries and 3 keys what
+  they give with one block (the plain path)."""
+  config = dict(model_type="gemma3_text", vocab_size=32, hidden_size=16, intermediate_size=24,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=4,
+                query_pre_attn_scalar=8, sliding_window=3, attn_logit_softcapping=2.0,
+                layer_types=["sliding_attention", "full_attention"])
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  b = fsdp_jax.models.from_pretrained(str(tmp_path), scan=True)
+  r = np.random.default_rng(0)
+  params = jax.tree.map(lambda x: np.asarray(r.normal(0.0, 0.3, x.shape), x.dtype),
+                        jax.eval_shape(b.init_fn, jax.random.key(0)))
+  ids = r.integers(0, 32, (2, 11)).astype(np.int32)
+  seg = np.asarray([[1] * 5 + [2] * 4 + [0] * 2, [1] * 11], np.int32)
+  pos = np.asarray([list(range(5)) + list(range(4)) + [0, 0], list(range(11))], np.int32)
+  batch = {"input_ids": ids, "labels": ids, "segment_ids": seg, "positions": pos}
+  mask = np.asarray([[0, 0, 1, 1, 1, 1], [1] * 6], np.int32)
+
+  def run():
+    loss, grads = jax.jit(jax.value_and_grad(lambda p: b.loss_fn(p, batch).total))(params)
+    out = fsdp_jax.models.generate(b, params, ids[:, :6], attention_mask=mask, max_new_tokens=3)
+    return loss, grads, np.asarray(out)
+
+  whole = run()
+  calls = []
+  real = A._blocked_forward
+  monkeypatch.setattr(A, "_blocked_forward", lambda *a: calls.append(1) or real(*a))
+  monkeypatch.setattr(A, "BLOCK_Q", 4)
+  monkeypatch.setattr(A, "BLOCK_K", 3)
+  jax.clear_caches()  # generate's jitted program is traced again
+  blocked = run()
+  assert len(calls) >= 3  # the kernel ran: the loss, the prompts' pass, the cached steps
+  np.testing.assert_allclose(blocked[0], whole[0], rtol=1e-6)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(whole[1]))
+  for g, w in zip(jax.tree.leaves(blocked[1]), jax.tree.leaves(whole[1])):
+    np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * max(1.0, scale))
+  np.testing.assert_array_equal(blocked[2], whole[2])

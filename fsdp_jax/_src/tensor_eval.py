@@ -48,6 +48,7 @@ import numpy as np
 from jax import lax
 
 from fsdp_jax._src import _compat
+from fsdp_jax._src import attention
 from fsdp_jax._src import cross_entropy
 from fsdp_jax._src import loss as loss_lib
 
@@ -374,6 +375,20 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
     body = _compat.inlinable_body(eqn)
     invals = [ctx.full(x, "the blocked loss") if isinstance(x, Partial) else x for x in invals]
     return evaluate(body[0], body[1], invals, ctx)
+  call = attention.match(eqn)
+  qkv = () if call is None else [invals[i] for i in (call.q, call.k, call.v)]
+  if qkv and all(isinstance(x, Split) and x.dim == 2 for x in qkv) and (
+      qkv[0].x.shape[2] * _in_shape(eqn, call.k)[2]
+      == qkv[1].x.shape[2] * _in_shape(eqn, call.q)[2]):
+    # Heads split alike (whole key/value groups on each device): the
+    # attention of this device's heads, on its slices.
+    ops = call.operands([None if i in (call.q, call.k, call.v) else ctx.full(x, "a mask")
+                         for i, x in enumerate(invals)])
+    out = attention.attend_local(
+        *(x.x for x in qkv), q_positions=ops["q_positions"],
+        kv_positions=ops["kv_positions"], q_segment_ids=ops["q_segment_ids"],
+        kv_segment_ids=ops["kv_segment_ids"], window=ops["window"], **call.options())
+    return [Split(out, 2)]
   if name in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call"):
     body = _compat.inlinable_body(eqn)
     if body is not None:

@@ -315,9 +315,10 @@ def from_pretrained(directory, *, dtype=None, scan: bool = False,
     scan: stack the layers (one leading layer axis) and run them with
       ``lax.scan``: one compiled layer; ``b.fsdp_config()`` declares them
       ``stacked_layers``, gathered one layer per iteration.
-    attn_implementation: ``jax.nn.dot_product_attention``'s
-      ``implementation``: None (XLA; the default), ``"xla"`` or ``"cudnn"``
-      (flash attention on NVIDIA GPUs; unsplittable by tensor parallelism).
+    attn_implementation: :func:`~fsdp_jax.attention`'s
+      ``implementation``: None (the blockwise kernel, any backend; the
+      default), ``"xla"`` (the same) or ``"cudnn"``
+      (``jax.nn.dot_product_attention``'s flash attention on NVIDIA GPUs).
     loss_block_tokens: ``loss_fn`` computes the head and its cross-entropy
       this many tokens at a time (:func:`~fsdp_jax.chunked_cross_entropy`:
       no ``[tokens, vocab]`` logits, forward or backward; default 1024, a

@@ -1,7 +1,6 @@
 """The math the families share, in plain JAX: norms, rotary embeddings,
-attention (``jax.nn.dot_product_attention``: grouped-query, causal, sliding
-windows; soft-capping computed explicitly, which the fused call cannot
-express), and the MLPs. Each matches transformers' modeling code to
+attention (:func:`fsdp_jax.attention`: grouped-query, causal, sliding
+windows, soft-capping, packed rows; blockwise past one block), and the MLPs. Each matches transformers' modeling code to
 float32 rounding; dtype casts follow it too (norms in float32, softmax in
 float32, cos/sin cast to the activations' dtype).
 
@@ -18,10 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fsdp_jax._src import attention
 from fsdp_jax._src.models.config import ModelConfig, Rope
-
-MASKED = float(np.finfo(np.float32).min)
-
 
 def norm(p: dict, x, kind: str, eps: float):
   """RMSNorm (``"rms"``: ``w * x`` cast first, Llama; ``"rms1p"``: ``(1 +
@@ -93,48 +90,23 @@ def attend(q, k, v, *, scale: float, softcap: Optional[float], q_pos, k_pos,
   """Causal attention of ``q`` ``[B, T, N, H]`` over ``k``, ``v`` ``[B, S,
   K, H]`` (``N`` a multiple of ``K``: grouped-query) at slots ``q_pos``
   ``[T]`` and ``k_pos`` ``[S]`` of the row (a query attends to the keys at
-  its own slot and before). ``window``: attend to the last ``window``
-  slots only (an int, or a traced int for a scan over mixed layers; None:
-  all). ``q_seg`` ``[B, T]`` / ``k_seg`` ``[B, S]``: segment ids (packed
-  documents, or a left-padded prompt's padding as 0); a query attends only
-  to keys of its own segment (padding to padding, so no row is empty).
+  its own slot and before; ``k_pos`` None: the keys are at the queries'
+  slots). ``window``: attend to the last ``window`` slots only (an int, or
+  a traced int for a scan over mixed layers; None: all). ``q_seg``
+  ``[B, T]`` / ``k_seg`` ``[B, S]``: segment ids (packed documents, or a
+  left-padded prompt's padding as 0); a query attends only to keys of its
+  own segment (padding to padding, so no row is empty).
 
-  Without soft-capping or segments, and with keys at the queries' own
-  slots and a static window (training, a prompt), this is the fused
-  ``jax.nn.dot_product_attention(is_causal=True, local_window_size=...)``;
-  otherwise the same call with a boolean mask ``[B or 1, 1, T, S]`` (which
-  ``implementation="cudnn"`` takes too). Soft-capping (``tanh(s / cap) *
-  cap`` before the mask and the softmax, Gemma 2) is computed explicitly;
-  no path holds more than the ``[B, heads, T, S]`` scores."""
-  static_window = window is None or isinstance(window, (int, np.integer))
-  aligned = k_pos is None
-  segments = q_seg is not None
-  if softcap is None and aligned and static_window and not segments:
-    return jax.nn.dot_product_attention(
-        q, k, v, scale=scale, is_causal=True,
-        local_window_size=None if window is None else (int(window) - 1, 0),
-        implementation=implementation)
-  if aligned:
-    k_pos = q_pos
-  if segments and k_seg is None:
+  :func:`fsdp_jax.attention`'s kernel (blocks of queries and keys, never
+  the ``[T, S]`` scores past one block; soft-capping ``tanh(s / cap) * cap``
+  before the mask, Gemma 2), on the slots (the default positions when the
+  keys are the queries' own), or cuDNN's with ``implementation="cudnn"``."""
+  positions = {} if k_pos is None else {"q_positions": q_pos, "kv_positions": k_pos}
+  if q_seg is not None and k_seg is None:
     k_seg = q_seg
-  mask = k_pos[None, :] <= q_pos[:, None]
-  if window is not None:
-    mask = mask & (q_pos[:, None] - k_pos[None, :] < window)
-  mask = mask[None]  # [1, T, S]
-  if segments:
-    mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])  # [B, T, S]
-  if softcap is None:
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
-                                        implementation=implementation)
-  b, t, n, h = q.shape
-  kv = k.shape[2]
-  qg = q.reshape(b, t, kv, n // kv, h)
-  s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-  s = jnp.tanh(s / softcap) * softcap
-  s = jnp.where(mask[:, None, None], s, MASKED)
-  p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-  return jnp.einsum("bkgts,bskh->btkgh", p, v).reshape(b, t, n, h)
+  return attention.attend_local(q, k, v, **positions, q_segment_ids=q_seg,
+                                kv_segment_ids=k_seg, causal=True, window=window,
+                                soft_cap=softcap, scale=scale, implementation=implementation)
 
 
 def embed_tokens(table, tokens, scale: Optional[float]):
