@@ -52,6 +52,7 @@ import numpy as np
 from jax import lax
 
 from fsdp_jax._src import _compat
+from fsdp_jax._src import attention as attention_lib
 from fsdp_jax._src import loss as loss_lib
 
 
@@ -131,11 +132,17 @@ def _site(eqn) -> str:
 
 def _refuse(eqn, what: str):
   name = eqn.primitive.name
+  site = _site(eqn)
+  fix = ("Fix: use fsdp_jax.attention (or attention in jnp: q @ k^T, softmax, @ v, or "
+         "jax.nn.dot_product_attention), compute this per token, or remove the context axis "
+         "(make_mesh without context=).")
+  if "cross_entropy" in site:
+    fix = ("Fix: compute the loss unblocked under a context axis (fsdp_jax.models: "
+           "from_pretrained(..., loss_block_tokens=None); each device's logits are then "
+           "1/C of the sequence's), or remove the context axis.")
   raise Refused(
-      f"Context parallelism cannot compute {name}{_site(eqn)} exactly: {what}. It mixes "
-      "positions of the sequence split over the 'context' axis. Fix: write attention with "
-      "jnp (q @ k^T, softmax, @ v) or jax.nn.dot_product_attention, compute this per token, "
-      "or remove the context axis (make_mesh without context=).")
+      f"Context parallelism cannot compute {name}{site} exactly: {what}. It mixes positions "
+      f"of the sequence split over the 'context' axis. {fix}")
 
 
 def _out_shape(eqn, k=0) -> tuple:
@@ -192,6 +199,9 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
     out = _take(eqn, invals, ctx)
     if out is not None:
       return [out]
+  call = attention_lib.match(eqn)
+  if call is not None:
+    return [_attention(eqn, call, invals, ctx)]
   if _compat.is_remat(eqn):
     return _remat(eqn, invals, ctx)
   if _compat.is_scan(eqn):
@@ -282,11 +292,25 @@ def _join(eqn, invals, ctx: _Ctx):
     operand, value = invals
     if not isinstance(operand, Split) or isinstance(value, Split):
       return None
-    if tuple(params["padding_config"][operand.dim]) != (0, 0, 0):
+    d = operand.dim
+    lo, hi, interior = params["padding_config"][d]
+    if interior or lo < 0 or hi < 0:
       return None
-    return Split(lax.pad(operand.x, value, params["padding_config"]), operand.dim)
+    config = list(params["padding_config"])
+    config[d] = (0, 0, 0)
+    x = Split(lax.pad(operand.x, value, config), d)
+    shape = list(_out_shape(eqn))
+    shape[d] = lo
+    head = jnp.broadcast_to(jnp.asarray(value, x.x.dtype), tuple(shape))
+    return _concat_along(eqn, [head, x] if lo else [x], d,
+                         [lo, _in_shape(eqn)[d]] if lo else [_in_shape(eqn)[d]], ctx, hi,
+                         fill=value)
   dims = {x.dim for x in invals if isinstance(x, Split)}
-  if len(dims) != 1 or params["dimension"] in dims:
+  if len(dims) == 1 and params["dimension"] in dims:
+    (d,) = dims
+    return _concat_along(eqn, list(invals), d,
+                         [_in_shape(eqn, i)[d] for i in range(len(invals))], ctx, 0)
+  if len(dims) != 1:
     return None
   (d,) = dims
   n = next(x for x in invals if isinstance(x, Split)).x.shape[d]
@@ -294,14 +318,69 @@ def _join(eqn, invals, ctx: _Ctx):
                                 for x in invals], params["dimension"]), d)
 
 
+def _concat_along(eqn, parts, d, lengths, ctx: _Ctx, tail: int, fill=None):
+  """Concatenation along the split dimension: ``[head, x]`` (a replicated
+  head of ``a`` positions, then split ``x``: ``x`` shifted right by ``a``,
+  each device taking the previous device's last ``a``), and ``[x, tail]``
+  (a replicated tail, or ``tail`` positions of a pad's value ``fill``,
+  written at ``x``'s end). The result keeps the chunking; anything else is
+  refused."""
+  splits = [i for i, x in enumerate(parts) if isinstance(x, Split)]
+  if len(splits) != 1:
+    _refuse(eqn, "a concatenation of several pieces of the split sequence")
+  (i,) = splits
+  x = parts[i]
+  n = x.x.shape[d]
+  if i > 1 or len(parts) - i > 2:
+    _refuse(eqn, "a concatenation of more than a head, the split sequence and a tail")
+  if sum(lengths) + tail > n * ctx.c:
+    _refuse(eqn, f"a concatenation lengthening the split sequence past {n * ctx.c}")
+  y = x.x
+  a = lengths[0] if i == 1 else 0
+  if a:
+    if a > n:
+      _refuse(eqn, f"a shift by {a} positions, more than a chunk ({n})")
+    head = jnp.broadcast_to(parts[0], y.shape[:d] + (a,) + y.shape[d + 1:]).astype(y.dtype)
+    c = ctx.c
+    last = lax.slice_in_dim(y, n - a, n, axis=d)
+    prev = lax.ppermute(last, ctx.axis, [(j, (j + 1) % c) for j in range(c)])
+    ctx.report.add("halo", last)
+    prev = jnp.where(ctx.index() == 0, head, prev)
+    y = lax.concatenate([prev, lax.slice_in_dim(y, 0, n - a, axis=d)], d)
+  end = a + lengths[i]
+  rest = parts[i + 1] if len(parts) > i + 1 else None
+  given = lengths[i + 1] if rest is not None else 0
+  if given + tail > n:
+    _refuse(eqn, f"a tail of {given + tail} positions, more than a chunk ({n})")
+  pos = ctx.index() * n + jnp.arange(n)
+  for k in range(given + tail):
+    val = lax.slice_in_dim(rest, k, k + 1, axis=d) if k < given else fill
+    hit = lax.broadcast_in_dim(pos == end + k, y.shape, (d,))
+    y = jnp.where(hit, jnp.broadcast_to(val, y.shape).astype(y.dtype), y)
+  return Split(y, d)
+
+
 def _take(eqn, invals, ctx: _Ctx):
   """A ``gather`` from a replicated operand at split indices (an embedding
   lookup ``emb[ids]``), or batched along the split sequence of both
   (``take_along_axis(logp, labels)``): the lookup of this device's indices."""
   operand, indices = invals
+  dn = eqn.params["dimension_numbers"]
+  if isinstance(operand, Split) and not isinstance(indices, Split):
+    # x[..., i]: the split dimension taken whole by every slice
+    d = operand.dim
+    sizes = list(eqn.params["slice_sizes"])
+    if (d in tuple(dn.collapsed_slice_dims) or d in tuple(dn.start_index_map)
+        or d in tuple(getattr(dn, "operand_batching_dims", ()))
+        or sizes[d] != _in_shape(eqn)[d]):
+      return None
+    sizes[d] = operand.x.shape[d]
+    out = _compat.bind_with(eqn, [operand.x, indices], slice_sizes=tuple(sizes))[0]
+    kept = [i for i in range(operand.x.ndim) if i not in tuple(dn.collapsed_slice_dims)
+            and i not in tuple(getattr(dn, "operand_batching_dims", ()))]
+    return Split(out, tuple(dn.offset_dims)[kept.index(d)])
   if not isinstance(indices, Split) or indices.dim == indices.x.ndim - 1:
     return None
-  dn = eqn.params["dimension_numbers"]
   obatch = tuple(getattr(dn, "operand_batching_dims", ()))
   ibatch = tuple(getattr(dn, "start_indices_batching_dims", ()))
   if isinstance(operand, Split):
@@ -314,6 +393,48 @@ def _take(eqn, invals, ctx: _Ctx):
   offset = tuple(dn.offset_dims)
   batch_out = [i for i in range(out.ndim) if i not in offset]
   return Split(out, batch_out[indices.dim])
+
+
+def _attention(eqn, call, invals, ctx: _Ctx):
+  """``fsdp_jax.attention`` with the sequence split: this device's queries
+  against the whole keys and values (all-gathered over the context axis,
+  with their positions and segment ids), on the queries' global positions,
+  so causal masks, windows and documents hold across chunk boundaries."""
+  ops = call.operands(invals)
+  q, k, v = ops["q"], ops["k"], ops["v"]
+  if not isinstance(q, Split) or q.dim != 1 or any(
+      isinstance(x, Split) and x.dim != 1 for x in (k, v)):
+    _refuse(eqn, "attention whose queries are not split along their sequence (dim 1)")
+  for i, x in zip((call.q, call.k, call.v), (q, k, v)):
+    if isinstance(x, Split) and _padded(eqn, x, ctx, i):
+      _refuse(eqn, "attention over a sliced sequence")
+  n = q.x.shape[1]
+
+  def rows(x, split_at, whole):
+    """A positions / segment-ids operand ([rows, seq]) for this device's
+    queries (``whole=False``) or the gathered keys."""
+    if x is None:
+      return None
+    if isinstance(x, Split):
+      return ctx.gather(x) if whole else x.x
+    return x if whole else ctx.cut(x, split_at, n)
+
+  kf = ctx.gather(k) if isinstance(k, Split) else k
+  vf = ctx.gather(v) if isinstance(v, Split) else v
+  qpos = rows(ops["q_positions"], 1, False)
+  if qpos is None:
+    qpos = ctx.index() * n + jnp.arange(n, dtype=jnp.int32)
+  kpos = rows(ops["kv_positions"], 1, True)
+  if kpos is None:
+    kpos = jnp.arange(kf.shape[1], dtype=jnp.int32)
+  window = ops["window"]
+  if isinstance(window, Split):
+    _refuse(eqn, "a window operand split along the sequence")
+  out = attention_lib.attend_local(
+      q.x, kf, vf, q_positions=qpos, kv_positions=kpos,
+      q_segment_ids=rows(ops["q_segment_ids"], 1, False),
+      kv_segment_ids=rows(ops["kv_segment_ids"], 1, True), window=window, **call.options())
+  return Split(out, 1)
 
 
 def _cumsum(eqn, v, ctx: _Ctx):
