@@ -267,3 +267,35 @@ def test_config_and_mesh():
     fsdp_jax.init_train_state(params=_params(), optimizer=optax.sgd(0.1),
                               mesh=fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2]),
                               config=fsdp_jax.FSDPConfig(context_parallel=cp))
+
+
+def test_eval_step():
+  """shard_eval_step on a context axis: a weighted mean and per-example
+  outputs, as one device computes them."""
+  mesh = fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])
+  params = _params()
+  state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+                                    config=fsdp_jax.FSDPConfig())
+  b = _batches(2)[0]
+  per_example = lambda p, x: jnp.mean(_forward(p, x["ids"]) ** 2, axis=(1, 2))
+  for fn, outputs in ((weighted_loss, "mean"), (per_example, "batch")):
+    got = fsdp_jax.shard_eval_step(fn, outputs=outputs)(state, b)
+    want = _ratio(fn)(params, b)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_checkpoint_restores_onto_another_context_size(tmp_path):
+  """Checkpoints are stored unit by unit: one saved on shard=2 x context=2
+  restores onto shard=4 (no context axis) and onto context=4."""
+  params = {"a": {"w": jnp.arange(35.0).reshape(7, 5)}, "b": {"w": jnp.ones((5, 3))}}
+  opt = optax.adam(1e-2)
+  build = lambda **kw: fsdp_jax.init_train_state(
+      params=params, optimizer=opt, config=fsdp_jax.FSDPConfig(),
+      mesh=fsdp_jax.make_mesh(**kw, devices=jax.devices()[:int(np.prod(list(kw.values())))]))
+  with fsdp_jax.CheckpointManager(str(tmp_path)) as mngr:
+    mngr.save(build(shard=2, context=2))
+  for kw in (dict(shard=4), dict(shard=1, context=4)):
+    with fsdp_jax.CheckpointManager(str(tmp_path), read_only=True) as mngr:
+      state = mngr.restore(jax.eval_shape(lambda: build(**kw)))  # pylint: disable=cell-var-from-loop
+    assert state.plan.axes.context_size == kw.get("context", 1)
+    assert_trees_close(fsdp_jax.summon_full_params(state), params, rtol=0, atol=0)

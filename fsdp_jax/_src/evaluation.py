@@ -28,7 +28,7 @@ from fsdp_jax._src.local_loss import LocalForward
 from fsdp_jax._src.loss import WeightedLoss
 from fsdp_jax._src.plan import Plan
 from fsdp_jax._src.state import ShardedTrainState
-from fsdp_jax._src.step import check_setup, place_checked
+from fsdp_jax._src.step import check_setup, local_shapes, place_checked
 from fsdp_jax._src.tensor_eval import SplitOutputs
 
 OUTPUTS = ("mean", "batch")
@@ -177,9 +177,8 @@ class EvalStep:
 
   @staticmethod
   def _local_structs(plan: Plan, batch):
-    world = plan.axes.world_size
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-        (np.shape(x)[0] // world,) + tuple(np.shape(x)[1:]), x.dtype), batch)
+    # (under a context axis, a split leaf's sequence divided too)
+    return local_shapes(plan, batch)
 
   def _out_specs(self, plan: Plan, out_shape, split: Optional[SplitOutputs], local_batch):
     """The ``shard_map`` out_specs of the outputs (WeightedLoss: one scalar),
@@ -258,7 +257,7 @@ class EvalStep:
       fn = jax.shard_map(
           body, mesh=plan.mesh,
           in_specs=(plan_lib.param_specs(plan), jax.tree.map(lambda _: P(), state.model_state),
-                    jax.tree.map(lambda _: plan_lib.batch_spec(plan), batch),
+                    plan_lib.batch_specs(plan, batch),
                     jax.tree.map(lambda _: P(), key), P()),
           out_specs=out_specs, check_vma=False)
       return fn(state.params, state.model_state, batch, key, state.step)

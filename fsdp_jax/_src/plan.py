@@ -520,7 +520,8 @@ class Plan:
     """``((model axis name, data-parallel world size), ...)``: the axis
     names the loss is traced with (``FSDPConfig.data_axis_name``)."""
     env = tuple((name, self.axes.world_size) for name in data_axis_names(self.config))
-    return env + tuple((a, self.t) for a in self.axes.tensor_axes)
+    return (env + tuple((a, self.t) for a in self.axes.tensor_axes)
+            + tuple((a, self.axes.context_size) for a in self.axes.context_axes))
 
   def dtype_groups(self, unit: UnitSpec) -> list[tuple[int, ...]]:
     """Leaves gathered together (one collective each): all of a flat unit, or
