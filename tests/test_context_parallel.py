@@ -14,7 +14,7 @@ import pytest
 import json
 
 import fsdp_jax
-from fsdp_jax import models
+from fsdp_jax import hlo, models
 from helpers import assert_trees_close, jit_reference_run, train_steps
 
 S = fsdp_jax.ShardingStrategy
@@ -206,16 +206,24 @@ def test_llama_family(tmp_path):
 
 
 def test_only_keys_and_values_move_over_context():
-  """Per layer the forward all-gathers over "context" move K and V alone
-  (one key/value head: [batch, T, KV] each), and the rest is the loss's
-  sums and the labels' halo."""
+  """Over the context groups the compiled step moves, per layer, K and V
+  forward (all-gathers of [batch, T, kv_dim]) and their gradients back
+  (reduce-scatters of [batch, T/C, kv_dim]); besides those, the labels'
+  and weights' one-token halos and the loss's scalar sums. Nothing else
+  (no logits, no hidden states)."""
   mesh = fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])
   state = fsdp_jax.init_train_state(params=_params(), optimizer=optax.sgd(0.1), mesh=mesh,
                                     config=fsdp_jax.FSDPConfig())
-  text = fsdp_jax.shard_train_step(weighted_loss).lower(state, _batches(2)[0]).as_text()
-  gathers = [l for l in text.splitlines() if "all_gather" in l and "tensor<1x16x4xf32>" in l
-             .split("->")[-1]]
-  assert len(gathers) == 2 * LAYERS, gathers
+  text = fsdp_jax.shard_train_step(weighted_loss).lower(state, _batches(2)[0]).compile().as_text()
+  context_groups = {(0, 1), (2, 3)}  # context innermost: devices (s, c) = 2 s + c
+  moved = [c for c in hlo.collectives(text)
+           if c.kind != "collective-permute" and set(c.groups) <= context_groups]
+  kinds = sorted((c.kind, c.shapes) for c in moved if c.kind != "all-reduce")
+  assert kinds == [("all-gather", ((1, SEQ, KV),))] * (2 * LAYERS) + [
+      ("reduce-scatter", ((1, SEQ // 2, KV),))] * (2 * LAYERS), kinds
+  assert all(s == () for c in moved if c.kind == "all-reduce" for s in c.shapes)
+  halos = [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
+  assert sorted(c.shapes for c in halos) == [((1, 1),)] * 2, halos
 
 
 def test_errors():
