@@ -250,6 +250,24 @@ def test_match_finds_the_call():
   assert all(A.match(e) is None for e in plain.eqns)
 
 
+
+@pytest.mark.parametrize("block", [None, 4], ids=["plain", "blocked"])
+def test_a_row_that_sees_nothing_gives_zeros(block):
+  """A query whose segment has no key: zeros and zero gradients, no NaN;
+  the other rows as the reference."""
+  q, k, v = _inputs(6, 9, 2, 1)
+  q_seg = jnp.asarray([[1, 1, 3, 2, 2, 2]] * 2)
+  k_seg = jnp.asarray([[1] * 4 + [2] * 5] * 2)
+  fn = lambda q, k, v: A.attend_local(q, k, v, q_segment_ids=q_seg, kv_segment_ids=k_seg,
+                                      causal=False, block_q=block, block_k=block)
+  (out, grads) = _with_grads(fn)(q, k, v)
+  assert bool(jnp.all(out[:, 2] == 0)) and bool(jnp.all(grads[0][:, 2] == 0))
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+  pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
+  want = _reference(q, k, v, q_pos=pos[:, :6], k_pos=pos, q_seg=q_seg, k_seg=k_seg, causal=False)
+  keep = np.asarray([0, 1, 3, 4, 5])
+  np.testing.assert_allclose(out[:, keep], want[:, keep], atol=1e-6)
+
 def test_errors():
   q, k, v = _inputs(6, 6, 3, 2)
   with pytest.raises(ValueError, match="multiple of kv_heads"):
