@@ -65,19 +65,23 @@ def _compile(params, batch, mesh, loss=mlp_loss, opt=None, **kw):
 
 
 HPZ_CASES = [  # (strategy, shard size, replicate, k, use_orig_params)
-    # Each case in one layout, both layouts for each k and for the 2-D
-    # meshes: the flat and per-leaf gathers share the grouping code.
+    # Each case in one layout, both layouts for k = 2 and 4 and over the 2-D
+    # meshes: the flat and per-leaf gathers share the grouping code. On a
+    # 1-D mesh, groups of half the shards (8 by 4) and of a quarter (8 by
+    # 2), and groups of 3 (6 by 3).
     (S.FULL_SHARD, 8, None, 4, False), (S.FULL_SHARD, 8, None, 2, True),
-    (S.FULL_SHARD, 6, None, 3, False), (S.FULL_SHARD, 4, None, 2, False),
-    (S.HYBRID_SHARD, 4, 2, 2, True), (S.FULL_SHARD, 4, 2, 4, True)]
+    (S.FULL_SHARD, 6, None, 3, False),
+    (S.HYBRID_SHARD, 4, 2, 2, False), (S.FULL_SHARD, 4, 2, 4, True)]
 
 
 @pytest.mark.slow
-@pytest.mark.fusion_emitters
+@pytest.mark.llvm_optimized
 def test_reshard_after_forward_k_equals_full_shard_bitwise():
   """7x7 blocks and a 5x7 input layer: no mesh size here divides the units.
-  The cases run in one test (at jaxlib 0.10 the bitwise comparison needs
-  XLA's default fusion emitters, in a process of its own: conftest.py)."""
+  The cases run in one test (the bitwise comparison needs XLA's default
+  fusion emitters: it runs with XLA's default settings, in the process
+  test_stacked_unit_regathers_within_groups_inside_the_loop needs anyway:
+  conftest.py)."""
   for strategy, n, replicate, k, orig in HPZ_CASES:
     case = f"{strategy.name} {replicate or 1}x{n} k={k} use_orig_params={orig}"
     ref_losses, ref_params = _run(strategy, n, replicate, orig)
