@@ -186,9 +186,18 @@ def _needs(e: Estimate, limit: int, args) -> str:
   return ", ".join(out)
 
 
+def _policy_name(e: Estimate):
+  """The activation checkpointing policy an estimate uses (None: none)."""
+  ac = e.config.activation_checkpointing
+  if ac is None:
+    return None
+  return ac.policy if isinstance(ac.policy, str) else getattr(ac.policy, "__name__", "custom")
+
+
 def _rows(found: list) -> list:
   return [{"configuration": e.describe_config(), "mesh_shape": e.mesh_shape,
            "bytes_per_device": e.bytes_per_device, "compiled": e.compiled,
+           "activation_checkpointing": _policy_name(e),
            "step_seconds": e.step_seconds,
            "tokens_per_second_per_device": e.tokens_per_second_per_device} for e in found]
 

@@ -213,6 +213,112 @@ def test_remat_what_if_and_the_compile_step_choice(planner, monkeypatch):
   assert again.bytes_per_device == est.bytes_per_device
 
 
+def loss_blocked(params, batch):
+  """loss_fn with the families' blocked head and cross-entropy."""
+  x = params["embed"][batch["input_ids"]]
+  for block in params["blocks"]:
+    x = x + jnp.tanh(x @ block["w1"]) @ block["w2"]
+  return fsdp_jax.chunked_cross_entropy(x, params["head"], batch["labels"], block_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def blocked():
+  return Planner(loss_blocked, optimizer=OPT, batch=BATCH, init_fn=init_fn)
+
+
+def _policy(name):
+  return fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP,
+                             activation_checkpointing=fsdp_jax.ActivationCheckpointing(name))
+
+
+def test_estimate_reads_the_checkpointing_policy(blocked):
+  """FSDPConfig(activation_checkpointing=...) is estimated with its policy,
+  compiled and modelled: "dots" keeps the matmuls' outputs (more than
+  "full"), "offload" counts the units' saved inputs as host memory (less
+  device memory than "full"). The compiled estimate is the real step's
+  peak; the modelled one is not under it by more than 5%."""
+  cpu = fsdp_jax.DeviceSpec.preset("cpu")
+  gpu = fsdp_jax.DeviceSpec.preset("H100-80GB")
+  modelled = {p: blocked.estimate(_policy(p), {"shard": 8}, gpu, compile_step=False)
+              for p in ("full", "dots", "offload")}
+  total = {p: e.bytes_per_device["total"] for p, e in modelled.items()}
+  assert total["offload"] < total["full"] < total["dots"], total
+  assert modelled["offload"].host_bytes > 0 and modelled["full"].host_bytes == 0
+  assert any("host memory" in n for n in modelled["offload"].notes)
+  assert [e.describe_config().split()[-1] for e in modelled.values()] == [
+      "remat", "remat(dots)", "remat(offload)"]
+  for name in ("full", "dots"):
+    est = blocked.estimate(_policy(name), {"shard": 8}, cpu)
+    truth = compiled_peak(_policy(name), {"shard": 8}, loss=loss_blocked)
+    assert est.compiled and est.bytes_per_device["total"] == pytest.approx(truth, rel=0.05)
+    assert total[name] >= 0.95 * truth, (name, total[name], truth)
+
+
+def test_search_tries_the_policies_before_cpu_offload(blocked):
+  """Activation checkpointing policies are savers tried before CPU offload
+  of the parameters: "dots" first (the least recomputation), then "full",
+  then "offload" where the device has host memory of its own (not "cpu");
+  the one picked is the estimate's config and its description."""
+  cpu = fsdp_jax.DeviceSpec.preset("cpu")
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP)
+  space = {"config": config, "sharding_strategy": [fsdp_jax.ShardingStrategy.FULL_SHARD],
+           "use_orig_params": [False], "gradient_accumulation_steps": [1]}
+  plain = blocked.estimate(config, {"shard": 8}, cpu, compile_step=True)
+  dots = blocked.estimate(_policy("dots"), {"shard": 8}, cpu, compile_step=True)
+  assert dots.bytes_per_device["total"] < plain.bytes_per_device["total"]
+  found = search_lib.run(blocked, devices=8, space=space, compile_step=True,
+                         memory_limit=dots.bytes_per_device["total"])
+  assert [e.describe_config() for e in found] == ["FULL_SHARD flat shard=8 remat(dots)"]
+  assert found[0].config.activation_checkpointing.policy == "dots"
+  assert found[0].config.cpu_offload is None
+  # modelled: below "full" but above "offload", on a device with host memory
+  full = blocked.estimate(_policy("full"), {"shard": 8}, cpu, compile_step=False)
+  offload = blocked.estimate(_policy("offload"), {"shard": 8}, cpu, compile_step=False)
+  limit = (full.bytes_per_device["total"] + offload.bytes_per_device["total"]) // 2
+  found = search_lib.run(blocked, devices=8, device="H100-80GB", space=space,
+                         compile_step=False, memory_limit=limit)
+  assert [e.describe_config() for e in found] == ["FULL_SHARD flat shard=8 remat(offload)"]
+  on_cpu = search_lib.run(blocked, devices=8, space=space, compile_step=False,
+                          memory_limit=limit)
+  assert all(e.config.activation_checkpointing is None
+             or e.config.activation_checkpointing.policy != "offload" for e in on_cpu)
+
+
+def test_tensor_parallel_compiled_peak_keeps_the_logits():
+  """Under tensor parallelism XLA combines the loss's all-reduce with the
+  gradient norm's and computes the loss late, keeping the logits to the end
+  of the step; the compiled estimate's stand-ins tie those all-reduces as
+  the combiner does, so it is the real step's peak (it was 10% under)."""
+  tp = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP, tensor_parallel=fsdp_jax.TensorParallel(
+      rules=[("blocks.*.w1", "colwise"), ("blocks.*.w2", "rowwise")]))
+  shape = {"shard": 4, "tensor": 2}
+  est = fsdp_jax.estimate(loss_fn, optimizer=OPT, batch=BATCH, init_fn=init_fn, config=tp,
+                          mesh_shape=shape)
+  assert est.compiled
+  assert est.bytes_per_device["total"] == pytest.approx(compiled_peak(tp, shape), rel=0.01)
+
+
+def test_a_cudnn_family_is_planned_on_cpu(tmp_path):
+  """A family built with attn_implementation="cudnn" (cuDNN's flash
+  attention on the GPU, absent here) is planned with fsdp_jax.attention's
+  blockwise kernel, of the same memory class: the same estimate as the
+  default implementation's, and a note saying so."""
+  (tmp_path / "config.json").write_text(json.dumps(
+      {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+  tokens = jax.ShapeDtypeStruct((8, 64), jnp.int32)
+  out = {}
+  for impl in ("cudnn", None):
+    model = fsdp_jax.models.from_pretrained(str(tmp_path), attn_implementation=impl)
+    out[impl] = fsdp_jax.estimate(
+        model.loss_fn, optimizer=OPT, batch={"input_ids": tokens, "labels": tokens},
+        init_fn=model.init_fn, config=fsdp_jax.FSDPConfig(auto_wrap_policy=model.wrap_policy),
+        mesh_shape={"shard": 8}, device="H100-80GB", compile_step=False)
+  assert out["cudnn"].bytes_per_device == out[None].bytes_per_device
+  assert any("blockwise kernel" in n for n in out["cudnn"].notes)
+  assert not any("blockwise kernel" in n for n in out[None].notes)
+
+
 def test_mesh_larger_than_the_machine(planner):
   """64 and 4 x 64 devices, estimated on this 8-device machine: the
   per-device state bytes are the plan's, exactly; the activations are the
@@ -551,7 +657,8 @@ with warnings.catch_warnings(record=True) as caught:
   warnings.simplefilter("always")
   found = search_lib.run(planner, devices=8, memory_limit=limit, space={
       "config": config, "sharding_strategy": [fsdp_jax.ShardingStrategy.FULL_SHARD],
-      "use_orig_params": [False], "cpu_offload": [False], "gradient_accumulation_steps": [1]})
+      "use_orig_params": [False], "cpu_offload": [False], "gradient_accumulation_steps": [1],
+      "remat": [False, True]})
 print(json.dumps({"concurrency": concurrency, "limit": limit,
                   "plain": plain.bytes_per_device["total"],
                   "remat": remat.bytes_per_device["total"],

@@ -10,6 +10,7 @@ micro-batch (:mod:`.programs`) and put in the step's order
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
+from fsdp_jax._src import attention as attention_lib
 from fsdp_jax._src import grads as grads_lib, loss as loss_lib, optim
 from fsdp_jax._src import state as state_lib, step as step_lib
 from fsdp_jax._src.config import ActivationCheckpointing, FSDPConfig
@@ -67,6 +69,8 @@ class Estimate:
     comm_seconds: ``{mesh axis: (total, exposed)}`` seconds per step.
     tokens: elements of the first batch leaf (global batch x sequence).
     notes: where the estimate is approximate.
+    host_bytes: the activations ``ActivationCheckpointing("offload")``
+      keeps in host memory per device (modelled; not in the total).
 
   Example:
     >>> import fsdp_jax
@@ -98,6 +102,7 @@ class Estimate:
   comm_seconds: dict = dataclasses.field(default_factory=dict)
   tokens: int = 0
   notes: tuple = ()
+  host_bytes: int = 0
 
   @property
   def devices(self) -> int:
@@ -119,7 +124,10 @@ class Estimate:
     if cfg.lora is not None:
       bits.append("QLoRA" if cfg.lora.base_quantization is not None else "LoRA")
     if self.remat:
-      bits.append("remat")
+      ac = cfg.activation_checkpointing
+      policy = "full" if ac is None else ac.policy
+      bits.append("remat" if policy == "full" else
+                  f"remat({policy if isinstance(policy, str) else 'custom'})")
     if cfg.cpu_offload is not None and cfg.cpu_offload.offload_params:
       bits.append("offload")
     if self.gradient_accumulation_steps > 1:
@@ -279,10 +287,20 @@ class Planner:
         module_classes=self._types, rng=self.rng, update_mode=False)
     return plan, ms
 
-  def estimate(self, config: FSDPConfig, mesh_shape: dict, device: DeviceSpec, *,
-               memory_limit: Optional[int] = None, gradient_accumulation_steps: int = 1,
-               accumulation: str = "no_sync", remat: bool = False,
-               compile_step: Optional[bool] = None) -> Estimate:
+  def estimate(self, config: FSDPConfig, mesh_shape: dict, device: DeviceSpec, **kw
+               ) -> Estimate:
+    """:func:`fsdp_jax.estimate` for this model (keywords as there)."""
+    seen: list = []
+    with cudnn_as_blockwise(seen):
+      est = self._estimate(config, mesh_shape, device, **kw)
+    if seen:
+      est = dataclasses.replace(est, notes=est.notes + (CUDNN_NOTE,))
+    return est
+
+  def _estimate(self, config: FSDPConfig, mesh_shape: dict, device: DeviceSpec, *,
+                memory_limit: Optional[int] = None, gradient_accumulation_steps: int = 1,
+                accumulation: str = "no_sync", remat: bool = False,
+                compile_step: Optional[bool] = None) -> Estimate:
     steps = int(gradient_accumulation_steps)
     if steps < 1:
       raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1.")
@@ -304,7 +322,8 @@ class Planner:
     rng = None
     if takes_rng:
       rng = jax.eval_shape(lambda: jax.random.key(0))
-    segments, equations, checkpointed = self._segments(plan, micro, ms, rng, remat)
+    segments, equations, checkpointed = self._segments(plan, micro, ms, rng,
+                                                       config.activation_checkpointing)
     opt_prog = self._optimizer_program(plan)
     offloaded = plan.offloaded
     param_bytes = _stored_param_bytes(plan)
@@ -325,6 +344,10 @@ class Planner:
                                                      "temporaries", "results"))
     limit = int(memory_limit) if memory_limit is not None else int(device.memory_bytes)
     notes = list(_notes(plan, segments, steps, accumulation))
+    host = sum(s.programs.host_bytes for s in segments)
+    if host:
+      notes.append(f"ActivationCheckpointing('offload'): {_size(host)} of saved activations "
+                   "in host memory (modelled; not in the total)")
     total, compiled = mem.peak, False
     why_not = None
     if compile_step is not False:
@@ -361,9 +384,10 @@ class Planner:
         fits=total <= limit, step_seconds=t.step, device=device, memory_limit=limit,
         gradient_accumulation_steps=steps, accumulation=accumulation, remat=remat,
         compiled=compiled, peak_at=mem.where, parts=parts, compute_seconds=t.compute,
-        optimizer_seconds=t.optimizer, comm_seconds=t.comm, tokens=tokens, notes=tuple(notes))
+        optimizer_seconds=t.optimizer, comm_seconds=t.comm, tokens=tokens, notes=tuple(notes),
+        host_bytes=host)
 
-  def _segments(self, plan, micro, ms, rng, remat: bool) -> list:
+  def _segments(self, plan, micro, ms, rng, checkpoint) -> list:
     # The loss's per-device program depends on what the loss sees (each
     # leaf's shape and dtype as gathered, which leaves train, the casts and
     # rewrites the config asks for), not on how the leaves are sharded.
@@ -379,10 +403,10 @@ class Planner:
     equations = step_program.count_equations(flat.jaxpr)
     segments = segments_lib.segment(flat, n, plan)
     regather = any(plan.regather(u) for u in plan.units)
-    key = (regather, plan.recomputes_cheap_ops, remat)
+    key = (regather, plan.recomputes_cheap_ops, checkpoint is not None)
     cache = self.programs_cache.setdefault(key, {})
-    compiler = programs.Compiler(plan, flat, n, remat=remat, checkpointed=checkpointed,
-                                 cache=cache)
+    compiler = programs.Compiler(plan, flat, n, checkpoint=checkpoint,
+                                 checkpointed=checkpointed, cache=cache)
     programs.compile_segments(segments, compiler)
     return segments, equations, checkpointed
 
@@ -415,6 +439,36 @@ class Planner:
     if key not in self.optimizer_cache:
       self.optimizer_cache[key] = programs.optimizer_program(plan, shapes)
     return self.optimizer_cache[key]
+
+
+CUDNN_NOTE = ("attention with implementation='cudnn' (cuDNN's flash attention, memory linear "
+              "in the sequence) is evaluated with fsdp_jax.attention's blockwise kernel, of the "
+              "same memory class, on this backend without cuDNN: no [T, T] scores")
+
+
+@contextlib.contextmanager
+def cudnn_as_blockwise(seen: list):
+  """On a backend without cuDNN (the CPU a plan is made on), an attention
+  call of ``implementation="cudnn"`` (:func:`fsdp_jax.attention`, the
+  families' ``attn_implementation="cudnn"``) runs as the blockwise kernel
+  for the planner's traces and programs: the same memory class as cuDNN's
+  flash attention (no ``[T, T]`` scores), where the traced call would
+  fail. ``seen`` gets an entry per call so run."""
+  original = getattr(attention_lib, "_cudnn", None)
+  if original is None or jax.default_backend() == "gpu":
+    yield
+    return
+
+  def blockwise(spec, q, k, v, extras):
+    seen.append(spec)
+    kernel = attention_lib._kernel(dataclasses.replace(spec, implementation=None))  # pylint: disable=protected-access
+    return kernel(q, k, v, *extras)
+
+  attention_lib._cudnn = blockwise  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    attention_lib._cudnn = original  # pylint: disable=protected-access
 
 
 def _size(nbytes: int) -> str:

@@ -27,7 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 from fsdp_jax._src import _compat, collectives, hlo, mesh as mesh_lib, schedule
 from fsdp_jax._src._compat import Literal
+from fsdp_jax._src.config import ActivationCheckpointing
 from fsdp_jax._src.plan import Plan
+from fsdp_jax._src.schedule import checkpoints as checkpoints_lib
 from fsdp_jax._src.planner.segments import Segment, is_float, nbytes
 
 # --------------------------------------------------------------------------
@@ -73,6 +75,7 @@ class Programs:
   saved_inputs: tuple
   grad_bytes: dict  # leaf id -> bytes
   saved_params: tuple = ()  # leaf ids the backward reads
+  host_bytes: int = 0  # saved activations a policy='offload' checkpoint moves to the host
 
 
 def _compiled(lowered) -> Compiled:
@@ -140,12 +143,26 @@ def _depends_on(jaxpr, sources: set) -> set:
 class Compiler:
   """Compiles segments on the local backend, once per distinct program."""
 
-  def __init__(self, plan: Plan, flat, n_params: int, *, remat: bool = False,
+  def __init__(self, plan: Plan, flat, n_params: int, *,
+               checkpoint: Optional[ActivationCheckpointing] = None,
                checkpointed: bool = True, cache: Optional[dict] = None):
     self.plan = plan
     self.flat = flat
     self.n_params = n_params
+    # FSDPConfig(activation_checkpointing=...): the selected units' segments
+    # (those that first gather them, as schedule.checkpoints picks them)
+    # under a checkpoint of the policy. "offload" keeps on the device what
+    # "full" keeps of the parameters; its saved activations go to the host.
+    remat = checkpoint is not None
     self.remat = remat
+    self.units = checkpoints_lib.selected_units(plan, checkpoint) if remat else frozenset()
+    self.offload = remat and checkpoint.policy == "offload"
+    self.ck_policy = None
+    self.ck_key = None
+    if remat:
+      self.ck_policy = (jax.checkpoint_policies.nothing_saveable if self.offload
+                        else checkpoints_lib.checkpoint_policy(checkpoint))
+      self.ck_key = checkpoint.policy  # a name, or the policy callable itself
     jaxpr = flat.jaxpr
     trainable = {v for v, l in zip(jaxpr.invars[:n_params], plan.leaves) if not l.frozen}
     self.tangent = _depends_on(jaxpr, trainable)
@@ -236,6 +253,7 @@ class Compiler:
     compiled; returns what :meth:`finish` needs."""
     fn, theta_vars, act_vars, out_vars, is_loop = self._function(seg)
     plan = self.plan
+    ck = self.ck_key if set(seg.units) & self.units else None
     if is_loop:
       outer = self._outer_of
       theta_ids = [self._leaf_id(outer[v]) for v in theta_vars]
@@ -261,11 +279,12 @@ class Compiler:
                   for v, i in zip(theta_vars, theta_ids)]
     eqns = _compat.scan_params(seg.scan).body.eqns if is_loop else seg.eqns
     key = (_canonical(eqns, theta_vars + act_vars, out_vars, self._texts), tuple(diff_theta),
-           tuple(tangent_in), tuple(tangent_out), is_loop, self.remat, self.checkpointed)
+           tuple(tangent_in), tuple(tangent_out), is_loop, ck, self.checkpointed)
     if key not in self._cache and key not in self._pending:
       self._pending[key] = self._lower(fn, theta_vars, act_vars, out_vars, diff_theta,
-                                       tangent_in, tangent_out, is_loop)
-    return key, saved_names, theta_ids, ([] if is_loop else list(out_vars))
+                                       tangent_in, tangent_out, is_loop, ck is not None)
+    host = (seg.layers if is_loop else 1) if ck is not None and self.offload else 0
+    return key, saved_names, theta_ids, ([] if is_loop else list(out_vars)), host
 
   def finish(self, keys: list) -> list:
     """Compiles what :meth:`prepare` lowered (several programs at once:
@@ -278,7 +297,8 @@ class Compiler:
       with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         done = list(pool.map(lambda kv: (kv[0], kv[1].compile()), items))
       self._cache.update(done)
-    return [self._rebind(self._cache[k], names, ids, outs) for k, names, ids, outs in keys]
+    return [self._rebind(self._cache[k], names, ids, outs, host)
+            for k, names, ids, outs, host in keys]
 
   def _leaf_id(self, v):
     if isinstance(v, Literal):
@@ -289,20 +309,27 @@ class Compiler:
       return None
 
   @staticmethod
-  def _rebind(progs: "_Raw", saved_names, theta_ids, out_names=()) -> Programs:
+  def _rebind(progs: "_Raw", saved_names, theta_ids, out_names=(), host: int = 0) -> Programs:
+    saved = (tuple(saved_names[k] for k in progs.saved_pos)
+             + tuple(out_names[k] for k in progs.saved_out if k < len(out_names)))
+    host_bytes = 0
+    if host:
+      # policy="offload": the floating inputs the checkpoint saves go to the
+      # host in the forward pass (checkpoints.UNIT_INPUT), per layer of a loop
+      on_host = tuple(v for v in saved if not isinstance(v, Literal) and is_float(v.aval))
+      host_bytes = sum(nbytes(v.aval) for v in on_host) * host
+      saved = tuple(v for v in saved if v not in on_host)
     return Programs(progs.forward, progs.backward, progs.backward_peak, progs.residual_bytes,
-                    tuple(saved_names[k] for k in progs.saved_pos)
-                    + tuple(out_names[k] for k in progs.saved_out if k < len(out_names)),
-                    {i: b for i, b in zip(theta_ids, progs.grads) if b},
-                    tuple(theta_ids[j] for j in progs.theta_saved))
+                    saved, {i: b for i, b in zip(theta_ids, progs.grads) if b},
+                    tuple(theta_ids[j] for j in progs.theta_saved), host_bytes)
 
   def _lower(self, fn, theta_vars, act_vars, out_vars, diff_theta, tangent_in, tangent_out,
-             is_loop) -> "_Lowered":
+             is_loop, remat: bool) -> "_Lowered":
     plan = self.plan
     t_structs = [_struct(v.aval) for v in theta_vars]
     a_structs = [_struct(v.aval) for v in act_vars]
     policy = self.policy
-    remat = self.remat
+    ck_policy = self.ck_policy
 
     def split(xs, mask):
       return [x for x, m in zip(xs, mask) if m], [x for x, m in zip(xs, mask) if not m]
@@ -323,7 +350,7 @@ class Compiler:
         # its inputs. Bound as the step binds a model's own checkpoint
         # (schedule.checkpoints.user_checkpoint), so that the step's remat
         # policy below does not save what the checkpoint recomputes.
-        g = _as_user_checkpoint(g)
+        g = _as_user_checkpoint(g, ck_policy)
       if is_loop:
         g = jax.checkpoint(g, policy=_loop_policy, prevent_cse=False)
       elif policy is not None:
@@ -455,11 +482,13 @@ class _Raw:
   saved_out: tuple = ()
 
 
-def _as_user_checkpoint(f):
-  """``f`` under ``jax.checkpoint`` (nothing saved but its inputs), as a
-  ``custom_vjp`` whose forward is the checkpoint's ``jax.vjp``: what the
-  step makes of a model's own ``jax.checkpoint`` per block."""
-  fn = jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=True)
+def _as_user_checkpoint(f, policy=None):
+  """``f`` under ``jax.checkpoint`` (``policy``; default: nothing saved but
+  its inputs), as a ``custom_vjp`` whose forward is the checkpoint's
+  ``jax.vjp``: what the step makes of a model's own ``jax.checkpoint`` per
+  block, and of the config's checkpoint per unit."""
+  policy = jax.checkpoint_policies.nothing_saveable if policy is None else policy
+  fn = jax.checkpoint(f, policy=policy, prevent_cse=True)
 
   @jax.custom_vjp
   def call(td, ad):

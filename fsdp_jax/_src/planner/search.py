@@ -14,7 +14,8 @@ import itertools
 import math
 from typing import Any, Callable, Optional
 
-from fsdp_jax._src.config import RESHARD_AFTER_FORWARD, CPUOffload, FSDPConfig, ShardingStrategy
+from fsdp_jax._src.config import (RESHARD_AFTER_FORWARD, ActivationCheckpointing, CPUOffload,
+                                  FSDPConfig, ShardingStrategy)
 from fsdp_jax._src.mesh import REPLICATE, SHARD, TENSOR
 from fsdp_jax._src.quantization import Quantization
 from fsdp_jax._src.planner.devices import device_spec
@@ -24,6 +25,37 @@ _SPACE_KEYS = ("config", "sharding_strategy", "use_orig_params", "mesh_shapes", 
                "remat", "cpu_offload", "gradient_accumulation_steps", "accumulation",
                "lora")
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)  # pylint: disable=protected-access
+
+
+# The activation checkpointing policies tried as savers, in this order: the
+# least recomputation first ("dots" keeps the matmuls' outputs), then "full",
+# then "offload" ("full" with the saved activations in host memory; only
+# where the device has host memory apart from its own).
+_POLICIES = ("dots", "full", "offload")
+
+
+def _policies(wanted, device) -> list:
+  """``space['remat']`` as policies (``True`` is ``"full"``), in the order
+  they are tried, ``False`` first when present."""
+  wanted = list(wanted)
+  out = []
+  for w in wanted:
+    w = "full" if w is True else w
+    if w is not False and w not in _POLICIES:
+      raise ValueError(f"space['remat'] = {wanted!r}: each entry is False, True (= 'full') or "
+                       f"one of {list(_POLICIES)}.")
+    if w not in out:
+      out.append(w)
+  if "offload" in out and not has_host_memory(device):
+    out.remove("offload")
+  return sorted(out, key=lambda w: -1 if w is False else _POLICIES.index(w))
+
+
+def has_host_memory(device) -> bool:
+  """Whether ``ActivationCheckpointing("offload")`` saves device memory
+  there: a device with host memory of its own (a GPU); the local CPU's
+  "host" memory is its memory."""
+  return not device.name.lower().startswith("cpu")
 
 
 def _divisors(n: int) -> list:
@@ -55,7 +87,6 @@ class _Candidate:
   config: FSDPConfig
   mesh_shape: dict
   steps: int = 1
-  remat: bool = False
 
 
 def _check_space(space) -> dict:
@@ -102,9 +133,14 @@ def search(loss_fn: Callable, *, optimizer, batch, devices: int,
   * memory savers, tried only for a candidate that does not fit without
     them and in this order, the first that fits kept: gradient accumulation
     over 2, 4, ... microbatches of the same global batch
-    (``accumulation="sharded"``), then each unit under ``jax.checkpoint``
-    (``remat``: ``nn.remat`` / ``jax.checkpoint`` per block in the model),
-    then CPU offload. None of them makes a step faster.
+    (``accumulation="sharded"``), then activation checkpointing
+    (``FSDPConfig(activation_checkpointing=ActivationCheckpointing(policy))``:
+    ``"dots"``, ``"full"``, then ``"offload"`` where the device has host
+    memory of its own, not on ``"cpu"``), then CPU offload of the
+    parameters. None of them makes a step faster. The policy picked is the
+    estimate's ``config.activation_checkpointing`` (``describe_config()``
+    says ``remat`` for ``"full"``, ``remat(dots)``, ``remat(offload)``).
+    A base config that sets ``activation_checkpointing`` keeps it.
 
   Args:
     loss_fn, optimizer, batch, init_fn, params, device, rng: as for
@@ -115,8 +151,9 @@ def search(loss_fn: Callable, *, optimizer, batch, devices: int,
       :class:`~fsdp_jax.FSDPConfig`: wrap policy, mixed precision, tensor
       parallel rules, LoRA), ``sharding_strategy``, ``use_orig_params``,
       ``mesh_shapes`` (explicit meshes instead of the enumerated ones),
-      ``tensor`` (tensor sizes), ``remat``, ``cpu_offload`` (the savers
-      allowed: iterables of bools), ``gradient_accumulation_steps``,
+      ``tensor`` (tensor sizes), ``remat`` (the checkpointing policies
+      allowed: ``False``, ``True`` (``"full"``), ``"dots"``, ``"offload"``),
+      ``cpu_offload`` (iterable of bools), ``gradient_accumulation_steps``,
       ``accumulation``, ``lora`` (``("lora", "qlora")``).
     compile_step: ``None`` (default): every candidate's peak is modelled,
       then the fastest that fits is confirmed by compiling its step with
@@ -189,7 +226,9 @@ def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[
                        "tensor_parallel=fsdp_jax.TensorParallel(rules=[...])).")
   else:
     tensors = list(space.get("tensor", [t for t in _divisors(devices) if 1 < t <= 8]))
-  remats = list(space.get("remat", (False, True)))
+  remats = _policies(space.get("remat", (False,) + _POLICIES), device)
+  if base.activation_checkpointing is not None:
+    remats = [False]  # the base config's own checkpointing, kept
   offloads = list(space.get("cpu_offload", (False, True)))
   accumulation = space.get("accumulation", "sharded")
   rows = planner.batch_rows
@@ -261,7 +300,7 @@ def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[
                                    activation_checkpointing=base.activation_checkpointing)
       est, closest = _first_fit(planner, _Candidate(config, best.mesh_shape),
                                 device, limit, rows // dp, saver_space, None,
-                                start=_setting(best))
+                                start=_setting(best, base))
       if est is not None:
         found.append(est)
         found.sort(key=_speed)
@@ -278,17 +317,22 @@ def _speed(e: Estimate):
   return (e.step_seconds, e.bytes_per_device["total"])
 
 
-def _setting(est: Estimate) -> tuple:
-  """An estimate's memory savers: (remat, CPU offload, microbatches)."""
+def _setting(est: Estimate, base: FSDPConfig) -> tuple:
+  """An estimate's memory savers: (checkpointing policy or False, CPU
+  offload, microbatches); the base config's own checkpointing is False."""
   offload = est.config.cpu_offload is not None and bool(est.config.cpu_offload.offload_params)
-  return (bool(est.remat), offload, est.gradient_accumulation_steps)
+  ac = est.config.activation_checkpointing
+  policy = False if ac is None or base.activation_checkpointing is not None else ac.policy
+  return (policy, offload, est.gradient_accumulation_steps)
 
 
 def _modelled_fixed(est: Estimate) -> int:
   """What no activation saver changes at the modelled peak: the stored
   state, gathered units, gradients (the modelled parts: a compiled total
-  less modelled activations would mix two programs' figures)."""
-  return sum(est.parts.values()) - est.bytes_per_device["activations"]
+  less modelled activations would mix two programs' figures). The running
+  backward program's own peak is not counted: checkpointing shrinks it."""
+  return (sum(est.parts.values()) - est.bytes_per_device["activations"]
+          - est.parts.get("backward", 0))
 
 
 def _first_fit(planner: Planner, cand: _Candidate, device, limit, local_rows: int,
@@ -311,13 +355,13 @@ def _first_fit(planner: Planner, cand: _Candidate, device, limit, local_rows: in
   steps = [s for s in (steps_space or [2 ** k for k in range(1, 12)])
            if s > 1 and local_rows % s == 0]
   settings = [(False, False, 1)]
+  policies = [r for r in remats if r is not False]
   if fixed < base.memory_limit:
     settings += [(False, False, s) for s in steps]
-    if True in remats:
-      settings += [(True, False, s) for s in [1] + steps]
+    settings += [(r, False, s) for r in policies for s in [1] + steps]
   # CPU offload moves the stored parameters and optimizer state to the host.
   if True in offloads and fixed - b["params"] - b["optimizer"] < base.memory_limit:
-    settings += [(r, True, s) for r in sorted(set(remats)) for s in [1] + steps]
+    settings += [(r, True, s) for r in remats for s in [1] + steps]
   if start is not None:
     settings = settings[settings.index(start):] if start in settings else [start]
   closest = None
@@ -328,9 +372,12 @@ def _first_fit(planner: Planner, cand: _Candidate, device, limit, local_rows: in
       config = cand.config
       if offload:
         config = dataclasses.replace(config, cpu_offload=CPUOffload(offload_params=True))
+      if remat and config.activation_checkpointing is None:
+        config = dataclasses.replace(config,
+                                     activation_checkpointing=ActivationCheckpointing(remat))
       est = planner.estimate(config, cand.mesh_shape, device, memory_limit=limit,
                              gradient_accumulation_steps=s,
-                             accumulation=accumulation if s > 1 else "no_sync", remat=remat,
+                             accumulation=accumulation if s > 1 else "no_sync",
                              compile_step=None if (remat and compile_step) else compile_step)
     if est.fits:
       return est, None

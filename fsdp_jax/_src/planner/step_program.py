@@ -14,7 +14,11 @@ mesh: the same per-device shapes, fusions, schedule and buffer assignment,
 up to what the collectives themselves hold while they run, and one choice
 of XLA's: it combines the loss's all-reduce with the gradient norm's, and
 where it then computes the loss decides whether the logits stay alive to
-the end of the step, which the stand-ins do not always reproduce.
+the end of the step. Under tensor parallelism and with checkpointed units
+(where XLA was measured to compute it late) the stand-ins tie the small
+all-reduces to the last one as the combiner does (:func:`_combined_order`),
+which keeps the logits too; elsewhere they do not (XLA computed it early
+in every other configuration measured).
 
 This costs one trace and one compile of the step (seconds for a small
 model; minutes and gigabytes of host memory for a 70B-shaped one), so
@@ -36,6 +40,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fsdp_jax._src import _compat, collectives, offload, optim
 from fsdp_jax._src import state as state_lib, step as step_lib
@@ -122,8 +127,16 @@ def compile_step(loss_fn, plan: Plan, batch, *, model_state: Any = None, rng: An
   structs = [_input_struct(v.aval, on_host and k < _n_offloaded(state))
              for k, v in enumerate(jaxpr.invars)]
 
+  # Where XLA computes the loss once it combined the loss's all-reduce with
+  # the gradient norm's: measured late (the logits alive to the end of the
+  # step) under tensor parallelism and with checkpointed units, early in
+  # the other configurations of benchmarks/PLANNER.md; there the stand-ins
+  # read the loss with the gradient norm (an upper bound where XLA chose
+  # early after all: one logits-sized buffer over).
+  combine = checkpointed or plan.config.tensor_parallel is not None
+
   def local(*args):
-    return _evaluate(jaxpr, consts, list(args), sizes)
+    return _evaluate(jaxpr, consts, list(args), sizes, combine=combine)
 
   with warnings.catch_warnings():
     # A state leaf no result can reuse (as in the step itself): not the
@@ -229,9 +242,63 @@ def _stand_in(eqn, invals, sizes: dict) -> list:
       o * one.astype(o.dtype) if jnp.issubdtype(o.dtype, jnp.inexact) else o) for o in outs]
 
 
-def _evaluate(jaxpr, consts, args, sizes: dict) -> list:
+# An all-reduce of at most this many elements is one XLA's all-reduce
+# combiner merges with the step's last one (the gradient norm's).
+_SMALL_ALL_REDUCE = 64
+
+
+def _small_all_reduce(eqn) -> bool:
+  return (_is_collective(eqn) and eqn.primitive not in _FSDP_PRIMITIVES
+          and "psum" in eqn.primitive.name
+          and sum(int(np.prod(v.aval.shape)) for v in eqn.invars
+                  if hasattr(v.aval, "shape")) <= _SMALL_ALL_REDUCE)
+
+
+def _combined_order(jaxpr) -> tuple:
+  """``(order, tied)``: the equations' order with each small all-reduce the
+  last one does not depend on (the loss's, the token count's) moved, with
+  what depends on it, to the last one (the gradient norm's), and the
+  positions in ``order`` of the all-reduces that then read their operands
+  together. XLA's all-reduce combiner merges them into one all-reduce at
+  the end of the step; where the loss is then computed (late: its inputs,
+  the logits, stay alive through the backward) is XLA's choice, which the
+  stand-ins reproduce only with this dependence (measured: Llama's logits
+  under tensor parallelism, a checkpointed model's)."""
+  eqns = jaxpr.eqns
+  small = [k for k, e in enumerate(eqns) if _small_all_reduce(e)]
+  if len(small) < 2:
+    return list(range(len(eqns))), ()
+  last = small[-1]
+  moved = set()
+  for a in small[:-1]:
+    tainted = set(eqns[a].outvars)
+    deps = {a}
+    for k in range(a + 1, last + 1):
+      if any(not isinstance(v, _compat.Literal) and v in tainted for v in eqns[k].invars):
+        tainted.update(eqns[k].outvars)
+        deps.add(k)
+    if last not in deps:
+      moved |= deps
+  if not moved:
+    return list(range(len(eqns))), ()
+  inputs = {v for k in moved | {last} if k in small for v in eqns[k].invars
+            if not isinstance(v, _compat.Literal)}
+  if any(v in inputs for k in moved for v in eqns[k].outvars):
+    return list(range(len(eqns))), ()  # an operand made by a moved equation
+  before = [k for k in range(last) if k not in moved]
+  after = sorted(moved)
+  order = before + [k for k in after if k in small] + [last] + [
+      k for k in after if k not in small] + list(range(last + 1, len(eqns)))
+  start = len(before)
+  tied = tuple(range(start, start + sum(1 for k in after if k in small) + 1))
+  return order, tied
+
+
+def _evaluate(jaxpr, consts, args, sizes: dict, combine: bool = False) -> list:
   """``jaxpr`` evaluated with its collectives (fsdp_jax's gathers and
-  reductions through their implementations) replaced by stand-ins."""
+  reductions through their implementations) replaced by stand-ins;
+  ``combine``: the step's body, whose small all-reduces XLA combines
+  (:func:`_combined_order`)."""
   env: dict = {}
   read = lambda v: v.val if isinstance(v, _compat.Literal) else env[v]
   for v, c in zip(jaxpr.constvars, consts):
@@ -239,8 +306,18 @@ def _evaluate(jaxpr, consts, args, sizes: dict) -> list:
   for v, a in zip(jaxpr.invars, args):
     env[v] = a
   axis_env = list(sizes.items())
-  for eqn in jaxpr.eqns:
-    invals = [read(v) for v in eqn.invars]
+  order, tied = _combined_order(jaxpr) if combine else (list(range(len(jaxpr.eqns))), ())
+  tied_in: dict = {}
+  for p, i in enumerate(order):
+    eqn = jaxpr.eqns[i]
+    if tied and p == tied[0]:
+      # the combined all-reduce reads every operand at once
+      ins = [read(v) for q in tied for v in jaxpr.eqns[order[q]].invars]
+      ins = list(jax.lax.optimization_barrier(ins))
+      for q in tied:
+        n = len(jaxpr.eqns[order[q]].invars)
+        tied_in[q], ins = ins[:n], ins[n:]
+    invals = tied_in[p] if p in tied_in else [read(v) for v in eqn.invars]
     if eqn.primitive in _FSDP_PRIMITIVES:
       impl = functools.partial(_FSDP_PRIMITIVES[eqn.primitive], **eqn.params)
       inner = jax.make_jaxpr(impl, axis_env=axis_env)(*[v.aval for v in eqn.invars])
