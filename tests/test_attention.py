@@ -10,6 +10,9 @@
 * ``jax.grad`` at 8,192 tokens compiles to temporaries far below the
   plain path's ``[T, T]`` scores (abstract shapes, nothing allocated);
 * :func:`attention.match` finds the call and its options in a jaxpr;
+* the model families run the kernel (loss, gradients, cached generation),
+  and tensor parallelism runs it on each device's heads or, where the
+  tensor axis splits a key/value head, whole on gathered operands;
 * bad input is refused with a message naming the fix.
 """
 
@@ -20,6 +23,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import fsdp_jax
@@ -324,3 +328,37 @@ def test_families_run_the_kernel(tmp_path, monkeypatch):
   for g, w in zip(jax.tree.leaves(blocked[1]), jax.tree.leaves(whole[1])):
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-6 * max(1.0, scale))
   np.testing.assert_array_equal(blocked[2], whole[2])
+
+
+def test_tensor_axis_over_the_key_value_heads_trains_exactly(tmp_path):
+  """``tensor=4`` over 2 key/value heads: a device's slice is part of a
+  head, so the attention runs whole on every device (its operands gathered
+  over 'tensor', named in the report); 2 SGD steps equal one device's."""
+  config = dict(model_type="gemma2", vocab_size=32, hidden_size=16, intermediate_size=24,
+                num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2, head_dim=4,
+                query_pre_attn_scalar=8, sliding_window=3, attn_logit_softcapping=2.0)
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  b = fsdp_jax.models.from_pretrained(str(tmp_path))
+  ids = np.random.default_rng(0).integers(0, 32, (2, 10)).astype(np.int32)
+  batch = {"input_ids": ids, "labels": ids}
+  opt = optax.sgd(0.5)
+  state = fsdp_jax.init_train_state(
+      init_fn=b.init_fn, rng=jax.random.key(0), optimizer=opt,
+      mesh=fsdp_jax.make_mesh(shard=2, tensor=4), config=b.fsdp_config(tensor_parallel=True))
+  step = fsdp_jax.shard_train_step(b.loss_fn, opt)
+  params = b.init_fn(jax.random.key(0))
+
+  def float_mean(loss):
+    return loss.total / loss.weight
+
+  @jax.jit
+  def reference(p):
+    loss, g = jax.value_and_grad(lambda p: float_mean(b.loss_fn(p, batch)))(p)
+    return jax.tree.map(lambda w, d: w - 0.5 * d, p, g), loss
+
+  for _ in range(2):
+    state, metrics = step(state, batch)
+    params, loss = reference(params)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
+  assert state.plan.tensor_report.gathered.get(
+      "attention of heads not split as whole key/value groups") == 1

@@ -389,6 +389,9 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
         kv_positions=ops["kv_positions"], q_segment_ids=ops["q_segment_ids"],
         kv_segment_ids=ops["kv_segment_ids"], window=ops["window"], **call.options())
     return [Split(out, 2)]
+  if qkv:  # e.g. a slice of a key/value head (tensor > kv heads): every head everywhere
+    why = "attention of heads not split as whole key/value groups"
+    return _compat.bind_eqn(eqn, [ctx.full(x, why) for x in invals])
   if name in ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call"):
     body = _compat.inlinable_body(eqn)
     if body is not None:
