@@ -393,6 +393,30 @@ def test_search_uses_memory_savers_only_when_needed(planner):
   assert nothing == []
 
 
+def test_search_without_a_wrap_policy_tries_one_unit_per_layer(planner):
+  """A config without a wrap policy makes the whole model one unit,
+  gathered at once: when nothing fits so, the search tries one unit per
+  layer (the list of blocks) and says so; when nothing fits either, it
+  warns, naming the policy to pass."""
+  cpu = fsdp_jax.DeviceSpec.preset("cpu")
+  space = {"config": fsdp_jax.FSDPConfig(), "use_orig_params": [False], "remat": [False],
+           "sharding_strategy": [fsdp_jax.ShardingStrategy.FULL_SHARD],
+           "cpu_offload": [False], "gradient_accumulation_steps": [1]}
+  layered = planner.estimate(fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP), {"shard": 8}, cpu,
+                             compile_step=False)
+  whole = planner.estimate(fsdp_jax.FSDPConfig(), {"shard": 8}, cpu, compile_step=False)
+  limit = layered.bytes_per_device["total"]
+  assert whole.bytes_per_device["total"] > limit
+  [est] = search_lib.run(planner, devices=8, space=space, memory_limit=limit,
+                         compile_step=False)
+  assert est.config.auto_wrap_policy == fsdp_jax.ModuleWrapPolicy(["blocks.*"])
+  assert any('ModuleWrapPolicy(["blocks.*"])' in n for n in est.notes)
+  with pytest.warns(UserWarning, match=r'no wrap policy.*Fix: pass space=.*auto_wrap_policy='
+                                       r'fsdp_jax\.ModuleWrapPolicy\(\["blocks\.\*"\]\)'):
+    assert search_lib.run(planner, devices=8, space=space, memory_limit=limit // 2,
+                          compile_step=False) == []
+
+
 def test_search_given_meshes_skip_what_a_strategy_cannot_use(planner):
   """HYBRID strategies need a replicate axis: with only 1-D meshes given,
   they are skipped, not an error."""

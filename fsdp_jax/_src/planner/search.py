@@ -10,14 +10,17 @@ configurations share it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
+import warnings
 from typing import Any, Callable, Optional
 
 from fsdp_jax._src.config import (RESHARD_AFTER_FORWARD, ActivationCheckpointing, CPUOffload,
                                   FSDPConfig, ShardingStrategy)
 from fsdp_jax._src.mesh import REPLICATE, SHARD, TENSOR
 from fsdp_jax._src.quantization import Quantization
+from fsdp_jax._src.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 from fsdp_jax._src.planner.devices import device_spec
 from fsdp_jax._src.planner.estimator import Estimate, Planner, check_mesh_shape
 
@@ -196,9 +199,67 @@ def search(loss_fn: Callable, *, optimizer, batch, devices: int,
              compile_step=compile_step)
 
 
+def per_layer_policy(planner: Planner, config: FSDPConfig):
+  """``(policy, text)``: a wrap policy with one unit per layer for the
+  planner's model: ``ModuleWrapPolicy(["<name>.*"])`` over the sequence of
+  subtrees (the leaves named ``<name>.<i>...``) holding the most
+  parameters, else a size-based policy at 1/8 of the parameters."""
+  plan, _ = planner.plan(config, {SHARD: 1})
+  groups: dict = {}
+  total = 0
+  for leaf in plan.leaves:
+    total += leaf.numel
+    parts = leaf.name.split(".")
+    for k in range(1, len(parts)):
+      if parts[k].isdigit():
+        name = ".".join(parts[:k])
+        indices, numel = groups.get(name, (set(), 0))
+        groups[name] = (indices | {parts[k]}, numel + leaf.numel)
+        break
+  layered = {n: numel for n, (indices, numel) in groups.items() if len(indices) >= 2}
+  if layered:
+    name = max(layered, key=layered.get)
+    return ModuleWrapPolicy([f"{name}.*"]), f'fsdp_jax.ModuleWrapPolicy(["{name}.*"])'
+  threshold = max(1, total // 8)
+  return (functools.partial(size_based_auto_wrap_policy, min_num_params=threshold),
+          f"functools.partial(fsdp_jax.size_based_auto_wrap_policy, "
+          f"min_num_params={threshold})")
+
+
 def run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[int] = None,
         space: Optional[dict] = None, compile_step: Optional[bool] = None,
         misses: Optional[list] = None) -> list:
+  """:func:`_run`; a config without a wrap policy (one unit: the whole
+  model gathered at once) whose search finds nothing is searched again with
+  one unit per layer (:func:`per_layer_policy`, noted on each estimate);
+  when that finds nothing either, a warning says so and names the policy
+  to pass."""
+  space = _check_space(space)
+  base = space.get("config", FSDPConfig())
+  found = _run(planner, devices=devices, device=device, memory_limit=memory_limit,
+               space=space, compile_step=compile_step, misses=misses)
+  if found or not isinstance(base, FSDPConfig) or base.auto_wrap_policy is not None:
+    return found
+  policy, text = per_layer_policy(planner, base)
+  fix = (f"pass space={{'config': FSDPConfig(auto_wrap_policy={text}, ...)}} (a "
+         "fsdp_jax.models bundle: its wrap_policy, or model.fsdp_config())")
+  layered = _run(planner, devices=devices, device=device, memory_limit=memory_limit,
+                 space={**space, "config": dataclasses.replace(base, auto_wrap_policy=policy)},
+                 compile_step=compile_step, misses=misses)
+  if not layered:
+    warnings.warn("search: nothing fits. The config has no wrap policy, so the whole model is "
+                  "one unit, gathered at once on every device; with one unit per layer "
+                  f"({text}) nothing fits either. Fix: {fix}, with more devices, "
+                  "LoRA/QLoRA, or fewer tokens per device.", stacklevel=2)
+    return layered
+  note = (f"search: the config has no wrap policy (one unit: the whole model gathered at "
+          f"once) and nothing fit so; this is one unit per layer. Fix: {fix}")
+  return [dataclasses.replace(e, notes=e.notes + (note,)) for e in layered]
+
+
+def _run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional[int] = None,
+         space: Optional[dict] = None, compile_step: Optional[bool] = None,
+         misses: Optional[list] = None) -> list:
   """:func:`search` with a planner of one's own (several searches of one
   model share its traces and compiled programs: :meth:`Planner.with_batch`).
   ``misses``: a list that gets, for each candidate that does not fit (or
