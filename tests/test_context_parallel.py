@@ -307,3 +307,28 @@ def test_checkpoint_restores_onto_another_context_size(tmp_path):
       state = mngr.restore(jax.eval_shape(lambda: build(**kw)))  # pylint: disable=cell-var-from-loop
     assert state.plan.axes.context_size == kw.get("context", 1)
     assert_trees_close(fsdp_jax.summon_full_params(state), params, rtol=0, atol=0)
+
+
+def test_composes_with_accumulation_clipping_and_lora():
+  """Gradient accumulation (2 microbatches) with clipping, as one device's
+  clipped full-batch step; LoRA, as the same LoRA run without a context axis."""
+  params, batches = _params(), _batches(4)
+  opt = optax.adam(1e-2)
+  ref = optax.chain(optax.clip_by_global_norm(0.5), opt)
+  ref_losses, ref_params = jit_reference_run(_ratio(weighted_loss), params, ref, batches)
+  mesh = lambda **kw: fsdp_jax.make_mesh(**kw, devices=jax.devices()[:4])
+  state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh(shard=2, context=2),
+                                    config=fsdp_jax.FSDPConfig())
+  step = fsdp_jax.shard_train_step(weighted_loss, max_norm=0.5, gradient_accumulation_steps=2)
+  state, losses = train_steps(step, state, batches)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_params, rtol=1e-5, atol=1e-5)
+  config = fsdp_jax.FSDPConfig(lora=fsdp_jax.LoRA(rank=2, targets=["layers.*.wq",
+                                                                   "layers.*.wv"]))
+  runs = []
+  for kw in (dict(shard=2, context=2), dict(shard=4)):
+    state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh(**kw),
+                                      config=config)
+    runs.append(train_steps(fsdp_jax.shard_train_step(weighted_loss), state, batches)[1])
+  np.testing.assert_allclose(runs[0], runs[1], rtol=1e-5)
+  assert runs[0][1] < runs[0][0]
