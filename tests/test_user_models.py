@@ -971,9 +971,10 @@ def eqx_reference(world):
   return batches, params0, losses, eqx.filter(model, eqx.is_inexact_array)
 
 
+# Both layouts, both ways in (init_fn from an abstract model, params);
+# _HYBRID_SHARD_ZERO2 on a 2x2 mesh trains the lm1b model above.
 @pytest.mark.parametrize("strategy, shard, replicate, orig, dropout", [
     pytest.param(FULL_SHARD, 3, None, False, False, id="FULL_SHARD-3-flat"),
-    pytest.param(HYBRID_ZERO2, 2, 2, True, False, id="_HYBRID_SHARD_ZERO2-2x2-orig"),
     pytest.param(NO_SHARD, 2, None, True, True, id="NO_SHARD-2-orig-dropout"),
 ])
 def test_equinox_transformer_matches_filter_jit(strategy, shard, replicate, orig, dropout):
@@ -1094,8 +1095,13 @@ def test_linen_scan_stack_without_stacked_layers_is_flagged_with_the_fix():
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_params)
 
 
+# One case: tests/test_activation_checkpointing.py::
+# test_linen_scan_of_remat_blocks_gathers_one_layer_per_iteration trains the
+# same nn.scan(nn.remat(Block)) declared stacked against jit on FULL_SHARD,
+# SHARD_GRAD_OP (original layout) and HYBRID_SHARD 2x2 (flat), and counts its
+# gathers per layer; here NO_SHARD, and that declaring it silences the warning
+# of the test above.
 @pytest.mark.parametrize("strategy, shard, replicate, orig", [
-    pytest.param(HYBRID_SHARD, 2, 2, False, id="HYBRID_SHARD-2x2-flat"),
     pytest.param(NO_SHARD, 4, None, True, id="NO_SHARD-4-orig"),
 ])
 def test_linen_scan_remat_stack_declared_stacked_matches_jit(strategy, shard, replicate, orig):
