@@ -144,6 +144,11 @@ def search(loss_fn: Callable, *, optimizer, batch, devices: int,
     estimate's ``config.activation_checkpointing`` (``describe_config()``
     says ``remat`` for ``"full"``, ``remat(dots)``, ``remat(offload)``).
     A base config that sets ``activation_checkpointing`` keeps it.
+  * a base config without a wrap policy (the whole model one unit,
+    gathered at once) that fits nowhere is searched again with one unit
+    per layer (``ModuleWrapPolicy(["<name>.*"])`` over the largest list of
+    subtrees, else a size-based policy), noted on each estimate; if nothing
+    fits either, a warning names the policy to pass.
 
   Args:
     loss_fn, optimizer, batch, init_fn, params, device, rng: as for
