@@ -295,10 +295,13 @@ def transformer_reference():
   return batches, params, losses, final
 
 
+# SHARD_GRAD_OP on 4 devices with the original parameters, from materialised
+# params and explicitly collected module classes: tests/test_user_models.py::
+# test_lm1b_weighted_loss_matches_global_batch_jit[SHARD_GRAD_OP-4-orig]
+# trains a linen Transformer that way against jit.
 @pytest.mark.parametrize("strategy, shard, first_device, use_orig_params, from_init_fn", [
     pytest.param(FULL_SHARD, 3, 5, False, True, id="FULL_SHARD-3dev-flat"),
     pytest.param(FULL_SHARD, 8, 0, True, True, id="FULL_SHARD-8dev-orig"),
-    pytest.param(SHARD_GRAD_OP, 4, 0, True, False, id="SHARD_GRAD_OP-4dev-orig"),
 ])
 @pytest.mark.slow
 def test_linen_transformer_matches_single_device(strategy, shard, first_device,
@@ -392,9 +395,11 @@ def nnx_setup():
   return graphdef, params0, loss_fn, batches, ref_losses, ref_params
 
 
+# HYBRID_SHARD 2x2 with the original parameters: tests/test_user_models.py::
+# test_nnx_transformer_matches_nnx_jit trains an NNX transformer there (and on
+# FULL_SHARD 3, flat) against NNX under jit, and loads the result back.
 @pytest.mark.parametrize("strategy, shard, replicate, use_orig_params", [
     pytest.param(FULL_SHARD, 8, None, False, id="FULL_SHARD-8dev-flat"),
-    pytest.param(HYBRID_SHARD, 2, 2, True, id="HYBRID_SHARD-2x2-orig"),
 ])
 @pytest.mark.slow
 def test_nnx_model_matches_single_device(strategy, shard, replicate, use_orig_params):
