@@ -2,7 +2,7 @@
 """The planner against the compiled step: memory, time, cost, and what fits.
 
     python -m benchmarks planner                    # everything: PLANNER.md (about 40 min on 2 cores)
-    python -m benchmarks planner --only accuracy    # estimate vs compiled peak, 25 configurations
+    python -m benchmarks planner --only accuracy    # estimate vs compiled peak, 28 configurations
     python -m benchmarks planner --only time        # CPU measured / predicted step time
     python -m benchmarks planner --only cost        # 70B-shaped Llama on 64 devices; a search
     python -m benchmarks planner --only fits        # Llama 3 8B / 70B on 8, 64, 512 H100s
@@ -73,6 +73,7 @@ class Spec:
   accum: int = 1
   accumulation: str = "no_sync"
   what_if_remat: bool = False  # estimate remat=True on the model without it
+  policy: str = ""  # FSDPConfig(activation_checkpointing=ActivationCheckpointing(policy))
 
   @property
   def devices(self) -> int:
@@ -155,6 +156,8 @@ def build(spec: Spec, *, remat=None):
     kw["tensor_parallel"] = fsdp_jax.TensorParallel(rules=TP_RULES)
   if spec.offload:
     kw["cpu_offload"] = fsdp_jax.CPUOffload(offload_params=True)
+  if spec.policy:
+    kw["activation_checkpointing"] = fsdp_jax.ActivationCheckpointing(spec.policy)
   config = fsdp_jax.FSDPConfig(sharding_strategy=getattr(fsdp_jax.ShardingStrategy,
                                                          spec.strategy),
                                use_orig_params=spec.orig, **kw)
@@ -193,6 +196,9 @@ def accuracy_specs() -> list:
       S("remat (nn.remat)", (("shard", 8),), remat=True),
       S("remat 64", (("shard", 64),), remat=True),
       S("remat what-if", (("shard", 8),), remat=True, what_if_remat=True),
+      S("policy full", (("shard", 8),), policy="full"),
+      S("policy dots", (("shard", 8),), policy="dots"),
+      S("policy offload", (("shard", 8),), policy="offload"),
       S("scan", (("shard", 8),), scan=True),
       S("scan SHARD_GRAD_OP", (("shard", 16),), scan=True, strategy="SHARD_GRAD_OP"),
       S("scan 256", (("shard", 256),), scan=True, layers=2),

@@ -99,7 +99,12 @@ def render(results: dict) -> str:
         "8 heads / 4 key-value heads, vocabulary 4096, 4 layers (2 on 256 devices), 2 sequences "
         "of 256 tokens per device, AdamW; one unit per block (or `nn.scan` over stacked "
         "blocks); LoRA / QLoRA: rank 8 on every projection, nf4 in blocks of 64; TP: Megatron's "
-        "rules on the projections.",
+        "rules on the projections; `policy full` / `dots` / `offload`: "
+        "`FSDPConfig(activation_checkpointing=ActivationCheckpointing(policy))` (on the CPU "
+        "backend `\"offload\"` moves nothing: its truth and compiled estimate count the "
+        "offloaded activations as device memory, its modelled peak counts them as host "
+        "memory, as on a GPU). The model's loss is unblocked (float32 logits), as before "
+        "the families' blocked loss.",
         "",
     ] + _accuracy(results["accuracy"]) + [""]
   if "time" in results:
