@@ -102,10 +102,13 @@ def test_clipping_with_non_positive_max_norm():
     fsdp_jax.custom.clip_grad_norm({}, plan=None, max_norm=-1.0)
 
 
+# A power sum (2 or 3: the same reduction) on every strategy, the maximum
+# (inf) on both that hold replicas; 3 on the one without.
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,n,r", [(S.NO_SHARD, 4, None), (S.HYBRID_SHARD, 2, 2),
-                                          (S.FULL_SHARD, 3, None)])
-@pytest.mark.parametrize("norm_type", [2.0, 3.0, float("inf")])
+@pytest.mark.parametrize("strategy,n,r,norm_type", [
+    (S.NO_SHARD, 4, None, 2.0), (S.NO_SHARD, 4, None, float("inf")),
+    (S.HYBRID_SHARD, 2, 2, 3.0), (S.HYBRID_SHARD, 2, 2, float("inf")),
+    (S.FULL_SHARD, 3, None, 3.0)])
 def test_clip_counts_replicated_gradients_once(strategy, n, r, norm_type):
   """The norm over NO_SHARD's replicated gradients, or HYBRID's replicas,
   equals the single-device norm of the full gradient."""
