@@ -305,8 +305,8 @@ def test_a_cudnn_family_is_planned_on_cpu(tmp_path):
   default implementation's, and a note saying so."""
   (tmp_path / "config.json").write_text(json.dumps(
       {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
-       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
-  tokens = jax.ShapeDtypeStruct((8, 64), jnp.int32)
+       "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}))
+  tokens = jax.ShapeDtypeStruct((8, 32), jnp.int32)
   out = {}
   for impl in ("cudnn", None):
     model = fsdp_jax.models.from_pretrained(str(tmp_path), attn_implementation=impl)
