@@ -53,6 +53,7 @@ from fsdp_jax._src.mesh import (
 )
 from fsdp_jax._src.plan import (
     batch_spec as batch_spec,
+    batch_specs as batch_specs,
     merge_trainable as merge_trainable,
     param_specs as param_specs,
     split_trainable as split_trainable,
@@ -60,7 +61,8 @@ from fsdp_jax._src.plan import (
 from fsdp_jax._src.state import opt_state_specs as opt_state_specs
 
 __all__ = [
-    "CPU_XLA_FLAGS", "GatherSpec", "LeafLayout", "batch_spec", "clip_grad_norm",
+    "CPU_XLA_FLAGS", "GatherSpec", "LeafLayout", "batch_spec", "batch_specs",
+    "clip_grad_norm",
     "compiler_options", "merge_trainable", "opt_state_specs", "optimizer_step", "param_specs",
     "reduce_gradient", "sharded_grads", "split_trainable", "value_and_grad",
 ]

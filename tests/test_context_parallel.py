@@ -332,3 +332,53 @@ def test_composes_with_accumulation_clipping_and_lora():
     runs.append(train_steps(fsdp_jax.shard_train_step(weighted_loss), state, batches)[1])
   np.testing.assert_allclose(runs[0], runs[1], rtol=1e-5)
   assert runs[0][1] < runs[0][0]
+
+
+def test_rng_and_custom_specs():
+  """The key a loss draws from is the same across a context group (the
+  dropout mask of the whole sequence, each device using its chunk): a step
+  on shard=2 x context=2 equals one on shard=2. A hand-written step gets
+  per-leaf specs from batch_specs; batch_spec refuses, naming it."""
+  def dropout_loss(p, batch, rng):
+    logits = _forward(p, batch["ids"])
+    keep = jax.random.bernoulli(rng, 0.7, logits.shape)
+    return jnp.mean(jnp.where(keep, logits, 0.0) ** 2)
+
+  losses = []
+  for kw in (dict(shard=2, context=2), dict(shard=2)):
+    mesh = fsdp_jax.make_mesh(**kw, devices=jax.devices()[:int(np.prod(list(kw.values())))])
+    state = fsdp_jax.init_train_state(params=_params(), optimizer=optax.adam(1e-2), mesh=mesh,
+                                      config=fsdp_jax.FSDPConfig(), rng=jax.random.key(3))
+    losses.append(train_steps(fsdp_jax.shard_train_step(dropout_loss), state,
+                              [{"ids": b["ids"]} for b in _batches(2)])[1])
+  np.testing.assert_allclose(losses[0], losses[1], rtol=1e-5)
+  plan = fsdp_jax.init_train_state(
+      params=_params(), optimizer=optax.sgd(0.1), config=fsdp_jax.FSDPConfig(),
+      mesh=fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])).plan
+  with pytest.raises(ValueError, match="batch_specs"):
+    fsdp_jax.custom.batch_spec(plan)
+  specs = fsdp_jax.custom.batch_specs(plan, {"ids": np.zeros((2, 8)), "n": np.zeros(2)})
+  assert specs == {"ids": jax.P("shard", "context"), "n": jax.P("shard")}
+
+
+def test_ops_along_other_dimensions():
+  """argmax, sort and cummax over the vocabulary run on the chunk (an
+  accuracy as aux); a reverse cumulative sum along the sequence is refused."""
+  def loss(p, b):
+    logits = _forward(p, b["ids"])
+    acc = jnp.mean(jnp.argmax(logits, -1) == b["ids"])
+    top = jnp.sort(logits, axis=-1)[..., -1]
+    return jnp.mean(logits ** 2) + 0.1 * jnp.mean(top) + jnp.mean(
+        jax.lax.cummax(logits, axis=2)), acc
+
+  params, b = _params(), {"ids": _batches(2)[0]["ids"]}
+  mesh = fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])
+  state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+                                    config=fsdp_jax.FSDPConfig())
+  _, metrics = fsdp_jax.shard_train_step(loss)(state, b)
+  want = loss(params, b)
+  np.testing.assert_allclose([float(metrics["loss"]), float(metrics["aux"])],
+                             [float(want[0]), float(want[1])], rtol=1e-5)
+  rev = lambda p, b: jnp.mean(jax.lax.cumsum(_forward(p, b["ids"]), axis=1, reverse=True))
+  with pytest.raises(ValueError, match="reverse cumulative sum along the split sequence"):
+    fsdp_jax.shard_train_step(rev)(state, b)

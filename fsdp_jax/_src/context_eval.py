@@ -186,6 +186,15 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
     return [_slice(eqn, invals[0], ctx)]
   if name == "cumsum":
     return [_cumsum(eqn, invals[0], ctx)]
+  if name in _ALONG_OTHER and len(invals) == 1:
+    # argmax over the vocabulary, a cumulative op or a sort along another
+    # dimension: on the chunk
+    v = invals[0]
+    axes = eqn.params.get("axes", (eqn.params.get("axis", eqn.params.get("dimension")),))
+    if v.dim not in axes:
+      out = _compat.bind_eqn(eqn, [v.x])[0]
+      drop = name in ("argmax", "argmin")
+      return [Split(out, v.dim - (sum(a < v.dim for a in axes) if drop else 0))]
   if name in ("transpose", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
               "convert_element_type") and isinstance(invals[0], Split):
     out = _layout(eqn, invals, ctx)
@@ -210,6 +219,10 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
   if body is not None:
     return evaluate(body[0], body[1], invals, ctx)
   _refuse(eqn, "no rule for it on a split sequence")
+
+
+_ALONG_OTHER = frozenset({"argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin",
+                          "cumlogsumexp", "sort"})
 
 
 def _elementwise(eqn, invals, ctx: _Ctx):

@@ -184,7 +184,7 @@ class EvalStep:
     """The ``shard_map`` out_specs of the outputs (WeightedLoss: one scalar),
     after checking ``"batch"`` outputs' leading axes."""
     rows = {x.shape[0] for x in jax.tree.leaves(local_batch)}
-    data = plan_lib.batch_spec(plan)[0]
+    data = plan_lib.data_spec(plan)[0]
     tensor = plan.axes.tensor_axes[0] if plan.axes.tensor_axes else None
     dims = {} if split is None else split.dims
     # Positions of the leaves among fn's flat outputs (a WeightedLoss: two).
@@ -251,7 +251,7 @@ class EvalStep:
 
       def body(params, model_state, batch_local, base_key, step):
         k = None if base_key is None else jax.tree.map(
-            lambda r: loss_lib.device_key(r, step, data_axes), base_key)
+            lambda r: loss_lib.device_key(r, step, plan.axes.batch_axes), base_key)
         return self._reduce(plan, run(params, batch_local, model_state, k))
 
       fn = jax.shard_map(

@@ -244,14 +244,14 @@ def sharded_grads(loss_fn: Callable, state: ShardedTrainState, batch):
   vg = grads_lib.value_and_grad(loss_fn, plan=plan)
   p_specs = plan_lib.param_specs(plan)
   t_specs = plan_lib.split_trainable(plan, p_specs)[0]
-  b_specs = jax.tree.map(lambda _: plan_lib.batch_spec(plan), batch)
+  b_specs = plan_lib.batch_specs(plan, batch)
   ms_specs = jax.tree.map(lambda _: P(), state.model_state)
   rng_specs = jax.tree.map(lambda _: P(), state.rng)
 
   def body(params, model_state, batch_local, rng, step):
     # The key the step would pass at this step (see shard_train_step).
     key = None if rng is None else jax.tree.map(
-        lambda r: loss_lib.device_key(r, step, plan.axes.data_axes), rng)
+        lambda r: loss_lib.device_key(r, step, plan.axes.batch_axes), rng)
     _, g, _ = vg(offload.to_device(params), batch_local, model_state, None, key)
     return g
 

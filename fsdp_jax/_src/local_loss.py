@@ -186,7 +186,7 @@ class LocalLoss:
     ms_leaves = jax.tree_util.tree_leaves(ms)
     key_pos = [j for j, x in enumerate(ms_leaves) if is_key_dtype(x.dtype)]
     if key_pos:
-      index = loss_lib.device_index(self.plan.axes.data_axes)
+      index = loss_lib.device_index(self.plan.axes.batch_axes)
       ms_leaves = [jax.random.fold_in(x, index) if j in key_pos else x
                    for j, x in enumerate(ms_leaves)]
     rest = jax.tree_util.tree_leaves(batch) + ms_leaves + jax.tree_util.tree_leaves(key)

@@ -707,15 +707,39 @@ def batch_spec(plan: Plan) -> P:
     >>> fsdp_jax.custom.batch_spec(state.plan) == P("shard")  # dim 0 over the data axes
     True
   """
+  if plan.context is not None:
+    raise ValueError(
+        f"batch_spec(plan): the mesh has a 'context' axis (shape {dict(plan.mesh.shape)}), so "
+        "batch leaves are split along their sequence too and one spec does not fit every "
+        "leaf. Fix: pass fsdp_jax.custom.batch_specs(plan, batch) as shard_map's in_specs "
+        "for the batch.")
+  return data_spec(plan)
+
+
+def data_spec(plan: Plan) -> P:
+  """Dim 0 over the data-parallel axes the batch's rows are split over."""
   axes = plan.axes.batch_axes
   return P(axes[0] if len(axes) == 1 else axes)
 
 
 def batch_specs(plan: Plan, batch):
-  """Each batch leaf's ``PartitionSpec``: dim 0 over the data-parallel axes
-  (:func:`batch_spec`); under context parallelism the selected leaves also
-  split along the sequence dimension over ``"context"``."""
-  spec = batch_spec(plan)
+  """Each batch leaf's ``PartitionSpec`` (a hand-written step's ``shard_map``
+  ``in_specs`` for the batch): dim 0 over the data-parallel axes; under
+  context parallelism (a ``"context"`` mesh axis) the leaves
+  :class:`~fsdp_jax.ContextParallel` selects also along their sequence
+  dimension over ``"context"``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, fsdp_jax
+    >>> mesh = fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])
+    >>> state = fsdp_jax.init_train_state(params={"w": jnp.ones((4, 2))},
+    ...     optimizer=optax.sgd(0.1), mesh=mesh, config=fsdp_jax.FSDPConfig())
+    >>> specs = fsdp_jax.custom.batch_specs(state.plan, {"ids": jnp.ones((2, 8)), "n": jnp.ones(2)})
+    >>> from jax.sharding import PartitionSpec as P
+    >>> specs["ids"] == P("shard", "context"), specs["n"] == P("shard")
+    (True, True)
+  """
+  spec = data_spec(plan)
   cp = plan.context
   if cp is None:
     return jax.tree.map(lambda _: spec, batch)

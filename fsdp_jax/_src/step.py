@@ -306,7 +306,7 @@ def shard_train_step(loss_fn: Callable[..., Any],
       # With CPU offload the stored shards are in host memory: each unit's
       # gather reads a device copy of its own shards (local_loss.LocalLoss).
       key = None if rng is None else jax.tree.map(
-          lambda r: loss_lib.device_key(r, step_count, data_axes), rng)
+          lambda r: loss_lib.device_key(r, step_count, plan.axes.batch_axes), rng)
       out, grads, new_hook_state = vg(params, batch_local, model_state, hook_state, key)
       if out.weight is None:
         loss = jax.lax.pmean(out.loss.astype(jnp.float32), data_axes)
@@ -491,7 +491,7 @@ def check_local_batch(plan: Plan, batch) -> None:
   """Multi-process: this process's part of the batch splits evenly over its
   data-parallel devices, and every process passes a part of the same size."""
   world = plan.axes.world_size
-  sharding = NamedSharding(plan.mesh, plan_lib.batch_spec(plan))
+  sharding = NamedSharding(plan.mesh, plan_lib.data_spec(plan))
   idx = sharding.addressable_devices_indices_map((world,))
   mine = len({s[0].indices(world) for s in idx.values()})
   rows = []
@@ -552,6 +552,11 @@ def place_checked(plan: Plan, batch, checked_shapes=None, batch_check=None):
   batch's values (``loss_fn.check_batch``), or None."""
   if jax.process_count() == 1:
     check_batch(plan, batch)
+  elif plan.context is not None:
+    raise NotImplementedError(
+        "Context parallelism (a 'context' mesh axis) runs in one process for now: each "
+        "process would pass its share of the sequences' chunks. Fix: run one process, or "
+        "build the mesh without context=.")
   else:
     shapes = jax.tree.map(np.shape, batch)
     if checked_shapes != shapes:
