@@ -46,13 +46,15 @@ def _counted_init(model):
   return init_fn, calls
 
 
-@pytest.mark.parametrize("strategy,n,use_orig", [
-    (S.FULL_SHARD, 4, False), pytest.param(S.FULL_SHARD, 3, True, marks=pytest.mark.slow),
-    pytest.param(S.HYBRID_SHARD, 4, False, marks=pytest.mark.slow),
-    pytest.param(S.NO_SHARD, 2, False, marks=pytest.mark.slow)],
-    ids=["full-4", "full-3-orig", "hybrid-2x2", "no_shard-2"])
-@pytest.mark.parametrize("norm", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["params", "with_batch_stats"])
+# Each strategy case once, a BatchNorm's statistics (model state: one more
+# program) in two of them, both layouts and a 2-D mesh among them.
+@pytest.mark.parametrize("strategy,n,use_orig,norm", [
+    (S.FULL_SHARD, 4, False, False),
+    pytest.param(S.FULL_SHARD, 3, True, True, marks=pytest.mark.slow),
+    pytest.param(S.HYBRID_SHARD, 4, False, True, marks=pytest.mark.slow),
+    pytest.param(S.NO_SHARD, 2, False, False, marks=pytest.mark.slow)],
+    ids=["full-4-params", "full-3-orig-with_batch_stats", "hybrid-2x2-with_batch_stats",
+         "no_shard-2-params"])
 def test_values_match_the_unsharded_init_and_init_fn_is_traced_once(strategy, n, use_orig,
                                                                      norm):
   model = Model(norm=norm)
