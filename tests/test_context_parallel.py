@@ -362,14 +362,17 @@ def test_rng_and_custom_specs():
 
 
 def test_ops_along_other_dimensions():
-  """argmax, sort and cummax over the vocabulary run on the chunk (an
-  accuracy as aux); a reverse cumulative sum along the sequence is refused."""
+  """argmax, sort and cummax over the vocabulary and a per-token matmul of
+  a sliced sequence run on the chunk (an accuracy as aux); a reverse
+  cumulative sum along the sequence and attention over a sliced sequence
+  are refused."""
   def loss(p, b):
     logits = _forward(p, b["ids"])
     acc = jnp.mean(jnp.argmax(logits, -1) == b["ids"])
     top = jnp.sort(logits, axis=-1)[..., -1]
+    per_token = logits[:, 1:] @ p["head"].T  # a matmul on a sliced sequence
     return jnp.mean(logits ** 2) + 0.1 * jnp.mean(top) + jnp.mean(
-        jax.lax.cummax(logits, axis=2)), acc
+        jax.lax.cummax(logits, axis=2)) + jnp.mean(per_token ** 2), acc
 
   params, b = _params(), {"ids": _batches(2)[0]["ids"]}
   mesh = fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])
@@ -382,3 +385,6 @@ def test_ops_along_other_dimensions():
   rev = lambda p, b: jnp.mean(jax.lax.cumsum(_forward(p, b["ids"]), axis=1, reverse=True))
   with pytest.raises(ValueError, match="reverse cumulative sum along the split sequence"):
     fsdp_jax.shard_train_step(rev)(state, b)
+  sliced = lambda p, b: jnp.mean(jnp.einsum("bqv,bkv->bqk", *[_forward(p, b["ids"])[:, 1:]] * 2))
+  with pytest.raises(ValueError, match="dot_general.*a matmul gathering a sliced sequence"):
+    fsdp_jax.shard_train_step(sliced)(state, b)

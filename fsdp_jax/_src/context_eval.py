@@ -509,9 +509,9 @@ def _dot(eqn, invals, ctx: _Ctx):
   opts = _compat.dot_options(eqn)
   dn = ((lc, rc), (lb, rb))
   ls, rs = isinstance(lhs, Split), isinstance(rhs, Split)
-  for v, k in ((lhs, 0), (rhs, 1)):
-    if isinstance(v, Split) and _padded(eqn, v, ctx, k):
-      _refuse(eqn, "a matmul over a sliced sequence")
+  # A sliced sequence (padding past its length) may be a per-token operand
+  # (free or batch), not gathered or contracted.
+  pl, pr = (isinstance(v, Split) and _padded(eqn, v, ctx, k) for k, v in enumerate(invals))
   lfree = [i for i in range(len(_in_shape(eqn, 0))) if i not in lc and i not in lb]
   rfree = [i for i in range(len(_in_shape(eqn, 1))) if i not in rc and i not in rb]
 
@@ -528,9 +528,15 @@ def _dot(eqn, invals, ctx: _Ctx):
     # Attention: gather the operand whose sequence is contracted (v in
     # probs @ v), else the smaller (k in q @ k^T).
     if rr[0] == "contract" or (rl[0] != "contract" and lhs.x.size >= rhs.x.size):
+      if pr:
+        _refuse(eqn, "a matmul gathering a sliced sequence")
       rhs, rs, rr = ctx.gather(rhs), False, None
     else:
+      if pl:
+        _refuse(eqn, "a matmul gathering a sliced sequence")
       lhs, ls, rl = ctx.gather(lhs), False, None
+  if (pl and rl[0] == "contract") or (pr and rr[0] == "contract"):
+    _refuse(eqn, "a matmul contracting a sliced sequence")
   if ls and rs:  # the same role
     kind, j = rl
     out = lax.dot_general(lhs.x, rhs.x, dn, **opts)
