@@ -271,6 +271,11 @@ def test_config_and_mesh():
   with pytest.raises(NotImplementedError, match="Context parallelism with tensor parallelism"):
     fsdp_jax.init_train_state(params=_params(), optimizer=optax.sgd(0.1), mesh=mesh,
                               config=fsdp_jax.FSDPConfig(tensor_parallel=tp))
+  plan = fsdp_jax.init_train_state(
+      params=_params(), optimizer=optax.sgd(0.1), config=fsdp_jax.FSDPConfig(context_parallel=cp),
+      mesh=fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])).plan
+  specs = fsdp_jax.custom.batch_specs(plan, {"ids": np.zeros((2, 8)), "pos": np.zeros((2, 8))})
+  assert specs == {"ids": jax.P("shard", "context"), "pos": jax.P("shard")}  # leaves=["ids"]
   with pytest.raises(ValueError, match="make_mesh\\(..., context=C\\)"):
     fsdp_jax.init_train_state(params=_params(), optimizer=optax.sgd(0.1),
                               mesh=fsdp_jax.make_mesh(shard=2, devices=jax.devices()[:2]),
