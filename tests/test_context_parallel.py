@@ -98,9 +98,9 @@ def _ratio(loss_fn):
 
 
 def _run(loss_fn, mesh_kw, batches, strategy=S.FULL_SHARD, params=None, config=None,
-         atol=1e-5, eps=1e-8):
+         atol=1e-5, eps=1e-8, ref_fn=None):
   params, opt = _params() if params is None else params, optax.adam(1e-2, eps=eps)
-  ref_losses, ref_params = jit_reference_run(_ratio(loss_fn), params, opt, batches)
+  ref_losses, ref_params = jit_reference_run(_ratio(ref_fn or loss_fn), params, opt, batches)
   mesh = fsdp_jax.make_mesh(**mesh_kw, devices=jax.devices()[:int(np.prod(
       list(mesh_kw.values())))])
   cfg = config or fsdp_jax.FSDPConfig(sharding_strategy=strategy)
@@ -129,6 +129,22 @@ def test_context_8_packed_documents_and_window():
   _run(weighted_loss, dict(context=8), batches)
   w = lambda p, b: weighted_loss(p, dict(b, window=3))
   _run(w, dict(shard=2, context=2), _batches(2, seed=4, seg=True))
+
+
+def blocked_loss(p, batch):
+  """fsdp_jax.chunked_cross_entropy (blocks of 3, soft-capped) of the hidden
+  state h[:, :-1] against labels[:, 1:]: a sliced sequence, the last
+  device's last position padding."""
+  h = jnp.tanh(p["emb"][batch["ids"]] @ p["layers"][0]["wq"])[:, :-1]
+  labels = jnp.where(batch["w"][:, 1:] > 0, batch["ids"][:, 1:], -100)
+  return fsdp_jax.chunked_cross_entropy(h, p["layers"][0]["wo"], labels, block_tokens=3,
+                                        soft_cap=2.0)
+
+
+def test_blocked_loss_of_a_sliced_sequence():
+  """The blocked loss on each device's chunk (labels past the sliced
+  length ignored), its total and weight summed over the context axis."""
+  _run(blocked_loss, dict(context=4), _batches(1, seed=6))
 
 
 def test_plain_mean_loss():
@@ -177,13 +193,17 @@ def test_attention_functions(which):
 
 def test_llama_family(tmp_path):
   """fsdp_jax.models' llama (through fsdp_jax.attention, layers scanned),
-  packed rows, its unblocked loss; the blocked loss is refused, naming the fix."""
+  packed rows, its default blocked loss (fsdp_jax.chunked_cross_entropy,
+  blocks of 3 tokens: not dividing the chunks of 4) on shard=2 x context=4:
+  each device's chunk's blocked loss summed over the context axis, equal to
+  one device's unblocked training."""
   d = str(tmp_path)
   with open(f"{d}/config.json", "w") as f:
     json.dump({"model_type": "llama", "vocab_size": 40, "hidden_size": 16,
                "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "max_position_embeddings": 64}, f)
-  b = models.from_pretrained(d, scan=True, loss_block_tokens=None)
+  b = models.from_pretrained(d, scan=True, loss_block_tokens=3)
+  unblocked = models.from_pretrained(d, scan=True, loss_block_tokens=None)
   rng = np.random.default_rng(0)
   params = jax.tree.map(lambda x: np.asarray(rng.normal(0.0, 0.2, x.shape), x.dtype),
                         jax.eval_shape(b.init_fn, jax.random.key(0)))
@@ -195,14 +215,8 @@ def test_llama_family(tmp_path):
   batches = [{"input_ids": ids, "labels": labels, "segment_ids": seg}] * 2
   # Adam's eps above the gradients' float32 rounding (1e-8 turns a ~1e-7
   # gradient's last-bit differences into 1e-3 relative updates).
-  _run(b.loss_fn, dict(shard=2, context=2), batches, params=params, config=b.fsdp_config(),
-       eps=1e-4)
-  blocked = models.from_pretrained(d, scan=True)
-  mesh = fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])
-  state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
-                                    config=blocked.fsdp_config())
-  with pytest.raises(ValueError, match=r"(?s)cross_entropy.*loss_block_tokens=None"):
-    fsdp_jax.shard_train_step(blocked.loss_fn)(state, batches[0])
+  _run(b.loss_fn, dict(shard=2, context=4), batches, params=params, config=b.fsdp_config(),
+       eps=1e-4, ref_fn=unblocked.loss_fn)
 
 
 def test_only_keys_and_values_move_over_context():

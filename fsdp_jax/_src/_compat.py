@@ -359,6 +359,22 @@ def custom_vjp_backward(eqn):
   return getattr(eqn.params.get("bwd"), "f", None)
 
 
+def custom_vjp_static_args(eqn) -> Optional[tuple]:
+  """The static (``nondiff_argnums``) arguments a ``jax.custom_vjp``
+  equation's backward rule is called with (its ``params["bwd"]``
+  ``WrappedFun``'s ``_prepend_static_args`` transformation, each wrapped
+  in an ``Unhashable`` with ``.val``: jax 0.10-0.12), or None."""
+  if custom_vjp_backward(eqn) is None:
+    return None
+  try:
+    for gen, args in eqn.params["bwd"].transforms:
+      if getattr(gen, "__name__", "") == "_prepend_static_args":
+        return tuple(getattr(a, "val", a) for a in args[0])
+  except Exception:  # pylint: disable=broad-except  # a change of form: unknown
+    pass
+  return None
+
+
 def call_body(eqn):
   """The body of a call equation (``params["jaxpr"]``, or ``call_jaxpr`` for
   ``core_call``), as (open jaxpr, consts), or None."""

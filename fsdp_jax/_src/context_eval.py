@@ -29,8 +29,11 @@ sequence is contracted or, when both are free, the smaller (keys and
 values: the all-gather strategy); a matmul contracting both chunks adds up
 over ``"context"``. A slice dropping ``a`` leading positions takes ``a``
 values from the next device (``ppermute``); ``cumsum`` adds the preceding
-chunks' totals. Anything else that touches the split dimension is refused
-with an error naming the primitive, its source line and the fix.
+chunks' totals. ``fsdp_jax.chunked_cross_entropy`` (the blocked loss, a
+sum over tokens) is recognised as a whole and called on this device's
+chunk, its total and weight summed over ``"context"``. Anything else that
+touches the split dimension is refused with an error naming the primitive,
+its source line and the fix.
 
 Gradients: the collectives are JAX's own (``all_gather`` <-> ``psum_scatter``,
 ``psum`` <-> ``psum``, ``ppermute`` <-> the reverse ``ppermute``), so each
@@ -53,6 +56,7 @@ from jax import lax
 
 from fsdp_jax._src import _compat
 from fsdp_jax._src import attention as attention_lib
+from fsdp_jax._src import cross_entropy
 from fsdp_jax._src import loss as loss_lib
 
 
@@ -160,7 +164,16 @@ def evaluate(jaxpr, consts, args, ctx: _Ctx) -> list:
     env[v] = x
   for v, x in zip(jaxpr.invars, args):
     env[v] = x
-  for eqn in jaxpr.eqns:
+  losses = {g.first: g for g in _blocked_losses(jaxpr)}
+  skip: dict = {}  # eqn index -> the blocked loss that replaces it
+  for i, eqn in enumerate(jaxpr.eqns):
+    g = losses.get(i)
+    if g is not None and isinstance(env.get(g.hidden), Split):
+      skip.update(dict.fromkeys(g.eqns, g))
+    if i in skip:
+      if i == skip[i].call:
+        env[skip[i].total], env[skip[i].weight] = _blocked_loss(skip[i], env, ctx)
+      continue
     invals = [v.val if isinstance(v, _compat.Literal) else env[v] for v in eqn.invars]
     if not any(isinstance(x, Split) for x in invals):
       outs = _compat.bind_eqn(eqn, invals)
@@ -170,6 +183,132 @@ def evaluate(jaxpr, consts, args, ctx: _Ctx) -> list:
       if not isinstance(v, _compat.DropVar):
         env[v] = x
   return [v.val if isinstance(v, _compat.Literal) else env[v] for v in jaxpr.outvars]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _BlockedLoss:
+  """The equations of one ``fsdp_jax.chunked_cross_entropy`` call: the
+  tokens flattened (``reshape``), padded to whole blocks and cast, the
+  weight (``sum(labels != -100)``) and the ``jax.custom_vjp`` of the blocked
+  sum (:data:`cross_entropy.BACKWARD`), from ``hidden`` ``[..., T, d]``,
+  ``labels`` ``[..., T]`` and the head ``kernel`` to ``total`` and
+  ``weight``."""
+
+  eqns: frozenset
+  first: int
+  call: int
+  hidden: object
+  labels: object
+  kernel: object
+  total: object
+  weight: object
+  block: int
+  soft_cap: object
+
+
+def _blocked_losses(jaxpr) -> list:
+  """The blocked-loss calls in ``jaxpr`` (see :class:`_BlockedLoss`); one
+  whose intermediate values are used elsewhere is left out (its
+  equations then meet the ordinary rules)."""
+  eqns = jaxpr.eqns
+  if not any(_compat.custom_vjp_backward(e) is cross_entropy.BACKWARD for e in eqns):
+    return []
+  made, users = {}, {}
+  for i, e in enumerate(eqns):
+    for v in e.outvars:
+      made[v] = i
+    for v in e.invars:
+      if not isinstance(v, _compat.Literal):
+        users.setdefault(v, []).append(i)
+  outs = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
+
+  def back(v, group, kinds):
+    """Walks from ``v`` back through the flatten / pad / cast of its
+    tokens (``kinds``, in that order from the call, each optional)."""
+    for kind in kinds:
+      i = made.get(v)
+      if i is None:
+        return v
+      e = eqns[i]
+      name = e.primitive.name
+      ok = {"pad": name == "pad" or _compat.call_name(e) == "_pad",
+            "cast": name == "convert_element_type",
+            "flatten": name == "reshape"}[kind]
+      if ok:
+        group.add(i)
+        v = e.invars[0]
+    return v
+
+  found = []
+  for c, e in enumerate(eqns):
+    static = _compat.custom_vjp_static_args(e)
+    if _compat.custom_vjp_backward(e) is not cross_entropy.BACKWARD or static is None:
+      continue
+    if len(e.invars) != 3 or len(e.outvars) != 1:
+      continue
+    group = {c}
+    hidden = back(e.invars[0], group, ("pad", "flatten"))
+    labels = back(e.invars[2], group, ("pad", "cast", "flatten"))
+    # the weight: sum(labels != -100) cast to float32
+    chain = [i for i in users.get(e.invars[2], []) if i != c]
+    if len(chain) != 1 or eqns[chain[0]].primitive.name != "ne":
+      continue
+    v, summed = eqns[chain[0]].outvars[0], False
+    group.add(chain[0])
+    while len(users.get(v, [])) == 1 and eqns[users[v][0]].primitive.name in (
+        "convert_element_type", "reduce_sum"):
+      i = users[v][0]
+      summed |= eqns[i].primitive.name == "reduce_sum"
+      group.add(i)
+      v = eqns[i].outvars[0]
+    weight, total = v, e.outvars[0]
+    h_shape, y_shape = np.shape(hidden.aval), np.shape(labels.aval)
+    inner = {w for i in group for w in eqns[i].outvars} - {weight, total}
+    if (not summed or np.shape(weight.aval) != () or len(h_shape) < 2
+        or tuple(y_shape) != tuple(h_shape[:-1])
+        or any(u not in group for w in inner for u in users.get(w, ())) or inner & outs
+        or any(u < c for u in users.get(weight, ()))):
+      continue
+    found.append(_BlockedLoss(frozenset(group), min(group), c, hidden, labels, e.invars[1],
+                              total, weight, int(static[0]), static[1]))
+  return found
+
+
+def _blocked_loss(g: _BlockedLoss, env, ctx: _Ctx):
+  """``chunked_cross_entropy`` of this device's chunk (its tokens; labels
+  past the sequence's logical length ignored, -100), the same blocked
+  ``jax.custom_vjp`` with its blockwise backward, its total and weight
+  summed over ``"context"`` as any sum over the sequence."""
+  read = lambda v: v.val if isinstance(v, _compat.Literal) else env[v]
+  h, y, kernel = read(g.hidden), read(g.labels), read(g.kernel)
+  d = h.x.ndim - 2
+  if h.dim != d or isinstance(kernel, Split):
+    raise Refused(
+        f"Context parallelism cannot compute fsdp_jax.chunked_cross_entropy: its hidden "
+        f"state {tuple(np.shape(g.hidden.aval))} is split along dimension {h.dim}, not its "
+        f"tokens ({d}), or its head kernel is split. Fix: pass the hidden state "
+        f"[..., tokens, d] of the split sequence and a head kernel [d, vocab].")
+  n = h.x.shape[d]
+  if isinstance(y, Split):
+    if y.dim != d:
+      raise Refused(
+          f"Context parallelism cannot compute fsdp_jax.chunked_cross_entropy: its labels "
+          f"{tuple(np.shape(g.labels.aval))} are split along dimension {y.dim}, not {d}. "
+          "Fix: pass labels of the hidden state's shape less its last dimension.")
+    y = y.x
+  else:
+    y = ctx.cut(y, d, n)
+  length = np.shape(g.hidden.aval)[d]
+  if length < n * ctx.c:  # positions past the logical length are padding
+    keep = lax.broadcast_in_dim(ctx.valid(n, length), y.shape, (d,))
+    y = jnp.where(keep, y, jnp.asarray(cross_entropy.IGNORE_INDEX, y.dtype))
+  out = cross_entropy.chunked_cross_entropy(h.x, kernel, y, block_tokens=g.block,
+                                            soft_cap=g.soft_cap)
+  total = out.total.astype(g.total.aval.dtype)
+  weight = out.weight.astype(g.weight.aval.dtype)
+  ctx.report.add("all-reduce", total)
+  ctx.report.add("all-reduce", weight)
+  return lax.psum(total, ctx.axis), lax.psum(weight, ctx.axis)
 
 
 def _rule(eqn, invals, ctx: _Ctx) -> list:
