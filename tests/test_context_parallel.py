@@ -144,7 +144,7 @@ def blocked_loss(p, batch):
 def test_blocked_loss_of_a_sliced_sequence():
   """The blocked loss on each device's chunk (labels past the sliced
   length ignored), its total and weight summed over the context axis."""
-  _run(blocked_loss, dict(context=4), _batches(1, seed=6))
+  _run(blocked_loss, dict(context=4), _batches(2, seed=6))  # two rows a device: flattened
 
 
 def test_plain_mean_loss():
