@@ -201,6 +201,20 @@ def reduction_axes(eqn) -> tuple:
   return tuple(eqn.params.get("axes", ()))
 
 
+def operated_axes(eqn) -> tuple:
+  """The axes a reduction (``axes``), ``argmax``/``argmin`` (``axes``), a
+  cumulative op (``axis``) or ``sort`` (``dimension``) works along."""
+  p = eqn.params
+  if "axes" in p:
+    return tuple(p["axes"])
+  return (p.get("axis", p.get("dimension")),)
+
+
+def cumulative_params(eqn) -> tuple[int, bool]:
+  """``(axis, reverse)`` of a ``cumsum`` / ``cummax`` / ... equation."""
+  return eqn.params["axis"], bool(eqn.params.get("reverse", False))
+
+
 def while_parts(eqn) -> tuple[int, int, Any, Any]:
   """``(cond_nconsts, body_nconsts, cond jaxpr, body jaxpr)`` of a ``while``
   equation (operands: the cond's consts, the body's consts, the carry), the

@@ -329,7 +329,7 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
     # argmax over the vocabulary, a cumulative op or a sort along another
     # dimension: on the chunk
     v = invals[0]
-    axes = eqn.params.get("axes", (eqn.params.get("axis", eqn.params.get("dimension")),))
+    axes = _compat.operated_axes(eqn)
     if v.dim not in axes:
       out = _compat.bind_eqn(eqn, [v.x])[0]
       drop = name in ("argmax", "argmin")
@@ -517,11 +517,11 @@ def _take(eqn, invals, ctx: _Ctx):
   lookup ``emb[ids]``), or batched along the split sequence of both
   (``take_along_axis(logp, labels)``): the lookup of this device's indices."""
   operand, indices = invals
-  dn = eqn.params["dimension_numbers"]
+  dn, slice_sizes, _, _ = _compat.gather_params(eqn)
   if isinstance(operand, Split) and not isinstance(indices, Split):
     # x[..., i]: the split dimension taken whole by every slice
     d = operand.dim
-    sizes = list(eqn.params["slice_sizes"])
+    sizes = list(slice_sizes)
     if (d in tuple(dn.collapsed_slice_dims) or d in tuple(dn.start_index_map)
         or d in tuple(getattr(dn, "operand_batching_dims", ()))
         or sizes[d] != _in_shape(eqn)[d]):
@@ -590,10 +590,10 @@ def _attention(eqn, call, invals, ctx: _Ctx):
 
 
 def _cumsum(eqn, v, ctx: _Ctx):
-  axis = eqn.params["axis"]
+  axis, reverse = _compat.cumulative_params(eqn)
   if axis != v.dim:
     return Split(_compat.bind_eqn(eqn, [v.x])[0], v.dim)
-  if eqn.params.get("reverse"):
+  if reverse:
     _refuse(eqn, "a reverse cumulative sum along the split sequence")
   local = _compat.bind_eqn(eqn, [v.x])[0]
   total = lax.slice_in_dim(local, v.x.shape[axis] - 1, v.x.shape[axis], axis=axis)
