@@ -24,7 +24,7 @@
     python -m benchmarks families       # fsdp_jax.models' families vs the example Llama (MODELS.md)
     python -m benchmarks eval           # the eval step and reshard_params: memory (EVAL.md)
     python -m benchmarks planner        # the planner against the compiled step: memory, time, cost, what fits (PLANNER.md)
-    python -m benchmarks activations    # the blocked loss's memory against the unblocked loss (ACTIVATIONS.md)
+    python -m benchmarks activations    # checkpointing policies and the blocked loss (ACTIVATIONS.md)
     python -m benchmarks data           # fsdp_jax.data: padding and tokens/s of the pipeline (DATA.md)
 
 ``python -m benchmarks <name> --help`` lists a measurement's options.
