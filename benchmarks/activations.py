@@ -540,7 +540,8 @@ constant added to every score of a row), so its computed gradient is
 rounding noise, which Adam scales up to steps of up to lr (one AdamW step:
 1.4e-4 against SGD's 6e-8; after 3 steps up to 1e-2, lr itself); the later
 steps' losses (up to 9e-6) and `mu` follow. The models without such a bias
-stay within a few 1e-6 (Phi-3: 1.2e-5). This is float32's answer to a
+stay within a few 1e-6 but for Phi-3 (1.2e-5) and Llama on SHARD_GRAD_OP
+(5e-5, the entry above). This is float32's answer to a
 different summation order, as two data-parallel layouts also give: it is
 not a difference in what is computed.
 """
