@@ -12,9 +12,11 @@ import collections
 import contextlib
 import importlib.util
 import io
+import itertools
 import json
 import os
 import pathlib
+import pickle
 import subprocess
 import sys
 
@@ -172,6 +174,18 @@ def test_packing_keeps_every_document_whole(tok, packing):
   padding = float(np.mean([r["segment_ids"] == 0 for r in packed]))
   assert padding <= 0.05, padding  # 2.3% here; unpacked rows are 80% padding
   assert float(np.mean([r["segment_ids"] == 0 for r in reference])) > 0.7
+
+
+def test_dataset_pickles_for_worker_processes(tok):
+  """grain's worker processes (``mp_prefetch``) get the dataset pickled: the
+  copy gives the same rows."""
+  rows = long_tailed_rows(40, 64)
+  ds = data.sft_dataset(rows, tok, seq_len=64)
+  copy = pickle.loads(pickle.dumps(ds))
+  for a, b in zip(itertools.islice(iter(ds), 3), itertools.islice(iter(copy), 3)):
+    assert a.keys() == b.keys()
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
 
 
 def test_processes_read_disjoint_equal_shares(tok):

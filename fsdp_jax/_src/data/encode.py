@@ -88,6 +88,17 @@ class Encoder:
     self._checked_roles: set = set()
     self._lock = threading.Lock()
 
+  # grain's worker processes (``mp_prefetch``) receive the dataset pickled:
+  # the lock is per process, made anew there.
+  def __getstate__(self):
+    state = dict(self.__dict__)
+    del state["_lock"]
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._lock = threading.Lock()
+
   # -- checks ----------------------------------------------------------------
   def _need_template(self, where: str, what: str) -> None:
     name = getattr(self.tokenizer, "name_or_path", "") or type(self.tokenizer).__name__

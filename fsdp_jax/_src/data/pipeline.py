@@ -21,6 +21,7 @@ where no loss is taken (padding, the first token of each document, and what
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import grain
@@ -59,37 +60,31 @@ def _pad_id(tokenizer) -> int:
   return 0 if pad is None else int(pad)
 
 
-def _padded(seq_len: int, pad_id: int):
-  """One example -> one row, padded to ``seq_len`` (segment 1, then 0)."""
-
-  def pad(example: dict) -> dict:
-    n = len(example["input_ids"])
-    out = {"input_ids": np.full(seq_len, pad_id, np.int32),
-           "labels": np.full(seq_len, IGNORE, np.int32),
-           "segment_ids": np.zeros(seq_len, np.int32),
-           "positions": np.zeros(seq_len, np.int32)}
-    out["input_ids"][:n] = example["input_ids"]
-    out["labels"][:n] = example["labels"]
-    out["segment_ids"][:n] = 1
-    out["positions"][:n] = np.arange(n, dtype=np.int32)
-    return out
-
-  return pad
+def _padded(example: dict, *, seq_len: int, pad_id: int) -> dict:
+  """One example -> one row, padded to ``seq_len`` (segment 1, then 0).
+  Module-level functions (with ``functools.partial``), not closures: the
+  dataset pickles for grain's worker processes."""
+  n = len(example["input_ids"])
+  out = {"input_ids": np.full(seq_len, pad_id, np.int32),
+         "labels": np.full(seq_len, IGNORE, np.int32),
+         "segment_ids": np.zeros(seq_len, np.int32),
+         "positions": np.zeros(seq_len, np.int32)}
+  out["input_ids"][:n] = example["input_ids"]
+  out["labels"][:n] = example["labels"]
+  out["segment_ids"][:n] = 1
+  out["positions"][:n] = np.arange(n, dtype=np.int32)
+  return out
 
 
-def _from_packed(pad_id: int):
+def _from_packed(packed: dict, *, pad_id: int) -> dict:
   """grain's packed row (``input_ids_segment_ids``, ...) -> our features,
   padding's ids and labels set."""
-
-  def rename(packed: dict) -> dict:
-    segment_ids = np.asarray(packed["input_ids_segment_ids"], np.int32)
-    padding = segment_ids == 0
-    return {"input_ids": np.where(padding, pad_id, packed["input_ids"]).astype(np.int32),
-            "labels": np.where(padding, IGNORE, packed["labels"]).astype(np.int32),
-            "segment_ids": segment_ids,
-            "positions": np.asarray(packed["input_ids_positions"], np.int32)}
-
-  return rename
+  segment_ids = np.asarray(packed["input_ids_segment_ids"], np.int32)
+  padding = segment_ids == 0
+  return {"input_ids": np.where(padding, pad_id, packed["input_ids"]).astype(np.int32),
+          "labels": np.where(padding, IGNORE, packed["labels"]).astype(np.int32),
+          "segment_ids": segment_ids,
+          "positions": np.asarray(packed["input_ids_positions"], np.int32)}
 
 
 def _shard(ds: "grain.MapDataset", shard_options) -> "grain.MapDataset":
@@ -102,6 +97,12 @@ def _shard(ds: "grain.MapDataset", shard_options) -> "grain.MapDataset":
     ds = ds[:len(ds) // count * count]
   return ds[index::count]
 
+
+
+def _kept(example) -> bool:
+  """An example the encoder did not drop (module-level: the dataset pickles
+  for grain's worker processes)."""
+  return example is not None
 
 def sft_dataset(source, tokenizer, *, seq_len: int, packing: Optional[str] = "first_fit",
                 loss_on: str = "assistant", chat_template: Optional[str] = None,
@@ -180,13 +181,13 @@ def sft_dataset(source, tokenizer, *, seq_len: int, packing: Optional[str] = "fi
   if num_epochs != 1:
     ds = ds.repeat(num_epochs)
   ds = _shard(ds, shard_options or grain.sharding.ShardByJaxProcess(drop_remainder=True))
-  ds = ds.map(encoder).filter(lambda x: x is not None)
+  ds = ds.map(encoder).filter(_kept)
   it = ds.to_iter_dataset(read_options)
   pad_id = _pad_id(tok)
   if packing is None:
-    return it.map(_padded(int(seq_len), pad_id))
+    return it.map(functools.partial(_padded, seq_len=int(seq_len), pad_id=pad_id))
   packed = _PACKERS[packing](
       it, length_struct={"input_ids": int(seq_len), "labels": int(seq_len)},
       num_packing_bins=int(packing_bins), seed=int(shuffle_seed or 0),
       shuffle_bins=shuffle_seed is not None)
-  return packed.map(_from_packed(pad_id))
+  return packed.map(functools.partial(_from_packed, pad_id=pad_id))
