@@ -98,19 +98,23 @@ def test_packed_rows_give_each_documents_loss_and_gradients(family, tmp_path):
     np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-5)
 
 
-def test_packed_loss_under_the_sharded_step_matches_one_device(tmp_path):
-  """FSDP over 3 devices (6 rows of 12, 2 per device), three SGD steps:
-  the packed losses of one unsharded jax.jit; shard_eval_step's loss of
-  the untrained state is the first of them."""
-  b, params = _bundle(tmp_path, "llama")
+@pytest.mark.parametrize("family, mesh_kw", [("llama", dict(shard=3)),
+                                              ("mistral", dict(shard=3, tensor=2))])
+def test_packed_loss_under_the_sharded_step_matches_one_device(tmp_path, family, mesh_kw):
+  """FSDP over 3 devices (6 rows of 12, 2 per device), alone and with
+  tensor parallelism over 2 (a sliding window: attention on each device's
+  heads), three SGD steps: the packed losses of one unsharded jax.jit;
+  shard_eval_step's loss of the untrained state is the first of them."""
+  b, params = _bundle(tmp_path, family)
   batch, _ = _packed()
   batch = {k: np.concatenate([v, v[::-1], np.roll(v, 4, axis=1)]) for k, v in batch.items()}
   batches = [batch] * 3
   opt = optax.sgd(0.5)
   mean = lambda p, batch: (lambda l: l.total / l.weight)(b.loss_fn(p, batch))
   ref_losses, _ = jit_reference_run(mean, params, opt, batches)
-  mesh = fsdp_jax.make_mesh(shard=3, devices=jax.devices()[:3])
-  config = b.fsdp_config()
+  n = mesh_kw["shard"] * mesh_kw.get("tensor", 1)
+  mesh = fsdp_jax.make_mesh(**mesh_kw, devices=jax.devices()[:n])
+  config = b.fsdp_config(tensor_parallel="tensor" in mesh_kw)
   state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=config)
   step = fsdp_jax.shard_train_step(b.loss_fn, opt, mesh=mesh, config=config)
   evaluated = float(fsdp_jax.shard_eval_step(b.loss_fn)(state, batch))
