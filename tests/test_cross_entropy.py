@@ -106,27 +106,27 @@ def _unblocked16(hidden, kernel, labels, soft_cap):
 
 def test_blocked_bfloat16_equals_unblocked():
   """bf16 inputs: the blocked loss's logits are the unblocked head's (bf16,
-  soft-capped in bf16, widened for the softmax). Without a cap, its loss and
-  bf16 gradients equal the unblocked bf16 loss's within 2e-3 (relative
-  norm); with one, the cap's backward rounds in another order (about one
-  bf16 unit apart), so there the blocked gradients are checked to be at
-  least as close to the exact float32 ones as the unblocked bf16 loss's."""
+  soft-capped in bf16, widened for the softmax), so its loss equals the
+  unblocked bf16 loss (1e-6) and the hidden state's gradient (no cap) is
+  within 2e-3 of the unblocked one. The rest of the gradients are rounded
+  in another order (the cap's backward, and the kernel's gradient, which
+  XLA's CPU backend at jax 0.12 accumulates less exactly in the unblocked
+  program): each is checked to be at least as close to the exact float32
+  gradients as the unblocked bf16 loss's."""
   hidden, kernel, labels = _inputs(jnp.bfloat16, shape=(4, 16), d=32, vocab=100)
   f = lambda loss: jax.jit(jax.value_and_grad(loss, (0, 1)))
-  blocked = lambda cap: f(lambda h, w: fsdp_jax.chunked_cross_entropy(
-      h, w, labels, block_tokens=6, soft_cap=cap).total)(hidden, kernel)
-  got = blocked(None)
-  whole = f(lambda h, w: _unblocked16(h, w, labels, None))(hidden, kernel)
-  assert got[1][0].dtype == got[1][1].dtype == jnp.bfloat16
-  _close(got[0], whole[0], 1e-6)
-  _close(got[1], whole[1], 2e-3, norm=True)
-  got = blocked(3.0)
-  whole = f(lambda h, w: _unblocked16(h, w, labels, 3.0))(hidden, kernel)
-  exact = f(lambda h, w: _reference(h, w, labels, 3.0))(hidden.astype(jnp.float32),
-                                                       kernel.astype(jnp.float32))
-  _close(got[0], whole[0], 1e-6)
-  err = lambda a: [np.linalg.norm(np.float32(x) - y) for x, y in zip(a[1], exact[1])]
-  assert all(e <= u for e, u in zip(err(got), err(whole))), (err(got), err(whole))
+  for cap in (None, 3.0):
+    got = f(lambda h, w: fsdp_jax.chunked_cross_entropy(
+        h, w, labels, block_tokens=6, soft_cap=cap).total)(hidden, kernel)
+    whole = f(lambda h, w: _unblocked16(h, w, labels, cap))(hidden, kernel)
+    exact = f(lambda h, w: _reference(h, w, labels, cap))(hidden.astype(jnp.float32),
+                                                         kernel.astype(jnp.float32))
+    assert got[1][0].dtype == got[1][1].dtype == jnp.bfloat16
+    _close(got[0], whole[0], 1e-6)
+    if cap is None:
+      _close(got[1][0], whole[1][0], 2e-3, norm=True)
+    err = lambda a: [np.linalg.norm(np.float32(x) - y) for x, y in zip(a[1], exact[1])]
+    assert all(e <= u * (1 + 1e-3) for e, u in zip(err(got), err(whole))), (err(got), err(whole))
 
 
 def test_temporaries_are_block_sized():
