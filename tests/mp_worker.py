@@ -9,6 +9,9 @@ directly with the launcher's environment. Modes:
   batch; process 0 writes per-step losses, final parameters and the mesh
   layout (process of every mesh device) to ``--out``. :func:`train` is also
   what the test runs in one process on 8 devices for the reference numbers.
+  Then tensor parallelism within the processes, and context parallelism
+  (:func:`train_context`) with a context group spanning both processes and
+  one within each.
 * ``fail``: trains until ``--victim`` does ``--how`` (kill: SIGKILL itself,
   raise: an uncaught ValueError, exit: ``sys.exit(3)``) at step ``--at``; the others must then be
   stopped by the watchdog (they print FINISHED if they are not).
@@ -164,6 +167,60 @@ def train_tensor(steps: int = STEPS):
   return losses, flat(fsdp_jax.summon_full_params(state)), layout
 
 
+CONTEXT_MESHES = {"context8": (dict(shard=1, context=8), 2),     # a context group over both
+                  "shard2_context4": (dict(shard=2, context=4), 4)}  # one within each
+
+
+def context_params(seed=0):
+  """test_context_parallel's decoder parameters (two attention layers),
+  drawn with NumPy."""
+  import test_context_parallel as t
+  rng = np.random.RandomState(seed)
+  n = lambda *shape: (rng.standard_normal(shape) * 0.3).astype(np.float32)
+  layers = [{"wq": n(t.D, t.HEADS * t.KV), "wk": n(t.D, t.KV), "wv": n(t.D, t.KV),
+             "wo": n(t.HEADS * t.KV, t.D)} for _ in range(2)]
+  return {"emb": n(t.VOCAB, t.D), "layers": layers, "head": n(t.D, t.VOCAB)}
+
+
+def train_context(name: str, steps: int = 2):
+  """Context parallelism on ``CONTEXT_MESHES[name]``: test_context_parallel's
+  decoder (einsum attention, rotary, a WeightedLoss over ``logits[:, :-1]``)
+  for ``steps`` Adam steps, then ``shard_eval_step`` of the loss on the
+  last batch. Each process passes the rows its devices hold (all of them
+  when one context group spans both processes) with their whole sequences.
+  Returns (losses, params, eval loss, layout, the error a step gives when
+  each process passes its half of the sequences, or None)."""
+  import jax
+  import optax
+  import fsdp_jax
+  import test_context_parallel as t
+  mesh_kw, b = CONTEXT_MESHES[name]
+  mesh = fsdp_jax.make_mesh(**mesh_kw)
+  opt = optax.adam(1e-2)
+  state = fsdp_jax.init_train_state(params=context_params(), optimizer=opt, mesh=mesh,
+                                    config=fsdp_jax.FSDPConfig())
+  step = fsdp_jax.shard_train_step(t.weighted_loss)
+  nproc, me = jax.process_count(), jax.process_index()
+  per = b // nproc if mesh_kw["shard"] > 1 else b
+  first = me * per if mesh_kw["shard"] > 1 else 0
+  mine = lambda batch: jax.tree.map(lambda x: x[first:first + per], batch)
+  losses = []
+  batches = t._batches(b, seed=7, steps=steps)  # pylint: disable=protected-access
+  for batch in batches:
+    state, metrics = step(state, mine(batch))
+    losses.append(float(metrics["loss"]))
+  ev = float(fsdp_jax.shard_eval_step(t.weighted_loss)(state, mine(batch)))
+  layout = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices).tolist()
+  error = None
+  if mesh_kw["shard"] == 1:  # each process its half of the sequence: refused
+    half = t.SEQ // 2
+    try:
+      step(state, jax.tree.map(lambda x: x[:, me * half:(me + 1) * half], batch))
+    except ValueError as e:
+      error = str(e)
+  return losses, flat(fsdp_jax.summon_full_params(state)), ev, layout, error
+
+
 def train_skipping(strategy: str, steps: int = STEPS, bad_step: int = 2):
   """``train`` with ``FSDPConfig(nonfinite="skip")`` and a NaN in the last
   process's rows at ``bad_step``: returns (flags per step, skipped steps,
@@ -263,6 +320,12 @@ def main_train(args, info):
   losses, params, layout = train_tensor(args.steps)
   out["tensor"] = {"losses": losses, "params": {k: v.tolist() for k, v in params.items()},
                    "layout": layout}
+  for name in CONTEXT_MESHES:
+    t = time.perf_counter()
+    losses, params, ev, layout, error = train_context(name)
+    out[name] = {"losses": losses, "params": {k: v.tolist() for k, v in params.items()},
+                 "eval": ev, "layout": layout, "error": error,
+                 "seconds": time.perf_counter() - t}
   if info.rank == 0:
     with open(args.out, "w") as f:
       json.dump(out, f)

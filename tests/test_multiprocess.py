@@ -4,7 +4,8 @@
   1 process x 8 devices (this pytest process) for FULL_SHARD (one 8-device
   shard axis spanning both processes) and HYBRID_SHARD (replicate=2 across
   the processes x shard=4 within each), each process feeding its own half of
-  the global batch.
+  the global batch; tensor parallelism within the processes; context
+  parallelism with a context group over both processes and within each.
 * A process that is killed, or raises, mid-training is named by the survivor,
   which exits with fsdp_jax.distributed.EXIT_PEER_LOST in well under 60 s.
 * monitored_barrier names the process that did not arrive.
@@ -139,6 +140,39 @@ def test_tensor_parallel_within_processes_fsdp_across(two_process_run):
   for name, ref in ref_params.items():
     np.testing.assert_allclose(np.asarray(run["params"][name], np.float32), ref,
                                rtol=2e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("name", list(mp_worker.CONTEXT_MESHES))
+def test_context_parallel_across_processes(two_process_run, name):
+  """Context parallelism on 2 processes x 4 devices, each process passing
+  its rows with whole sequences: context=8 (one context group over both
+  processes: both pass every row, each device takes its chunk) and shard=2
+  x context=4 (a context group within each process, the rows split). The
+  losses, parameters and shard_eval_step's loss equal one device's; each
+  process passing its half of the sequences instead is refused."""
+  import optax
+  import test_context_parallel as t
+  from helpers import jit_reference_run
+  _, b = mp_worker.CONTEXT_MESHES[name]
+  batches = t._batches(b, seed=7, steps=2)  # pylint: disable=protected-access
+  ratio = t._ratio(t.weighted_loss)  # pylint: disable=protected-access
+  ref_losses, ref_params = jit_reference_run(ratio, mp_worker.context_params(),
+                                             optax.adam(1e-2), batches)
+  run = two_process_run()[name]
+  assert np.asarray(run["layout"]).ravel().tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+  np.testing.assert_allclose(run["losses"], ref_losses, rtol=1e-5, atol=1e-6)
+  ref_flat = mp_worker.flat(ref_params)
+  assert set(run["params"]) == set(ref_flat)
+  for key, ref in ref_flat.items():
+    np.testing.assert_allclose(np.asarray(run["params"][key], np.float32), ref,
+                               rtol=1e-5, atol=1e-5, err_msg=key)
+  np.testing.assert_allclose(run["eval"], float(ratio(ref_params, batches[-1])), rtol=1e-5)
+  if name == "context8":  # each process its half of the sequences: named, refused
+    assert re.search(r"processes 0 and 1 hold the same rows.*different values for "
+                     r"\['ids'\], \['w'\].*whole sequences", run["error"]), run["error"]
+  else:
+    assert run["error"] is None
+  print(f"\n{name}: {run['seconds']:.1f} s of the 2x4 run, losses {run['losses']}")
 
 
 # --------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any, Callable, Optional
 
 import jax
@@ -487,16 +488,38 @@ def _raise_nonfinite(state, metrics):
       "(state.nonfinite_steps).", state=state, step=step, parameters=bad)
 
 
-def check_local_batch(plan: Plan, batch) -> None:
-  """Multi-process: this process's part of the batch splits evenly over its
-  data-parallel devices, and every process passes a part of the same size."""
-  world = plan.axes.world_size
+def _row_blocks(plan: Plan) -> tuple:
+  """Multi-process: ``(blocks, world)``: which of the global batch's
+  ``world`` equal row blocks (one per data-parallel rank along dim 0; the
+  context axis splits the sequence, not the rows) this process's devices
+  hold, in order."""
+  world = plan.axes.batch_size
   sharding = NamedSharding(plan.mesh, plan_lib.data_spec(plan))
   idx = sharding.addressable_devices_indices_map((world,))
-  mine = len({s[0].indices(world) for s in idx.values()})
+  return sorted({s[0].indices(world)[0] for s in idx.values()}), world
+
+
+def check_local_batch(plan: Plan, batch) -> None:
+  """Multi-process: this process's part of the batch splits evenly over its
+  data-parallel devices, and every process passes a part of the same size.
+  Under context parallelism each process passes whole sequences (the step
+  keeps its devices' chunks), so the sequence checks are those of one
+  process's global batch, and processes holding the same rows (a context
+  group over several processes) must pass the same values."""
+  blocks, world = _row_blocks(plan)
+  mine = len(blocks)
+  flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+  names = [jax.tree_util.keystr(path) or "batch" for path, _ in flat]
+  fingerprints, split = [], []
+  if plan.context is not None:
+    context_lib.check_batch(plan.context, plan.axes.context_size, batch)
+    split = [n for n, s in zip(names, context_lib.split_mask(plan.context, batch)) if s]
+    fingerprints = [-1 if isinstance(x, jax.Array) and not x.is_fully_addressable
+                    else zlib.crc32(np.ascontiguousarray(np.asarray(x)).tobytes())
+                    for (_, x), s in zip(flat, context_lib.split_mask(plan.context, batch)) if s]
   rows = []
-  for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
-    shape, name = np.shape(x), jax.tree_util.keystr(path) or "batch"
+  for (_, x), name in zip(flat, names):
+    shape = np.shape(x)
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
       rows.append(-1)
       continue
@@ -509,12 +532,26 @@ def check_local_batch(plan: Plan, batch) -> None:
           f"{max(1, -(-(shape[0] if shape else 1) // mine)) * mine}.")
     rows.append(shape[0])
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  g = multihost_utils.process_allgather(np.asarray(rows, np.int64))
-  if (g != g[0]).any():
+  g = multihost_utils.process_allgather(np.asarray(rows + [blocks[0]] + fingerprints,
+                                                   np.int64))
+  sizes, first, prints = g[:, :len(rows)], g[:, len(rows)], g[:, len(rows) + 1:]
+  if (sizes != sizes[0]).any():
     raise ValueError(
         "step(state, batch): the processes passed local batches of different sizes "
-        f"(rows per leaf, per process: { {p: g[p].tolist() for p in range(g.shape[0])} }). "
+        f"(rows per leaf, per process: { {p: sizes[p].tolist() for p in range(g.shape[0])} }). "
         "Each process must pass an equal part of the global batch.")
+  for p in range(g.shape[0]):
+    for q in range(p):
+      differ = [n for n, a, b in zip(split, prints[p], prints[q]) if a != b]
+      if first[p] == first[q] and differ:
+        raise ValueError(
+            f"step(state, batch): processes {q} and {p} hold the same rows of the batch "
+            f"(their devices share context groups of the 'context' axis, size "
+            f"{plan.axes.context_size}) but passed different values for {', '.join(differ)}. "
+            "Under context parallelism each process passes its rows with their whole "
+            "sequences (the step keeps each device's chunk), so processes of one context "
+            "group pass the same arrays. Fix: pass the whole sequences, not this "
+            "process's part of them.")
 
 
 def place_batch(plan: Plan, batch):
@@ -524,9 +561,15 @@ def place_batch(plan: Plan, batch):
   passed through). With several processes (``jax.distributed``), each process
   passes its own part of the global batch, in process order, and the global
   array is assembled from the parts (``jax.make_array_from_process_local_data``).
+  Under context parallelism a process passes the rows its devices hold with
+  their **whole** sequences, as torchtitan's ranks of one context group load
+  the same batch: the processes of a context group that spans processes
+  pass the same rows, and each device takes its chunk of them.
   """
   multi = jax.process_count() > 1
   devices = set(plan.mesh.devices.flat)
+  seq_dim = plan.context.dim if plan.context is not None else None
+  rows = _row_blocks(plan) if multi and seq_dim is not None else None
 
   def place(x, spec):
     sharding = NamedSharding(plan.mesh, spec)
@@ -538,7 +581,12 @@ def place_batch(plan: Plan, batch):
       elsewhere = not multi and x.committed and x.sharding.device_set != devices
       return jax.device_put(x, sharding) if elsewhere else x
     if multi:
-      return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+      x = np.asarray(x)
+      if rows is not None and len(spec) > seq_dim and spec[seq_dim] is not None:
+        # The sequence dimension given whole: each device looks its chunk up.
+        shape = (x.shape[0] * rows[1] // len(rows[0]),) + x.shape[1:]
+        return jax.make_array_from_process_local_data(sharding, x, shape)
+      return jax.make_array_from_process_local_data(sharding, x)
     return jax.device_put(x, sharding)
 
   return jax.tree.map(place, batch, plan_lib.batch_specs(plan, batch))
@@ -552,11 +600,6 @@ def place_checked(plan: Plan, batch, checked_shapes=None, batch_check=None):
   batch's values (``loss_fn.check_batch``), or None."""
   if jax.process_count() == 1:
     check_batch(plan, batch)
-  elif plan.context is not None:
-    raise NotImplementedError(
-        "Context parallelism (a 'context' mesh axis) runs in one process for now: each "
-        "process would pass its share of the sequences' chunks. Fix: run one process, or "
-        "build the mesh without context=.")
   else:
     shapes = jax.tree.map(np.shape, batch)
     if checked_shapes != shapes:
