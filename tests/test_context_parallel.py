@@ -15,6 +15,7 @@ import json
 
 import fsdp_jax
 from fsdp_jax import hlo, models
+from fsdp_jax._src import attention as attention_lib
 from helpers import assert_trees_close, jit_reference_run, train_steps
 
 S = fsdp_jax.ShardingStrategy
@@ -111,23 +112,37 @@ def _run(loss_fn, mesh_kw, batches, strategy=S.FULL_SHARD, params=None, config=N
   return state
 
 
-@pytest.mark.parametrize("mesh_kw,strategy,b", [
-    (dict(shard=2, context=4), S.FULL_SHARD, 2),
-    (dict(replicate=2, shard=2, context=2), S.HYBRID_SHARD, 4),
+def _balanced(strategy=S.FULL_SHARD, **kw):
+  """ContextParallel(load_balance=True): device i holds chunks i and 2C-1-i."""
+  return fsdp_jax.FSDPConfig(sharding_strategy=strategy, **kw,
+                             context_parallel=fsdp_jax.ContextParallel(load_balance=True))
+
+
+@pytest.mark.parametrize("mesh_kw,strategy,b,balanced", [
+    (dict(shard=2, context=4), S.FULL_SHARD, 2, False),
+    (dict(replicate=2, shard=2, context=2), S.HYBRID_SHARD, 4, False),
+    # head-tail: the halos of labels[:, 1:] / logits[:, :-1] between chunks
+    # on other devices and (device C-1's chunks C-1 and C) on the same one
+    (dict(shard=2, context=4), S.FULL_SHARD, 2, True),
 ])
-def test_plain_model_matches_one_device(mesh_kw, strategy, b):
-  state = _run(weighted_loss, mesh_kw, _batches(b), strategy)
+def test_plain_model_matches_one_device(mesh_kw, strategy, b, balanced):
+  state = _run(weighted_loss, mesh_kw, _batches(b), strategy,
+               config=_balanced(strategy) if balanced else None)
   # The weights are sharded over shard x context.
   assert state.plan.axes.shard_axes[-1] == "context"
   assert state.plan.n == mesh_kw["shard"] * mesh_kw["context"]
 
 
-def test_context_8_packed_documents_and_window():
+@pytest.mark.parametrize("balanced", [False, True])
+def test_context_8_packed_documents_and_window(balanced):
   """Documents crossing chunk boundaries (segment ids) and a sliding window
-  on context=8: chunks of 2 tokens."""
-  batches = _batches(1, seed=3, seg=True)
-  _run(weighted_loss, dict(context=8), batches)
+  on context=8: chunks of 2 tokens (head-tail balanced: 16 chunks of 1,
+  every neighbour another device's or the device's own other chunk)."""
   w = lambda p, b: weighted_loss(p, dict(b, window=3))
+  if balanced:  # the window and the documents on 16 chunks of 1
+    _run(w, dict(context=8), _batches(1, seed=3, seg=True), config=_balanced())
+    return
+  _run(weighted_loss, dict(context=8), _batches(1, seed=3, seg=True))
   _run(w, dict(shard=2, context=2), _batches(2, seed=4, seg=True))
 
 
@@ -176,11 +191,17 @@ def _attention_loss(attend):
   return loss_fn
 
 
-@pytest.mark.parametrize("which", ["fsdp_jax", "jax.nn"])
-def test_attention_functions(which):
+@pytest.mark.parametrize("which,balanced", [("fsdp_jax", False), ("jax.nn", False),
+                                           ("fsdp_jax", True)])
+def test_attention_functions(which, balanced, monkeypatch):
   """fsdp_jax.attention (packed documents crossing the chunks, a window, a
   soft cap: each device's queries against the gathered keys at their
-  global positions) and jax.nn.dot_product_attention (traced as jnp)."""
+  global positions) and jax.nn.dot_product_attention (traced as jnp).
+  Head-tail balanced: the blockwise kernel (blocks of 2 queries and 4 keys)
+  on each of a device's two chunks, the cumulative sum across them."""
+  if balanced:
+    monkeypatch.setattr(attention_lib, "BLOCK_Q", 2)
+    monkeypatch.setattr(attention_lib, "BLOCK_K", 4)
   if which == "fsdp_jax":
     attend = lambda q, k, v, b: fsdp_jax.attention(q, k, v, segment_ids=b["seg"], window=3,
                                                    soft_cap=5.0)
@@ -188,10 +209,12 @@ def test_attention_functions(which):
     attend = lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                              local_window_size=(3, 0))
   batches = [dict(b, w=np.abs(b["w"] - 0.3)) for b in _batches(2, seed=5, seg=True)]
-  _run(_attention_loss(attend), dict(shard=2, context=2), batches, params=_attention_params())
+  _run(_attention_loss(attend), dict(shard=2, context=2), batches, params=_attention_params(),
+       config=_balanced() if balanced else None)
 
 
-def test_llama_family(tmp_path):
+@pytest.mark.parametrize("balanced", [False, True])
+def test_llama_family(tmp_path, balanced):
   """fsdp_jax.models' llama (through fsdp_jax.attention, layers scanned),
   packed rows, its default blocked loss (fsdp_jax.chunked_cross_entropy,
   blocks of 3 tokens: not dividing the chunks of 4) on shard=2 x context=4:
@@ -215,8 +238,9 @@ def test_llama_family(tmp_path):
   batches = [{"input_ids": ids, "labels": labels, "segment_ids": seg}] * 2
   # Adam's eps above the gradients' float32 rounding (1e-8 turns a ~1e-7
   # gradient's last-bit differences into 1e-3 relative updates).
-  _run(b.loss_fn, dict(shard=2, context=4), batches, params=params, config=b.fsdp_config(),
-       eps=1e-4, ref_fn=unblocked.loss_fn)
+  cp = fsdp_jax.ContextParallel(load_balance=balanced)  # head-tail: 8 chunks of 2
+  _run(b.loss_fn, dict(shard=2, context=4), batches, params=params,
+       config=b.fsdp_config(context_parallel=cp), eps=1e-4, ref_fn=unblocked.loss_fn)
 
 
 def test_only_keys_and_values_move_over_context():
@@ -279,8 +303,8 @@ def test_config_and_mesh():
       context_parallel=fsdp_jax.ContextParallel(leaves=("ids",)))
   with pytest.raises(ValueError, match="strategy='ring'.*all_gather"):
     fsdp_jax.ContextParallel(strategy="ring")
-  with pytest.raises(NotImplementedError, match="load_balance=True.*not yet supported"):
-    fsdp_jax.ContextParallel(load_balance=True)
+  with pytest.raises(TypeError, match="load_balance='yes'"):
+    fsdp_jax.ContextParallel(load_balance="yes")
   tp = fsdp_jax.TensorParallel(rules=[("*.wq", "colwise")])
   with pytest.raises(NotImplementedError, match="Context parallelism with tensor parallelism"):
     fsdp_jax.init_train_state(params=_params(), optimizer=optax.sgd(0.1), mesh=mesh,
@@ -298,17 +322,25 @@ def test_config_and_mesh():
 
 def test_eval_step():
   """shard_eval_step on a context axis: a weighted mean and per-example
-  outputs, as one device computes them."""
+  outputs, as one device computes them; head-tail balanced too (the batch
+  passed in its natural order, permuted by the step), where a sequence
+  length 2C does not divide is refused, naming the fix."""
   mesh = fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])
   params = _params()
-  state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
-                                    config=fsdp_jax.FSDPConfig())
   b = _batches(2)[0]
   per_example = lambda p, x: jnp.mean(_forward(p, x["ids"]) ** 2, axis=(1, 2))
-  for fn, outputs in ((weighted_loss, "mean"), (per_example, "batch")):
-    got = fsdp_jax.shard_eval_step(fn, outputs=outputs)(state, b)
-    want = _ratio(fn)(params, b)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  for config in (fsdp_jax.FSDPConfig(), _balanced()):
+    state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
+                                      config=config)
+    for fn, outputs in ((weighted_loss, "mean"), (per_example, "batch")):
+      got = fsdp_jax.shard_eval_step(fn, outputs=outputs)(state, b)
+      want = _ratio(fn)(params, b)
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match=r"\['ids'\] has shape \(2, 14\).*not divisible by 2 x "
+                     r"the context axis size 2 \(ContextParallel\(load_balance=True\).*4 chunks"
+                     r".*multiple of 4, e.g. 16.*or use load_balance=False"):
+    fsdp_jax.shard_eval_step(weighted_loss)(state, {"ids": b["ids"][:, :14],
+                                                    "w": b["w"][:, :14]})
 
 
 def test_checkpoint_restores_onto_another_context_size(tmp_path):

@@ -1,9 +1,11 @@
 """Context parallelism's configuration: :class:`ContextParallel`, and which
 batch leaves the step splits along the sequence over the ``"context"`` axis.
 
-This module is pure tree work. How the loss runs on each device's chunk of
-the sequence (positions offset, reductions summed, keys and values gathered)
-lives in :mod:`fsdp_jax._src.context_eval`.
+This module is pure tree work. Which positions each device's chunk holds
+(contiguous, or head-tail balanced) is :mod:`fsdp_jax._src.context_layout`;
+how the loss runs on each device's chunk of the sequence (positions offset,
+reductions summed, keys and values gathered) lives in
+:mod:`fsdp_jax._src.context_eval`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Optional, Sequence
 
 import jax
 import numpy as np
+
+from fsdp_jax._src import context_layout
 
 CONTEXT = "context"
 STRATEGIES = ("all_gather",)
@@ -24,7 +28,9 @@ class ContextParallel:
   (``fsdp_jax.make_mesh(..., context=C)``): ``FSDPConfig(context_parallel=...)``.
 
   The step splits each selected batch leaf along ``dim`` into ``C`` equal
-  chunks, device ``i`` of the context axis holding chunk ``i``; the devices
+  chunks, device ``i`` of the context axis holding chunk ``i`` (with
+  ``load_balance``: into ``2C`` chunks, device ``i`` holding chunks ``i``
+  and ``2C-1-i``); the devices
   of the axis also shard the weights (FSDP over shard x context). The model
   and the loss stay single-device code: the step evaluates the loss on each
   chunk with every operation that mixes positions computed exactly (keys
@@ -41,9 +47,17 @@ class ContextParallel:
     strategy: ``"all_gather"`` (queries stay split, keys and values are
       all-gathered over ``"context"``, their gradients reduce-scattered).
       A ring is not implemented.
-    load_balance: head-tail balancing of causal attention (device ``i``
-      holding chunks ``i`` and ``2C-1-i``); not yet supported, must be
-      ``False``.
+    load_balance: head-tail balancing of causal attention: the sequence
+      cut into ``2C`` chunks, device ``i`` holding chunks ``i`` and
+      ``2C-1-i`` (as many early positions as late ones), so that
+      :func:`fsdp_jax.attention`, which skips the key blocks a causal mask
+      hides, does the same work on every device (with contiguous chunks
+      the last device does about ``2C - 1`` times the first's). The
+      sequence length must then be divisible by ``2C``. Batches are
+      passed in their natural order, as without it: the step permutes the
+      split leaves itself, and the loss and gradients are the same.
+      Attention written in jnp (``q @ k^T``, a mask, softmax) computes
+      every block whatever the layout, so it gains nothing.
 
   Example:
     >>> import fsdp_jax
@@ -78,11 +92,9 @@ class ContextParallel:
           f"ContextParallel(strategy={self.strategy!r}) is not supported; the one strategy "
           "is 'all_gather' (queries split, keys and values all-gathered over 'context'). "
           "A ring is not implemented.")
-    if self.load_balance:
-      raise NotImplementedError(
-          "ContextParallel(load_balance=True) (head-tail chunks i and 2C-1-i) is not yet "
-          "supported. Fix: use load_balance=False (contiguous chunks; exact, causal "
-          "attention's work is then uneven across the context axis).")
+    if not isinstance(self.load_balance, (bool, np.bool_)):
+      raise TypeError(f"ContextParallel(load_balance={self.load_balance!r}) takes True or "
+                      "False.")
 
 
 def _dotted(path) -> str:
@@ -136,9 +148,28 @@ def check_batch(cp: ContextParallel, size: int, batch) -> None:
         f"along dim {cp.dim}:\n{lines}\nFix: pad them to one length, or leave the other "
         "leaves out with ContextParallel(leaves=(...)) (they are then replicated).")
   (t,) = seqs
-  if t % size:
+  chunks = context_layout.Layout(size, cp.load_balance).count
+  if t % chunks:
     name, (shape, _) = next(iter(lengths.items()))
+    what = (f"2 x the context axis size {size} (ContextParallel(load_balance=True) cuts it "
+            f"into {chunks} chunks, device i holding chunks i and {chunks - 1}-i)"
+            if cp.load_balance else f"the context axis size {size}")
     raise ValueError(
         f"Batch leaf {name} has shape {shape}: its sequence length {t} (dim {cp.dim}) is not "
-        f"divisible by the context axis size {size}. Fix: pad the sequences to a multiple "
-        f"of {size}, e.g. {-(-t // size) * size} (with labels masked / weight 0 there).")
+        f"divisible by {what}. Fix: pad the sequences to a multiple of {chunks}, e.g. "
+        f"{-(-t // chunks) * chunks} (with labels masked / weight 0 there)"
+        + (", or use load_balance=False." if cp.load_balance else "."))
+
+
+def permute_batch(cp: ContextParallel, size: int, batch):
+  """The global batch (in the sequences' order) -> the order whose
+  contiguous split over the context axis gives each device its chunks:
+  the identity without ``load_balance``; with it, each split leaf's chunks
+  reordered ``0, 2C-1, 1, 2C-2, ...`` (traced in the step's ``jax.jit``,
+  so any batch, host or global ``jax.Array``, is permuted the same way)."""
+  if not cp.load_balance:
+    return batch
+  lay = context_layout.Layout(size, True)
+  flat, treedef = jax.tree.flatten(batch)
+  return jax.tree.unflatten(treedef, [lay.permute(x, cp.dim) if s else x
+                                      for x, s in zip(flat, split_mask(cp, batch))])

@@ -11,7 +11,9 @@ to this device's chunk. Each value is either
   anything the split leaves do not reach), or
 * :class:`Split`: this device's chunk along one dimension ``dim``, device
   ``i`` holding positions ``[i * n, (i + 1) * n)`` of a padded length
-  ``C * n``. The traced equation's shape says the logical length ``L <= C *
+  ``C * n`` (with ``load_balance``, the head-tail pieces ``i`` and
+  ``2C-1-i`` of ``n / 2`` positions each: :mod:`context_layout` says which
+  positions a chunk holds, and every rule below asks it). The traced equation's shape says the logical length ``L <= C *
   n``: a slice that drops the first or last positions (``labels[:, 1:]``,
   ``logits[:, :-1]``) keeps the chunking and leaves positions ``>= L``
   padding, holding real values of the array (never NaN) that reductions
@@ -56,6 +58,7 @@ from jax import lax
 
 from fsdp_jax._src import _compat
 from fsdp_jax._src import attention as attention_lib
+from fsdp_jax._src import context_layout
 from fsdp_jax._src import cross_entropy
 from fsdp_jax._src import loss as loss_lib
 
@@ -88,8 +91,10 @@ class Refused(ValueError):
 
 
 class _Ctx:
-  def __init__(self, axis: str, size: int, report: Report):
+  def __init__(self, axis: str, size: int, report: Report, balanced: bool = False):
     self.axis, self.c, self.report = axis, size, report
+    # which chunks of the sequence each device holds (context_layout)
+    self.layout = context_layout.Layout(size, balanced)
     self._memo: dict = {}
 
   def index(self):
@@ -103,6 +108,7 @@ class _Ctx:
       return hit[1]
     out = lax.all_gather(v.x, self.axis, axis=v.dim, tiled=True)
     self.report.add("all-gather", out)
+    out = self.layout.natural(out, v.dim)  # in the sequence's order
     self._memo[id(v)] = (v, out)
     return out
 
@@ -122,11 +128,15 @@ class _Ctx:
     elif size != total:
       raise Refused(f"a replicated value of length {size} along dimension {dim} meets a "
                     f"sequence split into chunks of {n} ({total} in all)")
-    return lax.dynamic_slice_in_dim(x, self.index() * n, n, axis=dim)
+    return self.layout.cut(x, dim, n, self.index())
+
+  def positions(self, n: int):
+    """``[n]`` int32: the global positions of this device's chunk."""
+    return self.layout.positions(self.index(), n)
 
   def valid(self, n: int, length: int):
     """``[n]`` bool: which of this device's positions are below ``length``."""
-    return self.index() * n + jnp.arange(n) < length
+    return self.positions(n) < length
 
 
 def _site(eqn) -> str:
@@ -423,18 +433,20 @@ def _slice(eqn, v, ctx: _Ctx):
   a = start[d]
   if a == 0:  # keeps the chunking; the tail past `limit` becomes padding
     return Split(x, d)
-  if a >= n:
-    _refuse(eqn, f"a slice dropping {a} leading positions, more than a chunk ({n})")
-  # y[i] = x[i + a]: this chunk's tail, then the next device's first a
-  # positions (the last device takes its own last positions: padding).
-  c = ctx.c
-  head = lax.slice_in_dim(x, 0, a, axis=d)
-  nxt = lax.ppermute(head, ctx.axis, [(i, (i - 1) % c) for i in range(c)])
-  ctx.report.add("halo", head)
-  edge = lax.slice_in_dim(x, n - a, n, axis=d)
-  last = ctx.index() == c - 1
-  nxt = jnp.where(last, edge, nxt)
-  return Split(lax.concatenate([lax.slice_in_dim(x, a, n, axis=d), nxt], d), d)
+  lay = ctx.layout
+  m = lay.piece(n)
+  if a > m:
+    _refuse(eqn, f"a slice dropping {a} leading positions, more than a chunk ({m})")
+  # y[i] = x[i + a]: each chunk's tail, then the first a positions of the
+  # chunk after it, from the device holding it (context_layout; the
+  # sequence's last chunk takes its own last positions: padding).
+  pieces = lay.split(x, d)
+  heads = [lax.slice_in_dim(p, 0, a, axis=d) for p in pieces]
+  nxt, has = lay.halo(heads, -1, ctx.axis, ctx.index(), lambda h: ctx.report.add("halo", h))
+  out = [lax.concatenate([lax.slice_in_dim(p, a, m, axis=d),
+                          jnp.where(h, r, lax.slice_in_dim(p, m - a, m, axis=d))], d)
+         for p, r, h in zip(pieces, nxt, has)]
+  return Split(lay.join(out, d), d)
 
 
 def _join(eqn, invals, ctx: _Ctx):
@@ -490,21 +502,24 @@ def _concat_along(eqn, parts, d, lengths, ctx: _Ctx, tail: int, fill=None):
   y = x.x
   a = lengths[0] if i == 1 else 0
   if a:
-    if a > n:
-      _refuse(eqn, f"a shift by {a} positions, more than a chunk ({n})")
+    lay = ctx.layout
+    m = lay.piece(n)
+    if a > m:
+      _refuse(eqn, f"a shift by {a} positions, more than a chunk ({m})")
     head = jnp.broadcast_to(parts[0], y.shape[:d] + (a,) + y.shape[d + 1:]).astype(y.dtype)
-    c = ctx.c
-    last = lax.slice_in_dim(y, n - a, n, axis=d)
-    prev = lax.ppermute(last, ctx.axis, [(j, (j + 1) % c) for j in range(c)])
-    ctx.report.add("halo", last)
-    prev = jnp.where(ctx.index() == 0, head, prev)
-    y = lax.concatenate([prev, lax.slice_in_dim(y, 0, n - a, axis=d)], d)
+    # each chunk takes the last a positions of the chunk before it (the
+    # sequence's first chunk: the head)
+    pieces = lay.split(y, d)
+    tails = [lax.slice_in_dim(p, m - a, m, axis=d) for p in pieces]
+    prev, has = lay.halo(tails, 1, ctx.axis, ctx.index(), lambda t: ctx.report.add("halo", t))
+    y = lay.join([lax.concatenate([jnp.where(h, r, head), lax.slice_in_dim(p, 0, m - a, axis=d)],
+                                  d) for p, r, h in zip(pieces, prev, has)], d)
   end = a + lengths[i]
   rest = parts[i + 1] if len(parts) > i + 1 else None
   given = lengths[i + 1] if rest is not None else 0
   if given + tail > n:
     _refuse(eqn, f"a tail of {given + tail} positions, more than a chunk ({n})")
-  pos = ctx.index() * n + jnp.arange(n)
+  pos = ctx.positions(n)
   for k in range(given + tail):
     val = lax.slice_in_dim(rest, k, k + 1, axis=d) if k < given else fill
     hit = lax.broadcast_in_dim(pos == end + k, y.shape, (d,))
@@ -551,7 +566,10 @@ def _attention(eqn, call, invals, ctx: _Ctx):
   """``fsdp_jax.attention`` with the sequence split: this device's queries
   against the whole keys and values (all-gathered over the context axis,
   with their positions and segment ids), on the queries' global positions,
-  so causal masks, windows and documents hold across chunk boundaries."""
+  so causal masks, windows and documents hold across chunk boundaries.
+  Under head-tail balancing each of the device's two chunks is its own
+  call, its query blocks within one chunk, so the kernel skips the key
+  blocks the causal mask hides from each."""
   ops = call.operands(invals)
   q, k, v = ops["q"], ops["k"], ops["v"]
   if not isinstance(q, Split) or q.dim != 1 or any(
@@ -575,18 +593,21 @@ def _attention(eqn, call, invals, ctx: _Ctx):
   vf = ctx.gather(v) if isinstance(v, Split) else v
   qpos = rows(ops["q_positions"], 1, False)
   if qpos is None:
-    qpos = ctx.index() * n + jnp.arange(n, dtype=jnp.int32)
+    qpos = ctx.positions(n)[None]
   kpos = rows(ops["kv_positions"], 1, True)
   if kpos is None:
     kpos = jnp.arange(kf.shape[1], dtype=jnp.int32)
   window = ops["window"]
   if isinstance(window, Split):
     _refuse(eqn, "a window operand split along the sequence")
-  out = attention_lib.attend_local(
-      q.x, kf, vf, q_positions=qpos, kv_positions=kpos,
-      q_segment_ids=rows(ops["q_segment_ids"], 1, False),
-      kv_segment_ids=rows(ops["kv_segment_ids"], 1, True), window=window, **call.options())
-  return Split(out, 1)
+  qseg, kseg = rows(ops["q_segment_ids"], 1, False), rows(ops["kv_segment_ids"], 1, True)
+  lay = ctx.layout
+  cut = lambda x: [None] * lay.pieces if x is None else lay.split(jnp.atleast_2d(x), 1)
+  outs = [attention_lib.attend_local(
+      qt, kf, vf, q_positions=pt, kv_positions=kpos, q_segment_ids=st, kv_segment_ids=kseg,
+      window=window, **call.options())
+          for qt, pt, st in zip(lay.split(q.x, 1), cut(qpos), cut(qseg))]
+  return Split(lay.join(outs, 1), 1)
 
 
 def _cumsum(eqn, v, ctx: _Ctx):
@@ -595,12 +616,14 @@ def _cumsum(eqn, v, ctx: _Ctx):
     return Split(_compat.bind_eqn(eqn, [v.x])[0], v.dim)
   if reverse:
     _refuse(eqn, "a reverse cumulative sum along the split sequence")
-  local = _compat.bind_eqn(eqn, [v.x])[0]
-  total = lax.slice_in_dim(local, v.x.shape[axis] - 1, v.x.shape[axis], axis=axis)
-  every = lax.all_gather(total, ctx.axis, axis=0)  # [C, ..., 1, ...]
-  before = (jnp.arange(ctx.c) < ctx.index()).astype(local.dtype)
-  offset = jnp.tensordot(before, every, axes=(0, 0))
-  return Split(local + offset, v.dim)
+  # each chunk's own cumulative sum, plus the totals of the chunks before
+  # it in the sequence (on whichever devices they are)
+  lay = ctx.layout
+  local = [_compat.bind_eqn(eqn, [p])[0] for p in lay.split(v.x, axis)]
+  m = local[0].shape[axis]
+  totals = jnp.stack([lax.slice_in_dim(x, m - 1, m, axis=axis) for x in local])
+  offsets = lay.before(totals, ctx.axis, ctx.index())
+  return Split(lay.join([x + o for x, o in zip(local, offsets)], axis), v.dim)
 
 
 def _layout(eqn, invals, ctx: _Ctx):
@@ -762,11 +785,13 @@ def _scan(eqn, invals, ctx: _Ctx) -> list:
 
 
 def wrap_loss(loss_fn: Callable, *, dim: int, split_mask: Callable, axis: str, size: int,
-              axis_env: tuple, report: Report) -> Callable:
+              axis_env: tuple, report: Report, load_balance: bool = False) -> Callable:
   """``loss_fn`` over whole sequences -> the same loss over this device's
   chunk of each split batch leaf (``split_mask(batch)``: per leaf, whether
-  it is split along ``dim``). The outputs are replicated over the context
-  axis (a split output is refused)."""
+  it is split along ``dim``; ``load_balance``: the chunk is the head-tail
+  pair of :mod:`~fsdp_jax._src.context_layout`, the batch permuted so). The
+  outputs are replicated over the context axis (a split output is
+  refused)."""
   user_rng = loss_lib.takes_rng(loss_fn)
 
   def run(params, args, rng):
@@ -784,7 +809,7 @@ def wrap_loss(loss_fn: Callable, *, dim: int, split_mask: Callable, axis: str, s
     closed, out_shape = jax.make_jaxpr(call, return_shape=True, axis_env=list(axis_env))(
         params, jax.tree.unflatten(bdef, structs), *args[1:])
     jaxpr, consts = _compat.split_closed(closed)
-    ctx = _Ctx(axis, size, report)
+    ctx = _Ctx(axis, size, report, load_balance)
     report.counts.clear()
     values = [Split(x, dim) if s else x for x, s in zip(flat_b, mask)]
     rest = jax.tree.leaves(args[1:])

@@ -95,7 +95,8 @@ class LocalLoss:
       loss_fn = context_eval.wrap_loss(
           loss_fn, dim=cp.dim, split_mask=lambda b: context_lib.split_mask(cp, b),
           axis=plan.axes.context_axes[0], size=plan.axes.context_size,
-          axis_env=plan.axis_env, report=context_eval.Report())
+          axis_env=plan.axis_env, report=context_eval.Report(),
+          load_balance=cp.load_balance)
     self.loss_fn = loss_fn
     self.plan = plan
     self.forward_inputs = loss_lib.check_forward_inputs(forward_inputs)
