@@ -7,6 +7,7 @@ fsdp_jax and save it back.
     python examples/finetune.py --family qwen3   # a small random Qwen3 instead
     python examples/finetune.py --lora     # LoRA adapters, the base frozen
     python examples/finetune.py --qlora    # QLoRA: the frozen base stored in NF4
+    python examples/finetune.py --context 2 --seq-len 4096   # each sequence over 2 devices
     python examples/finetune.py --checkpoint path/to/instruct --data chat.jsonl
                                            # TRL's JSONL rows, packed (fsdp_jax[data])
 
@@ -52,6 +53,15 @@ gives the model's own tree (LoRA merged, QLoRA decoded) split over a
 continues a few held-out prompts with a KV cache, greedily and with
 temperature / top-p sampling (``examples/llama_decode.py`` writes such a
 decode loop out in plain JAX for ``examples/llama.py``).
+
+With ``--context N`` each sequence is split into ``N`` chunks over a
+``"context"`` mesh axis (``make_mesh(shard=..., context=N)``: context
+parallelism, PyTorch's ``context_parallel()`` and torchtitan's
+``--parallelism.context_parallel_degree N``): a sequence longer than one
+device holds trains, the model code unchanged, the weights sharded over
+shard x context (docs/context_parallel.md). The rows are then ``--seq-len``
+tokens (a multiple of ``N``) instead of ``--seq-len + 1``, and the batch a
+multiple of the data-parallel size ``devices / N``.
 
 Without ``--checkpoint`` the script writes a small random model of
 ``--family`` (2 layers, grouped-query attention) with fsdp_jax itself first,
@@ -139,6 +149,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                         if s.name != "_HYBRID_SHARD_ZERO2"],
                  default="FULL_SHARD")
   p.add_argument("--replicate", type=int, default=None, help="replicate groups (HYBRID_SHARD)")
+  p.add_argument("--context", type=int, default=None,
+                 help="context parallelism: split each sequence into N chunks over a "
+                 "'context' mesh axis of N devices (rows of --seq-len tokens, a multiple of N)")
   p.add_argument("--scan", action="store_true",
                  help="stack the layers and run them with lax.scan")
   p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
@@ -183,6 +196,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
     p.error("--steps, --batch-size and --seq-len must be positive (seq-len at least 2)")
+  if args.context is not None and (args.context < 1 or args.seq_len % args.context):
+    p.error(f"--context {args.context} needs --seq-len to be a multiple of it (each device "
+            f"holds seq_len / N tokens of every row); got --seq-len {args.seq_len}, e.g. "
+            f"--seq-len {-(-args.seq_len // max(args.context, 1)) * max(args.context, 1)}")
   if args.eval_every < 0 or args.eval_batches < 1 or args.sample_tokens < 0:
     p.error("--eval-every and --sample-tokens must be >= 0, --eval-batches >= 1")
   if args.temperature <= 0 or not 0 < args.top_p <= 1:
@@ -435,7 +452,10 @@ def main(argv=None) -> dict:
 
   n = jax.device_count()
   rep = args.replicate if args.strategy == "HYBRID_SHARD" else None
-  mesh = fsdp_jax.make_mesh(shard=n // (rep or 1), replicate=rep)
+  ctx = args.context or 1
+  if n % ((rep or 1) * ctx):
+    raise SystemExit(f"{n} devices do not split into --replicate {rep or 1} x --context {ctx}")
+  mesh = fsdp_jax.make_mesh(shard=n // ((rep or 1) * ctx), replicate=rep, context=args.context)
   fsdp_config = model.fsdp_config(
       sharding_strategy=fsdp_jax.ShardingStrategy[args.strategy],
       mixed_precision=(fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16)
@@ -451,6 +471,10 @@ def main(argv=None) -> dict:
       config=fsdp_config, pretrained=source)
   print(f"loaded {checkpoint} in {time.perf_counter() - t0:.1f} s onto {n} device(s), "
         f"{args.strategy}; this process read {source.bytes_read / 2**20:.1f} MiB")
+  if args.context:
+    print(f"context parallelism: each {args.seq_len}-token row split into {ctx} chunks of "
+          f"{args.seq_len // ctx} over 'context' (mesh {dict(mesh.shape)}); the weights "
+          f"sharded over {' x '.join(state.plan.axes.shard_axes)}")
   if args.lora_mode:
     print(f"{args.lora_mode.upper()}: targets {','.join(fsdp_config.lora.targets)}; "
           f"{len(state.plan.lora_targets)} kernels adapted")
@@ -458,7 +482,13 @@ def main(argv=None) -> dict:
   # The model's causal-LM loss: labels shifted inside, the mean over every
   # device's tokens (packed rows: within each document, -100 labels skipped).
   step = fsdp_jax.shard_train_step(model.loss_fn, optimizer)
-  batch_size = -(-args.batch_size // n) * n  # a multiple of the data-parallel size
+  # A multiple of the data-parallel size (fsdp_jax.data's batches split the
+  # rows over every device but a tensor axis).
+  dp = n if args.data else n // ctx
+  batch_size = -(-args.batch_size // dp) * dp
+  # Rows of seq_len + 1 tokens (seq_len predicted); under context parallelism
+  # seq_len tokens, which the context axis divides.
+  window = args.seq_len if args.context else args.seq_len + 1
   if args.data:
     batches, eval_batches, held_out = sft_data(args, checkpoint, model.config.vocab_size,
                                                mesh, batch_size)
@@ -473,18 +503,18 @@ def main(argv=None) -> dict:
     ids = tokenize(text, checkpoint, model.config.vocab_size)
     # The last tenth is held out for evaluation and prompts.
     ids, held_out = ids[:len(ids) * 9 // 10], ids[len(ids) * 9 // 10:]
-    if min(len(ids), len(held_out)) < args.seq_len + 2:
+    if min(len(ids), len(held_out)) < window + 1:
       raise SystemExit(f"the text has {len(ids) + len(held_out)} tokens: too few for "
                        f"--seq-len {args.seq_len} in the training split and the held-out tenth")
     rng = np.random.default_rng(args.seed)
 
     def next_batch():
       starts = rng.integers(0, len(ids) - args.seq_len - 1, batch_size)
-      window = np.stack([ids[s:s + args.seq_len + 1] for s in starts])
-      return {"input_ids": window, "labels": window}  # seq_len predicted tokens per row
+      rows = np.stack([ids[s:s + window] for s in starts])
+      return {"input_ids": rows, "labels": rows}  # window - 1 predicted tokens per row
 
     batches = iter([next_batch() for _ in range(args.steps)])
-    eval_batches = held_out_batches(held_out, batch_size, args.seq_len, args.eval_batches)
+    eval_batches = held_out_batches(held_out, batch_size, window - 1, args.eval_batches)
   first = next(batches)
   batches = itertools.chain([first], batches)
   # Compiled once here (the steps below reuse it): tracing the step is also

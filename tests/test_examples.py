@@ -18,8 +18,8 @@ settings and hard timeouts.
   end) and ``custom_step.py`` (value_and_grad, clip_grad_norm, EMA inside
   ``shard_map``, checked against ``shard_train_step``);
 * ``finetune.py`` without ``--checkpoint``: it writes a small random
-  Llama (and, with ``--family qwen3 --scan``, a Qwen3 run with stacked
-  layers), loads it shard by shard, fine-tunes it (the loss goes down, and the
+  Llama (and, with ``--family qwen3 --scan --context 2``, a Qwen3 run with
+  stacked layers, each row split over a context axis), loads it shard by shard, fine-tunes it (the loss goes down, and the
   held-out loss the eval step prints), samples continuations from
   ``reshard_params`` weights on a tensor mesh with a KV cache (greedy and
   top-p), and saves it in Hugging Face's layout, which loads again; with ``--lora``
@@ -133,7 +133,7 @@ class Jobs:
         "--eval-batches", "1", "--sample-tokens", "6", "--out", str(tmp / "tuned")], tmp)
     self.finetune_qwen3 = Job("finetune_qwen3", [
         py, str(EXAMPLES / "finetune.py"), "--platform", "cpu", *FINETUNE_ARGS, "--family",
-        "qwen3", "--scan", "--out", str(tmp / "qwen3")], tmp)
+        "qwen3", "--scan", "--context", "2", "--out", str(tmp / "qwen3")], tmp)
     self.finetune_lora = Job("finetune_lora", [
         py, str(EXAMPLES / "finetune.py"), "--platform", "cpu", *FINETUNE_ARGS,
         "--lora", "--rank", "4", "--alpha", "8", "--lora-dropout", "0.1",
@@ -360,13 +360,17 @@ def test_finetune_loads_tunes_and_saves(jobs):
 
 
 def test_finetune_any_family_with_scan(jobs):
-  """--family qwen3 --scan: a random Qwen3 (q/k norms, stacked layers) tunes
-  and saves a directory fsdp_jax.models reads back."""
+  """--family qwen3 --scan --context 2: a random Qwen3 (q/k norms, stacked
+  layers, each row split over a context axis of 2) tunes and saves a
+  directory fsdp_jax.models reads back."""
   from fsdp_jax import models
 
   out = jobs.finetune_qwen3.ok()
   assert "no --checkpoint: wrote a small random qwen3" in out, out
   assert "model: CausalLM(qwen3: 2 layers" in out and ", scan)" in out, out
+  # --context 2: each row over a context axis, the stacked layers scanned.
+  assert ("context parallelism: each 32-token row split into 2 chunks of 16 over 'context' "
+          "(mesh {'shard': 4, 'context': 2}); the weights sharded over shard x context") in out, out
   m = re.search(r"^loss (\S+) -> (\S+) after 6 steps$", out, re.M)
   assert m and float(m.group(2)) < float(m.group(1)) - 0.1, out
   model = models.from_pretrained(jobs.tmp / "qwen3", scan=True)
@@ -550,7 +554,7 @@ def _load(name: str):
     ("finetune", ["--checkpoint", "--family", "--text", "--out", "--strategy", "--scan",
                   "--precision", "--lora", "--qlora", "--rank", "--alpha", "--targets",
                   "--lora-dropout", "--eval-every", "--sample-tokens", "--temperature",
-                  "--top-p"]),
+                  "--top-p", "--context"]),
 ])
 def test_help(name, flags, capsys):
   with pytest.raises(SystemExit) as e:
@@ -584,6 +588,9 @@ def test_train_gpt_argument_errors(argv, message, capsys):
     (["--qlora", "--lora-dropout", "1"], "--lora-dropout must be in [0, 1)"),
     (["--lora", "--targets", ","], "--targets needs at least one pattern"),
     (["--family", "bert"], "argument --family: invalid choice: 'bert'"),
+    (["--context", "3", "--seq-len", "32"], "--context 3 needs --seq-len to be a multiple of "
+     "it (each device holds seq_len / N tokens of every row); got --seq-len 32, e.g. "
+     "--seq-len 33"),
 ])
 def test_finetune_argument_errors(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
