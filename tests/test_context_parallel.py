@@ -305,10 +305,13 @@ def test_config_and_mesh():
     fsdp_jax.ContextParallel(strategy="ring")
   with pytest.raises(TypeError, match="load_balance='yes'"):
     fsdp_jax.ContextParallel(load_balance="yes")
+  # With tensor parallelism: weights over shard x context, slices over
+  # tensor (test_context_tensor.py trains it as one device).
   tp = fsdp_jax.TensorParallel(rules=[("*.wq", "colwise")])
-  with pytest.raises(NotImplementedError, match="Context parallelism with tensor parallelism"):
-    fsdp_jax.init_train_state(params=_params(), optimizer=optax.sgd(0.1), mesh=mesh,
-                              config=fsdp_jax.FSDPConfig(tensor_parallel=tp))
+  axes = fsdp_jax.init_train_state(params=_params(), optimizer=optax.sgd(0.1), mesh=mesh,
+                                   config=fsdp_jax.FSDPConfig(tensor_parallel=tp)).plan.axes
+  assert (axes.shard_axes, axes.tensor_axes, axes.context_size) == (
+      ("shard", "context"), ("tensor",), 2)
   plan = fsdp_jax.init_train_state(
       params=_params(), optimizer=optax.sgd(0.1), config=fsdp_jax.FSDPConfig(context_parallel=cp),
       mesh=fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])).plan

@@ -483,6 +483,11 @@ def replace_eqn(eqn, *, params: Optional[dict] = None, merge_params: bool = True
 AXIS_PARAMS = ("axes", "axis_name")
 
 
+# Collectives over named axes that act element by element across every
+# other axis (tensor parallelism runs another axis's on its slices).
+AXIS_COLLECTIVES = frozenset({"psum", "pmax", "pmin", "ppermute", "all_gather"})
+
+
 def axis_params(eqn) -> dict:
   """``{param name: axis names}`` of ``eqn``'s params in :data:`AXIS_PARAMS`."""
   return {k: v for k, v in eqn.params.items() if k in AXIS_PARAMS}

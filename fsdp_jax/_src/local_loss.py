@@ -78,6 +78,17 @@ class LocalLoss:
                                    base_dtypes=plan.lora_base_dtypes(),
                                    axis_env=plan.axis_env, report=plan.lora_report,
                                    train=train)
+    cp = plan.context
+    if cp is not None:
+      # Each device runs the loss on its chunk of the sequence, positions
+      # mixed over the context axis exactly (fsdp_jax._src.context_eval).
+      # Under tensor parallelism too: the chunked loss's jaxpr, context
+      # collectives included, is what tensor_eval runs on the slices.
+      loss_fn = context_eval.wrap_loss(
+          loss_fn, dim=cp.dim, split_mask=lambda b: context_lib.split_mask(cp, b),
+          axis=plan.axes.context_axes[0], size=plan.axes.context_size,
+          axis_env=plan.axis_env, report=context_eval.Report(),
+          load_balance=cp.load_balance)
     if plan.config.tensor_parallel is not None:
       # Each device runs the loss on its slices of the split leaves, with
       # Megatron's collectives over the tensor axis (fsdp_jax._src.tensor_eval).
@@ -88,15 +99,6 @@ class LocalLoss:
                            for l in plan.leaves),
           axis=plan.axes.tensor_axes[0], size=plan.t, axis_env=plan.axis_env,
           report=plan.tensor_report, split_outputs=split_outputs)
-    cp = plan.context
-    if cp is not None:
-      # Each device runs the loss on its chunk of the sequence, positions
-      # mixed over the context axis exactly (fsdp_jax._src.context_eval).
-      loss_fn = context_eval.wrap_loss(
-          loss_fn, dim=cp.dim, split_mask=lambda b: context_lib.split_mask(cp, b),
-          axis=plan.axes.context_axes[0], size=plan.axes.context_size,
-          axis_env=plan.axis_env, report=context_eval.Report(),
-          load_balance=cp.load_balance)
     self.loss_fn = loss_fn
     self.plan = plan
     self.forward_inputs = loss_lib.check_forward_inputs(forward_inputs)

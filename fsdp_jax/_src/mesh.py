@@ -432,10 +432,4 @@ def _context_axes(mesh: Mesh, config: FSDPConfig, all_names: tuple, tensor_axis)
     raise ValueError(
         f"The 'context' axis must follow the FSDP axes (before a tensor axis); got axes "
         f"{all_names}. Fix: build the mesh with fsdp_jax.make_mesh(..., context=C).")
-  if config.tensor_parallel is not None:
-    raise NotImplementedError(
-        f"Context parallelism with tensor parallelism (mesh {dict(mesh.shape)}) is not yet "
-        "supported: the loss cannot yet run on sequence chunks and tensor slices at once. "
-        "Fix: use one of them: make_mesh(shard=S, context=C) or make_mesh(shard=S, "
-        "tensor=T).")
   return True

@@ -51,6 +51,7 @@ from fsdp_jax._src import _compat
 from fsdp_jax._src import attention
 from fsdp_jax._src import cross_entropy
 from fsdp_jax._src import loss as loss_lib
+from fsdp_jax._src import other_axes
 
 
 @dataclasses.dataclass(eq=False)
@@ -363,6 +364,11 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
     out = _dynamic(eqn, invals, ctx)
     if out is not None:
       return [out]
+  if name in _compat.AXIS_COLLECTIVES:  # over "context": on the slices
+    out = other_axes.collective(eqn, ctx.axis, [_form(x) for x in invals],
+                                [_payload(x) for x in invals])
+    if out is not None:
+      return [_apply_form(f, y) for f, y in out]
   if _compat.is_remat(eqn):
     return _remat(eqn, invals, ctx)
   if _compat.is_scan(eqn):
