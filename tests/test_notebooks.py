@@ -100,7 +100,8 @@ def test_notebook_is_stored_clean(name):
 CHECKS = {
     "quickstart.ipynb": dict(
         text=["FSDP plan: FULL_SHARD, flat parameters", "collectives per step",
-              "max |parameter difference|"],
+              "max |parameter difference|",
+              "context parallelism: max |parameter difference| from one device"],
         images=0),
     "strategies.ipynb": dict(
         text=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
