@@ -471,11 +471,14 @@ def test_plan_shows_the_2d_layout_and_collectives(wrapped_tp):
   assert re.search(r"layers\.0\.wo\.kernel .* split \('tensor', None\)", text), text
   assert re.search(r"layers\.0\.wq\.kernel .* split \(None, 'tensor'\)", text), text
   assert "over 'shard': all-gather" in text
-  # After tracing: Megatron's forward all-reduce per row-parallel matmul,
-  # and three for the loss over the split vocabulary (the log-softmax's
-  # maximum and sum, the labels' logits).
+  # After tracing: Megatron's forward reduction per row-parallel matmul, a
+  # reduce-scatter along the sequence (sequence parallelism, on by
+  # default), and three all-reduces for the loss over the split vocabulary
+  # (the log-softmax's maximum and sum, the labels' logits).
+  m = re.search(r"'tensor' per step: (\d+) forward reduce-scatter", text)
+  assert m and int(m.group(1)) == 2 * LAYERS, text
   m = re.search(r"'tensor' per step: (\d+) forward all-reduce", text)
-  assert m and int(m.group(1)) == 2 * LAYERS + 3, text
+  assert m and int(m.group(1)) == 3, text
   # The lookup in the feature-split embedding runs on the gathered table.
   assert re.search(r"gathered over 'tensor' \(runs unsplit\): gather at .*logits_fn", text), text
   # Bytes per device: 1/(S*T) of a split unit.

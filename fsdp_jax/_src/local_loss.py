@@ -4,6 +4,7 @@ evaluated with every unit gathered right before its first use
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Callable
 
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from fsdp_jax._src import _compat, adapters, collectives, frameworks, layout, offload, schedule
-from fsdp_jax._src import tensor_eval
+from fsdp_jax._src import tensor_eval, tensor_sequence
 from fsdp_jax._src import context as context_lib, context_eval
 from fsdp_jax._src import loss as loss_lib
 from fsdp_jax._src.config import is_key_dtype
@@ -98,7 +99,11 @@ class LocalLoss:
                            else len(plan.prefix(plan.units[l.unit])) + l.tensor_dim
                            for l in plan.leaves),
           axis=plan.axes.tensor_axes[0], size=plan.t, axis_env=plan.axis_env,
-          report=plan.tensor_report, split_outputs=split_outputs)
+          report=plan.tensor_report, split_outputs=split_outputs,
+          # Sequence parallelism: the norms and residuals split along the
+          # sequence over the tensor axis (fsdp_jax._src.tensor_sequence).
+          make_ctx=functools.partial(tensor_sequence.SequenceCtx, cp=cp)
+          if plan.config.tensor_parallel.sequence_parallel else None)
     self.loss_fn = loss_fn
     self.plan = plan
     self.forward_inputs = loss_lib.check_forward_inputs(forward_inputs)

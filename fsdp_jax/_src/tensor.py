@@ -51,6 +51,17 @@ class TensorParallel:
       pattern may match a trailing part of a name).
     axis: the mesh axis name (``fsdp_jax.make_mesh(tensor=T)`` names it
       ``"tensor"``).
+    sequence_parallel: Megatron's sequence parallelism (torchtitan's
+      ``SequenceParallel``), on by default: a row-parallel output is
+      reduce-scattered along the sequence instead of all-reduced, the
+      norms, residual adds and dropout after it run on each device's
+      ``1/T`` of the positions, and the next column-parallel matmul
+      all-gathers its input along the sequence (backward: the dual
+      collectives; the bytes moved are the all-reduce's). The sequence is
+      dimension 1 of every batch leaf with one (under a ``"context"`` axis:
+      ``ContextParallel``'s ``dim`` and ``leaves``), followed through the
+      model; a value whose sequence length ``T`` does not divide, or that
+      cannot be followed, is all-reduced as with ``False``. Exact either way.
 
   Example:
     >>> import fsdp_jax
@@ -62,10 +73,14 @@ class TensorParallel:
 
   rules: Sequence[tuple[str, Union[str, tuple]]]
   axis: str = "tensor"
+  sequence_parallel: bool = True
 
   def __post_init__(self):
     if not isinstance(self.axis, str) or not self.axis:
       raise TypeError(f"TensorParallel(axis={self.axis!r}) must be a mesh axis name.")
+    if not isinstance(self.sequence_parallel, bool):
+      raise TypeError(f"TensorParallel(sequence_parallel={self.sequence_parallel!r}) takes "
+                      "True or False.")
     if isinstance(self.rules, dict):
       rules = tuple(self.rules.items())
     else:

@@ -286,6 +286,19 @@ class _Ctx:
       return _cut(v, self.axis, dim, np.shape(v)[dim] // self.t)
     return self._once(("cut", id(v), dim), v, make)
 
+  # Sequence parallelism (tensor_sequence.SequenceCtx) overrides these.
+  def is_seq(self, var, v) -> bool:
+    return False
+
+  def reduce(self, v, var, why: str, operands=()):
+    return self.full(v, why)
+
+  def scan(self, eqn, invals) -> list:
+    return _scan(eqn, invals, self)
+
+  def fallback(self, eqn, invals, why: str) -> list:
+    return _compat.bind_eqn(eqn, [self.full(x, why) for x in invals])
+
   def enter(self, v):
     """A replicated operand of a computation whose result is split or partial."""
     if (isinstance(v, (Split, Partial, int, float, bool, np.ndarray, np.generic))
@@ -372,14 +385,15 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
   if _compat.is_remat(eqn):
     return _remat(eqn, invals, ctx)
   if _compat.is_scan(eqn):
-    return _scan(eqn, invals, ctx)
+    return ctx.scan(eqn, invals)
   if _compat.custom_vjp_backward(eqn) is cross_entropy.BACKWARD:
     # The blocked loss runs its own body (a checkpointed scan over blocks of
     # tokens) on the head's vocabulary slices; JAX differentiates it. Its
     # hidden state, the scan's operand, is summed first where it is partial
     # (a norm's output scaling a row-parallel sum).
     body = _compat.inlinable_body(eqn)
-    invals = [ctx.full(x, "the blocked loss") if isinstance(x, Partial) else x for x in invals]
+    invals = [ctx.full(x, "the blocked loss") if isinstance(x, Partial) or ctx.is_seq(v, x)
+              else x for x, v in zip(invals, eqn.invars)]
     return evaluate(body[0], body[1], invals, ctx)
   call = attention.match(eqn)
   qkv = () if call is None else [invals[i] for i in (call.q, call.k, call.v)]
@@ -404,7 +418,7 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
       return evaluate(body[0], body[1], invals, ctx)
   site = _compat.user_site(eqn)
   why = f"{name} at {site}" if site and site != "?" else name
-  return _compat.bind_eqn(eqn, [ctx.full(x, why) for x in invals])
+  return ctx.fallback(eqn, invals, why)
 
 
 # Layout operations that are linear and keep a partial sum partial (a
@@ -433,8 +447,8 @@ def _elementwise(eqn, invals, ctx: _Ctx):
     if linear:
       vals = [x.x if isinstance(x, Partial) else ctx.enter(x) for x in invals]
       return Partial(_compat.bind_eqn(eqn, vals)[0], parts[0].dtype)
-    invals = [ctx.full(x, "a non-linear use of a partial sum") if isinstance(x, Partial) else x
-              for x in invals]
+    invals = [ctx.reduce(x, var, "a non-linear use of a partial sum", invals)
+              if isinstance(x, Partial) else x for x, var in zip(invals, eqn.invars)]
     if not any(isinstance(x, Split) for x in invals):
       return _compat.bind_eqn(eqn, invals)[0]
   dims = {x.dim for x in invals if isinstance(x, Split)}
@@ -723,7 +737,11 @@ def _dot(eqn, invals, ctx: _Ctx):
       return Split(lax.dot_general(lhs.x, rhs.x, dn, **opts), rl[1])
     # Otherwise gather the smaller operand.
     small = 0 if np.size(lhs.x) <= np.size(rhs.x) else 1
-    if small == 0:
+    if rr[0] == "free" and ctx.is_seq(eqn.invars[0], lhs):  # a column-parallel input
+      lhs, kl, rl = ctx.regather(lhs), "full", None
+    elif rl[0] == "free" and ctx.is_seq(eqn.invars[1], rhs):
+      rhs, kr, rr = ctx.regather(rhs), "full", None
+    elif small == 0:
       lhs, kl, rl = ctx.full(lhs, f"a matmul of differently split operands at {site}"), "full", None
     else:
       rhs, kr, rr = ctx.full(rhs, f"a matmul of differently split operands at {site}"), "full", None
@@ -843,11 +861,12 @@ class SplitOutputs:
 
 def wrap_loss(loss_fn: Callable, *, full_shapes: tuple, split_dims: tuple, axis: str,
               size: int, axis_env: tuple, report: Report,
-              split_outputs: "SplitOutputs | None" = None) -> Callable:
+              split_outputs: "SplitOutputs | None" = None, make_ctx=None) -> Callable:
   """``loss_fn`` over the user's tree -> the same loss over each device's
   slices (the gathered tree of a tensor-parallel step). ``full_shapes`` and
   ``split_dims`` (None: replicated) are per leaf, in tree order. The outputs
-  are gathered whole, except those ``split_outputs`` keeps split."""
+  are gathered whole, except those ``split_outputs`` keeps split.
+  ``make_ctx``: tensor_sequence.SequenceCtx's factory (sequence parallelism)."""
   user_rng = loss_lib.takes_rng(loss_fn)
 
   def run(params, args, rng):
@@ -858,7 +877,8 @@ def wrap_loss(loss_fn: Callable, *, full_shapes: tuple, split_dims: tuple, axis:
     closed, out_shape = jax.make_jaxpr(call, return_shape=True, axis_env=list(axis_env))(
         jax.tree.unflatten(treedef, structs), *args)
     jaxpr, consts = _compat.split_closed(closed)
-    ctx = _Ctx(axis, size, report)
+    ctx = (_Ctx(axis, size, report) if make_ctx is None
+           else make_ctx(axis, size, report, jaxpr, len(flat), args))
     report.reset()
     values = [x if d is None else Split(x, d) for x, d in zip(flat, split_dims)]
     outs = evaluate(jaxpr, consts, values + jax.tree.leaves(args), ctx)
@@ -866,7 +886,7 @@ def wrap_loss(loss_fn: Callable, *, full_shapes: tuple, split_dims: tuple, axis:
       split_outputs.dims.clear()
     for k, o in enumerate(outs):
       if (split_outputs is not None and isinstance(o, Split)
-          and o.dim >= split_outputs.first_dim):
+          and o.dim >= split_outputs.first_dim and not ctx.is_seq(jaxpr.outvars[k], o)):
         split_outputs.dims[k] = o.dim
         outs[k] = o.x
       else:
