@@ -26,6 +26,7 @@
     python -m benchmarks planner        # the planner against the compiled step: memory, time, cost, what fits (PLANNER.md)
     python -m benchmarks activations    # checkpointing policies and the blocked loss (ACTIVATIONS.md)
     python -m benchmarks data           # fsdp_jax.data: padding and tokens/s of the pipeline (DATA.md)
+    python -m benchmarks context        # context parallelism: memory, longest sequence, collectives, time (CONTEXT.md)
 
 ``python -m benchmarks <name> --help`` lists a measurement's options.
 """
@@ -67,6 +68,7 @@ MEASUREMENTS = {
     "planner": ("benchmarks.planner", "main"),
     "activations": ("benchmarks.activations", "main"),
     "data": ("benchmarks.data", "main"),
+    "context": ("benchmarks.context", "main"),
 }
 
 
