@@ -482,9 +482,7 @@ def main(argv=None) -> dict:
   # The model's causal-LM loss: labels shifted inside, the mean over every
   # device's tokens (packed rows: within each document, -100 labels skipped).
   step = fsdp_jax.shard_train_step(model.loss_fn, optimizer)
-  # A multiple of the data-parallel size (fsdp_jax.data's batches split the
-  # rows over every device but a tensor axis).
-  dp = n if args.data else n // ctx
+  dp = n // ctx  # a multiple of the data-parallel size: the devices / the context size
   batch_size = -(-args.batch_size // dp) * dp
   # Rows of seq_len + 1 tokens (seq_len predicted); under context parallelism
   # seq_len tokens, which the context axis divides.

@@ -208,8 +208,11 @@ def test_processes_read_disjoint_equal_shares(tok):
 # Batches on the mesh, resume
 
 
-@pytest.mark.parametrize("axes", [dict(replicate=2, shard=4), dict(shard=4, tensor=2)])
+@pytest.mark.parametrize("axes", [dict(replicate=2, shard=4), dict(shard=4, tensor=2),
+                                  dict(shard=2, context=4)])
 def test_batches_are_split_over_the_data_axes(tok, axes):
+  """Rows over the data axes; a tensor axis holds copies of a row, a context
+  axis whole rows too (the step splits their sequence)."""
   mesh = fsdp_jax.make_mesh(**axes)
   ds = data.sft_dataset(CHAT * 8, tok, seq_len=16, packing=None, truncation="truncate")
   rows = list(ds)
@@ -222,10 +225,10 @@ def test_batches_are_split_over_the_data_axes(tok, axes):
     assert x.sharding.mesh == mesh
     np.testing.assert_array_equal(np.asarray(x), np.stack([r[key] for r in rows[:8]]))
   assert len(list(it)) == 1  # 16 rows: two batches, nothing partial
-  dp = 8 if "replicate" in axes else 4  # the tensor axis holds copies of a row
-  with pytest.raises(ValueError, match=rf"global_batch={dp + 2} is not a positive multiple "
+  dp = axes.get("replicate", 1) * axes["shard"]
+  with pytest.raises(ValueError, match=rf"global_batch={dp + 1} is not a positive multiple "
                      rf"of the data-parallel size {dp} .* Fix: global_batch={2 * dp}"):
-    data.batches(ds, global_batch=dp + 2, mesh=mesh)
+    data.batches(ds, global_batch=dp + 1, mesh=mesh)
 
 
 def test_resume_gives_the_same_batches_bitwise(tok, tmp_path):

@@ -1,6 +1,6 @@
 """``batches``: a dataset's rows as global ``jax.Array`` batches, split
 along dim 0 over the mesh's data-parallel axes as ``shard_train_step``
-places a batch (every axis but ``"tensor"``), each process contributing its
+places a batch (every axis but ``"tensor"`` and ``"context"``), each process contributing its
 own rows (``jax.make_array_from_process_local_data``). The iterator is
 checkpointable: ``get_state()`` / ``set_state()``, which
 ``CheckpointManager.save(..., data_iterator=it)`` / ``restore`` call.
@@ -21,8 +21,10 @@ __all__ = ["DataIterator", "batches", "data_axes"]
 
 
 def data_axes(mesh: Mesh) -> tuple[str, ...]:
-  """The axes a batch is split over: every mesh axis but ``"tensor"``."""
-  return tuple(a for a in mesh.axis_names if a != mesh_lib.TENSOR)
+  """The axes a batch's rows are split over: every mesh axis but
+  ``"tensor"`` and ``"context"`` (context parallelism splits each row's
+  sequence over it, inside the step)."""
+  return tuple(a for a in mesh.axis_names if a not in (mesh_lib.TENSOR, mesh_lib.CONTEXT))
 
 
 def _local_rows(sharding: NamedSharding, global_batch: int) -> int:
@@ -77,8 +79,8 @@ class DataIterator:
           f"{self.global_batch} rows, not 1/{processes} of them (mesh {dict(mesh.shape)}): "
           "each process reads its own share of the data, so the data-parallel axes must "
           "split the batch evenly over the processes. Fix: build the mesh with "
-          "fsdp_jax.make_mesh over every process's devices, the tensor axis within a "
-          "process.")
+          "fsdp_jax.make_mesh over every process's devices, the tensor and context axes "
+          "within a process.")
     self.dataset = dataset
     self._iterator = iter(dataset)
     self.batches_given = 0
@@ -142,7 +144,9 @@ class DataIterator:
 def batches(dataset: Any, *, global_batch: int, mesh: Mesh) -> DataIterator:
   """Global batches of ``global_batch`` rows of ``dataset`` (e.g.
   :func:`sft_dataset`), split along dim 0 over ``mesh``'s data-parallel
-  axes (all but ``"tensor"``) as the train step places a batch.
+  axes (all but ``"tensor"`` and ``"context"``) as the train step places a
+  batch; under context parallelism each row whole, the step splitting its
+  sequence.
 
   Each process reads its own rows (``dataset`` is this process's share:
   :func:`sft_dataset` shards by process) and contributes
