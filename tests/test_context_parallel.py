@@ -243,15 +243,18 @@ def test_llama_family(tmp_path, balanced):
        config=b.fsdp_config(context_parallel=cp), eps=1e-4, ref_fn=unblocked.loss_fn)
 
 
-def test_only_keys_and_values_move_over_context():
+@pytest.mark.parametrize("balanced", [False, True])
+def test_only_keys_and_values_move_over_context(balanced):
   """Over the context groups the compiled step moves, per layer, K and V
   forward (all-gathers of [batch, T, kv_dim]) and their gradients back
   (reduce-scatters of [batch, T/C, kv_dim]); besides those, the labels'
   and weights' one-token halos and the loss's scalar sums. Nothing else
-  (no logits, no hidden states)."""
+  (no logits, no hidden states). Head-tail balanced: the same, each halo
+  from two neighbours, and the batch's leaves (ids, weights) each fetched
+  as two half-chunks from the contiguous split."""
   mesh = fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])
   state = fsdp_jax.init_train_state(params=_params(), optimizer=optax.sgd(0.1), mesh=mesh,
-                                    config=fsdp_jax.FSDPConfig())
+                                    config=_balanced() if balanced else fsdp_jax.FSDPConfig())
   text = fsdp_jax.shard_train_step(weighted_loss).lower(state, _batches(2)[0]).compile().as_text()
   context_groups = {(0, 1), (2, 3)}  # context innermost: devices (s, c) = 2 s + c
   moved = [c for c in hlo.collectives(text)
@@ -261,7 +264,8 @@ def test_only_keys_and_values_move_over_context():
       ("reduce-scatter", ((1, SEQ // 2, KV),))] * (2 * LAYERS), kinds
   assert all(s == () for c in moved if c.kind == "all-reduce" for s in c.shapes)
   halos = [c for c in hlo.collectives(text) if c.kind == "collective-permute"]
-  assert sorted(c.shapes for c in halos) == [((1, 1),)] * 2, halos
+  want = [((1, 1),)] * 4 + [((1, SEQ // 4),)] * 4 if balanced else [((1, 1),)] * 2
+  assert sorted(c.shapes for c in halos) == want, halos
 
 
 def test_errors():
@@ -392,7 +396,8 @@ def test_rng_and_custom_specs():
   """The key a loss draws from is the same across a context group (the
   dropout mask of the whole sequence, each device using its chunk): a step
   on shard=2 x context=2 equals one on shard=2. A hand-written step gets
-  per-leaf specs from batch_specs; batch_spec refuses, naming it."""
+  per-leaf specs from batch_specs (with load_balance too: its gradients
+  one device's); batch_spec refuses, naming it."""
   def dropout_loss(p, batch, rng):
     logits = _forward(p, batch["ids"])
     keep = jax.random.bernoulli(rng, 0.7, logits.shape)
@@ -413,6 +418,17 @@ def test_rng_and_custom_specs():
     fsdp_jax.custom.batch_spec(plan)
   specs = fsdp_jax.custom.batch_specs(plan, {"ids": np.zeros((2, 8)), "n": np.zeros(2)})
   assert specs == {"ids": jax.P("shard", "context"), "n": jax.P("shard")}
+  # A shard_map of its own over batch_specs (fsdp_jax.custom.sharded_grads)
+  # with load_balance: each device fetches its head-tail chunks from the
+  # contiguous split, the gradients one device's.
+  mesh = fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])
+  state = fsdp_jax.init_train_state(params=_params(), optimizer=optax.sgd(0.1), mesh=mesh,
+                                    config=_balanced())
+  b = _batches(2)[0]
+  grads = fsdp_jax.custom.sharded_grads(weighted_loss, state, b)
+  _, full = fsdp_jax.summon_full_params(state, with_grads=True, grads=grads)
+  ref = jax.jit(jax.grad(_ratio(weighted_loss)))(_params(), b)
+  assert_trees_close(full, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_ops_along_other_dimensions():

@@ -54,8 +54,11 @@ class ContextParallel:
       hides, does the same work on every device (with contiguous chunks
       the last device does about ``2C - 1`` times the first's). The
       sequence length must then be divisible by ``2C``. Batches are
-      passed in their natural order, as without it: the step permutes the
-      split leaves itself, and the loss and gradients are the same.
+      passed in their natural order and split contiguously, as without it
+      (also by :func:`fsdp_jax.custom.batch_specs`); each device fetches
+      its two chunks from the devices holding them (per split leaf, at
+      most four ``ppermute`` s of a chunk, each device receiving two), and
+      the loss and gradients are the same.
       Attention written in jnp (``q @ k^T``, a mask, softmax) computes
       every block whatever the layout, so it gains nothing.
 
@@ -160,16 +163,3 @@ def check_batch(cp: ContextParallel, size: int, batch) -> None:
         f"{-(-t // chunks) * chunks} (with labels masked / weight 0 there)"
         + (", or use load_balance=False." if cp.load_balance else "."))
 
-
-def permute_batch(cp: ContextParallel, size: int, batch):
-  """The global batch (in the sequences' order) -> the order whose
-  contiguous split over the context axis gives each device its chunks:
-  the identity without ``load_balance``; with it, each split leaf's chunks
-  reordered ``0, 2C-1, 1, 2C-2, ...`` (traced in the step's ``jax.jit``,
-  so any batch, host or global ``jax.Array``, is permuted the same way)."""
-  if not cp.load_balance:
-    return batch
-  lay = context_layout.Layout(size, True)
-  flat, treedef = jax.tree.flatten(batch)
-  return jax.tree.unflatten(treedef, [lay.permute(x, cp.dim) if s else x
-                                      for x, s in zip(flat, split_mask(cp, batch))])

@@ -811,7 +811,11 @@ def wrap_loss(loss_fn: Callable, *, dim: int, split_mask: Callable, axis: str, s
     jaxpr, consts = _compat.split_closed(closed)
     ctx = _Ctx(axis, size, report, load_balance)
     report.counts.clear()
-    values = [Split(x, dim) if s else x for x, s in zip(flat_b, mask)]
+    # The step splits the batch in the sequence's order; with load_balance
+    # each device then fetches its head-tail pieces (context_layout).
+    fetch = lambda x: ctx.layout.from_contiguous(x, dim, axis, ctx.index(),
+                                                 lambda y: report.add("batch", y))
+    values = [Split(fetch(x), dim) if s else x for x, s in zip(flat_b, mask)]
     rest = jax.tree.leaves(args[1:])
     outs = evaluate(jaxpr, consts, jax.tree.leaves(params) + values + rest, ctx)
     for o in outs:

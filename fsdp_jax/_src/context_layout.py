@@ -18,11 +18,12 @@ back in the sequence's order (:meth:`Layout.natural`), moves a halo between
 neighbouring chunks (:meth:`Layout.halo`, one ``ppermute`` per pair of
 pieces; a chunk whose neighbour is on the same device reads it locally) and
 gives the totals of the chunks before each piece (:meth:`Layout.before`,
-for cumulative sums). :meth:`Layout.permute` puts a whole batch leaf (the
-global array, in the sequence's order) into the layout's order, so that the
-contiguous split of the step's ``shard_map`` gives each device its pieces;
-:meth:`Layout.natural` is its inverse. With one piece every permutation is
-the identity and nothing is added to the program.
+for cumulative sums). The batch is split over the axis in the sequence's
+order, as without balancing (the user passes it so; a hand-written step's
+``shard_map`` splits it so): :meth:`Layout.from_contiguous` fetches each
+of a device's pieces from the device that contiguous split left it on.
+With one piece every permutation is the identity and nothing is added to
+the program.
 """
 
 from __future__ import annotations
@@ -87,26 +88,20 @@ class Layout:
     return lax.concatenate([lax.slice_in_dim(x, k * m, (k + 1) * m, axis=dim) for k in order],
                            dim)
 
-  def permute(self, x, dim: int):
-    """A whole sequence (``dim`` in the sequence's order) -> the layout's
-    order: device ``i``'s pieces at its contiguous share."""
-    return x if not self.balanced else self._reorder(x, dim, self.order)
-
   def natural(self, x, dim: int):
-    """The inverse of :meth:`permute`: a value in the layout's order (an
-    all-gather of the devices' chunks) -> the sequence's order."""
+    """A value in the layout's order (an all-gather of the devices'
+    chunks) -> the sequence's order."""
     if not self.balanced:
       return x
     return self._reorder(x, dim, [self.order.index(k) for k in range(self.count)])
 
-  def halo(self, sends: list, step: int, axis: str, index, on_send=None):
-    """Each piece's halo from its neighbouring chunk: piece ``t`` of this
-    device receives ``sends[s]`` of the device holding chunk ``chunk(t) -
-    step`` as its piece ``s`` (``step`` 1: from the previous chunk, -1: from
-    the next), by one ``ppermute`` per pair of pieces (``on_send(x)`` is
-    called for each), or locally where that chunk is this device's own.
-    Returns ``(received, has)``: per piece, the value (zeros where no chunk
-    is there) and a traced bool, whether there is one."""
+  def _exchange(self, sends: list, source, axis: str, index, on_send=None):
+    """Per piece ``t`` of this device ``i``, ``sends[s]`` of device ``d``
+    where ``source(i, t) == (d, s)`` (None: nothing there): one
+    ``ppermute`` per pair of pieces (``on_send(x)`` called for each), read
+    locally where ``d`` is this device. Returns ``(received, has)``: per
+    piece, the value (zeros where nothing is there) and a traced bool,
+    whether something is."""
     c, p = self.c, self.pieces
     received, has = [], []
     for t in range(p):
@@ -114,7 +109,7 @@ class Layout:
       for s in range(p):
         pairs, local, dst = [], np.zeros(c, bool), np.zeros(c, bool)
         for i in range(c):
-          src = self.owner.get(int(self.chunks[i, t]) - step)
+          src = source(i, t)
           if src is None or src[1] != s:
             continue
           any_src[i] = True
@@ -133,6 +128,26 @@ class Layout:
       received.append(jnp.zeros_like(sends[0]) if got is None else got)
       has.append(jnp.asarray(any_src)[index])
     return received, has
+
+  def halo(self, sends: list, step: int, axis: str, index, on_send=None):
+    """Each piece's halo from its neighbouring chunk: piece ``t`` of this
+    device receives ``sends[s]`` of the device holding chunk ``chunk(t) -
+    step`` as its piece ``s`` (``step`` 1: from the previous chunk, -1: from
+    the next). Returns ``(received, has)`` (see :meth:`_exchange`)."""
+    return self._exchange(sends, lambda i, t: self.owner.get(int(self.chunks[i, t]) - step),
+                          axis, index, on_send)
+
+  def from_contiguous(self, x, dim: int, axis: str, index, on_send=None):
+    """This device's pieces from its contiguous share of the sequence along
+    ``dim`` (what a plain split of a batch in the sequence's order gives
+    device ``i``: chunks ``2i`` and ``2i+1`` of ``2C``), each fetched from
+    the device holding it (the identity without balancing)."""
+    if not self.balanced:
+      return x
+    out, _ = self._exchange(self.split(x, dim),
+                            lambda i, t: divmod(int(self.chunks[i, t]), self.pieces),
+                            axis, index, on_send)
+    return self.join(out, dim)
 
   def before(self, totals, axis: str, index):
     """Per piece of this device, the sum of ``totals`` (each device's

@@ -21,7 +21,6 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from fsdp_jax._src import _compat, schedule
-from fsdp_jax._src import context as context_lib
 from fsdp_jax._src import loss as loss_lib
 from fsdp_jax._src import mesh as mesh_lib
 from fsdp_jax._src import plan as plan_lib
@@ -261,8 +260,6 @@ class EvalStep:
                     plan_lib.batch_specs(plan, batch),
                     jax.tree.map(lambda _: P(), key), P()),
           out_specs=out_specs, check_vma=False)
-      if plan.context is not None:  # load_balance: each device's head-tail chunks
-        batch = context_lib.permute_batch(plan.context, plan.axes.context_size, batch)
       return fn(state.params, state.model_state, batch, key, state.step)
 
   def _jit(self, mesh):

@@ -727,11 +727,9 @@ def batch_specs(plan: Plan, batch):
   ``in_specs`` for the batch): dim 0 over the data-parallel axes; under
   context parallelism (a ``"context"`` mesh axis) the leaves
   :class:`~fsdp_jax.ContextParallel` selects also along their sequence
-  dimension over ``"context"``. With ``ContextParallel(load_balance=True)``
-  a hand-written step passes those leaves with their ``2C`` chunks in the
-  order ``0, 2C-1, 1, 2C-2, ..., C-1, C`` (device ``i`` holding chunks
-  ``i`` and ``2C-1-i``); :func:`fsdp_jax.shard_train_step` reorders them
-  itself.
+  dimension over ``"context"`` (in the sequence's order, also with
+  ``ContextParallel(load_balance=True)``: the loss fetches each device's
+  head-tail chunks itself).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, fsdp_jax

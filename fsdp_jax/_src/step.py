@@ -381,8 +381,6 @@ def shard_train_step(loss_fn: Callable[..., Any],
                                           (new_ms, new_hook_state))
       return new_params, new_opt_state, new_ms, new_hook_state, metrics
 
-    if plan.context is not None:  # load_balance: each device's head-tail chunks
-      batch = context_lib.permute_batch(plan.context, plan.axes.context_size, batch)
     fn = jax.shard_map(body, mesh=mesh_,
                        in_specs=(p_specs, opt_specs, ms_specs, h_specs, b_specs, rng_specs, P()),
                        out_specs=(p_specs, opt_specs, ms_specs, h_specs, P()),
