@@ -167,8 +167,12 @@ def train_tensor(steps: int = STEPS):
   return losses, flat(fsdp_jax.summon_full_params(state)), layout
 
 
-CONTEXT_MESHES = {"context8": (dict(shard=1, context=8), 2),     # a context group over both
-                  "shard2_context4": (dict(shard=2, context=4), 4)}  # one within each
+# name: (make_mesh's sizes, global batch rows, ContextParallel's options)
+CONTEXT_MESHES = {
+    # a context group over both processes, head-tail chunks (ppermutes across them)
+    "context8": (dict(shard=1, context=8), 2, dict(load_balance=True)),
+    "shard2_context4": (dict(shard=2, context=4), 4, {}),  # one within each, contiguous
+}
 
 
 def context_params(seed=0):
@@ -189,16 +193,17 @@ def train_context(name: str, steps: int = 2):
   last batch. Each process passes the rows its devices hold (all of them
   when one context group spans both processes) with their whole sequences.
   Returns (losses, params, eval loss, layout, the error a step gives when
-  each process passes its half of the sequences, or None)."""
+  the processes of one context group pass different rows, or None)."""
   import jax
   import optax
   import fsdp_jax
   import test_context_parallel as t
-  mesh_kw, b = CONTEXT_MESHES[name]
+  mesh_kw, b, cp = CONTEXT_MESHES[name]
   mesh = fsdp_jax.make_mesh(**mesh_kw)
   opt = optax.adam(1e-2)
+  config = fsdp_jax.FSDPConfig(context_parallel=fsdp_jax.ContextParallel(**cp))
   state = fsdp_jax.init_train_state(params=context_params(), optimizer=opt, mesh=mesh,
-                                    config=fsdp_jax.FSDPConfig())
+                                    config=config)
   step = fsdp_jax.shard_train_step(t.weighted_loss)
   nproc, me = jax.process_count(), jax.process_index()
   per = b // nproc if mesh_kw["shard"] > 1 else b
@@ -212,10 +217,9 @@ def train_context(name: str, steps: int = 2):
   ev = float(fsdp_jax.shard_eval_step(t.weighted_loss)(state, mine(batch)))
   layout = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices).tolist()
   error = None
-  if mesh_kw["shard"] == 1:  # each process its half of the sequence: refused
-    half = t.SEQ // 2
+  if mesh_kw["shard"] == 1:  # each process its own row, as without a context axis: refused
     try:
-      step(state, jax.tree.map(lambda x: x[:, me * half:(me + 1) * half], batch))
+      step(state, jax.tree.map(lambda x: x[me:me + 1], batch))
     except ValueError as e:
       error = str(e)
   return losses, flat(fsdp_jax.summon_full_params(state)), ev, layout, error

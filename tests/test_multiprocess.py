@@ -146,14 +146,15 @@ def test_tensor_parallel_within_processes_fsdp_across(two_process_run):
 def test_context_parallel_across_processes(two_process_run, name):
   """Context parallelism on 2 processes x 4 devices, each process passing
   its rows with whole sequences: context=8 (one context group over both
-  processes: both pass every row, each device takes its chunk) and shard=2
-  x context=4 (a context group within each process, the rows split). The
-  losses, parameters and shard_eval_step's loss equal one device's; each
-  process passing its half of the sequences instead is refused."""
+  processes: both pass every row, each device takes its head-tail chunks,
+  load_balance=True) and shard=2 x context=4 (a context group within each
+  process, the rows split, contiguous chunks). The
+  losses, parameters and shard_eval_step's loss equal one device's; the
+  two processes of one context group passing different rows is refused."""
   import optax
   import test_context_parallel as t
   from helpers import jit_reference_run
-  _, b = mp_worker.CONTEXT_MESHES[name]
+  _, b, _ = mp_worker.CONTEXT_MESHES[name]
   batches = t._batches(b, seed=7, steps=2)  # pylint: disable=protected-access
   ratio = t._ratio(t.weighted_loss)  # pylint: disable=protected-access
   ref_losses, ref_params = jit_reference_run(ratio, mp_worker.context_params(),
@@ -167,7 +168,7 @@ def test_context_parallel_across_processes(two_process_run, name):
     np.testing.assert_allclose(np.asarray(run["params"][key], np.float32), ref,
                                rtol=1e-5, atol=1e-5, err_msg=key)
   np.testing.assert_allclose(run["eval"], float(ratio(ref_params, batches[-1])), rtol=1e-5)
-  if name == "context8":  # each process its half of the sequences: named, refused
+  if name == "context8":  # each process its own row, not the group's rows: named, refused
     assert re.search(r"processes 0 and 1 hold the same rows.*different values for "
                      r"\['ids'\], \['w'\].*whole sequences", run["error"]), run["error"]
   else:
