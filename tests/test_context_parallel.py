@@ -124,10 +124,14 @@ def _balanced(strategy=S.FULL_SHARD, **kw):
     # head-tail: the halos of labels[:, 1:] / logits[:, :-1] between chunks
     # on other devices and (device C-1's chunks C-1 and C) on the same one
     (dict(shard=2, context=4), S.FULL_SHARD, 2, True),
+    # and under tensor parallelism (heads split, sequence parallelism on)
+    (dict(shard=2, context=2, tensor=2), S.FULL_SHARD, 2, True),
 ])
 def test_plain_model_matches_one_device(mesh_kw, strategy, b, balanced):
+  tp = fsdp_jax.TensorParallel(rules=[("*.wq", "colwise"), ("*.wo", "rowwise")])
+  kw = {"tensor_parallel": tp} if "tensor" in mesh_kw else {}
   state = _run(weighted_loss, mesh_kw, _batches(b), strategy,
-               config=_balanced(strategy) if balanced else None)
+               config=_balanced(strategy, **kw) if balanced else None)
   # The weights are sharded over shard x context.
   assert state.plan.axes.shard_axes[-1] == "context"
   assert state.plan.n == mesh_kw["shard"] * mesh_kw["context"]
