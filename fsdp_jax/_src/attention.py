@@ -416,6 +416,15 @@ class _Layout:
     seg = masks.q_seg is not None
     self.q_seg = _blocks(masks.q_seg, self.bq, self.nq, "edge") if seg else None
     self.k_seg = _blocks(masks.k_seg, self.bk, self.nk, "edge") if seg else None
+    # Positions (``arange`` by default) and segment ids tied to the queries,
+    # keys and values: under a ``lax.scan`` (layers scanned) they are
+    # loop-invariant, and JAX's partial evaluation of the scan would hoist
+    # everything of the kernel's loops that depends on them alone (each
+    # block pair's mask and ``jnp.where`` fill values) out of the scan,
+    # stacked for every (query block, key block) pair: ``[T, T]`` arrays.
+    tied = lax.optimization_barrier(
+        (self.q, self.k, self.v, self.q_pos, self.k_pos, self.q_seg, self.k_seg))
+    self.q, self.k, self.v, self.q_pos, self.k_pos, self.q_seg, self.k_seg = tied
     self.visible = self._visible()
 
   def _visible(self):
