@@ -548,10 +548,11 @@ def check_local_batch(plan: Plan, batch) -> None:
             f"step(state, batch): processes {q} and {p} hold the same rows of the batch "
             f"(their devices share context groups of the 'context' axis, size "
             f"{plan.axes.context_size}) but passed different values for {', '.join(differ)}. "
-            "Under context parallelism each process passes its rows with their whole "
-            "sequences (the step keeps each device's chunk), so processes of one context "
-            "group pass the same arrays. Fix: pass the whole sequences, not this "
-            "process's part of them.")
+            "Under context parallelism each process passes the rows its devices hold with "
+            "their whole sequences (the step keeps each device's chunk), so the processes "
+            "of one context group pass the same arrays. Fix: pass the same rows on these "
+            "processes (all of the global batch's when no other axis splits it, e.g. "
+            "make_mesh(context=C) alone), whole sequences, not each process's part of them.")
 
 
 def place_batch(plan: Plan, batch):
