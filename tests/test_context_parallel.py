@@ -181,7 +181,8 @@ def _attention_params():
 def _attention_loss(attend):
   """An embedding lookup, grouped-query attention by ``attend``, the next
   token's log-probability by take_along_axis, weighted by a cumulative sum
-  along the sequence."""
+  along the sequence plus the weight two tokens back (a shift right:
+  concatenate a head and w[:, :-2])."""
   def loss_fn(p, batch):
     ids = batch["ids"]
     b, t = ids.shape
@@ -190,7 +191,9 @@ def _attention_loss(attend):
     k, v = ((h @ p[w]).reshape(b, t, 2, KV) for w in ("wk", "wv"))
     o = attend(q, k, v, batch).reshape(b, t, 4 * KV)
     lp = jax.nn.log_softmax((o @ p["head"])[:, :-1], -1)
-    c = jnp.cumsum(batch["w"], axis=1)[:, :-1]
+    w = batch["w"]
+    back = jnp.concatenate([jnp.full((b, 2), 0.5, w.dtype), w[:, :-2]], 1)
+    c = (jnp.cumsum(w, axis=1) + back)[:, :-1]
     return -jnp.mean(jnp.take_along_axis(lp, ids[:, 1:, None], -1)[..., 0] * c)
   return loss_fn
 
