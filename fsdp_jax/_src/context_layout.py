@@ -59,6 +59,9 @@ class Layout:
     return n // self.pieces
 
   def _chunk(self, index, t: int):
+    """The chunk of device ``index``'s piece ``t`` (traced)."""
+    if not self.balanced:
+      return index
     return jnp.asarray(self.chunks[:, t])[index]
 
   def positions(self, index, n: int, dtype=jnp.int32):
