@@ -603,9 +603,10 @@ def _attention(eqn, call, invals, ctx: _Ctx):
   qseg, kseg = rows(ops["q_segment_ids"], 1, False), rows(ops["kv_segment_ids"], 1, True)
   lay = ctx.layout
   cut = lambda x: [None] * lay.pieces if x is None else lay.split(jnp.atleast_2d(x), 1)
-  outs = [attention_lib.attend_local(
-      qt, kf, vf, q_positions=pt, kv_positions=kpos, q_segment_ids=st, kv_segment_ids=kseg,
-      window=window, **call.options())
+  # one call per piece (head-tail: two), its query blocks within the piece
+  outs = [attention_lib.attend_local(qt, kf, vf, q_positions=pt, kv_positions=kpos,
+                                     q_segment_ids=st, kv_segment_ids=kseg, window=window,
+                                     **call.options())
           for qt, pt, st in zip(lay.split(q.x, 1), cut(qpos), cut(qseg))]
   return Split(lay.join(outs, 1), 1)
 
