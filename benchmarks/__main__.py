@@ -19,6 +19,7 @@
     python -m benchmarks pretrained_copy  # the loader's host copies on this CPU
     python -m benchmarks lora           # LoRA and QLoRA against full fine-tuning (LORA.md)
     python -m benchmarks tensor_parallel  # FSDP x tensor parallelism (TENSOR_PARALLEL.md)
+    python -m benchmarks sequence_parallel  # sequence parallelism under TP: activations, collectives (TENSOR_PARALLEL.md)
     python -m benchmarks tp_routes      # tensor parallelism left to the compiler vs explicit collectives
     python -m benchmarks mutants        # one-line bugs in the engine: the first test that catches each
     python -m benchmarks families       # fsdp_jax.models' families vs the example Llama (MODELS.md)
@@ -61,6 +62,7 @@ MEASUREMENTS = {
     "pretrained_copy": ("benchmarks.pretrained_copy", "main"),
     "lora": ("benchmarks.lora", "main"),
     "tensor_parallel": ("benchmarks.tensor_parallel", "main"),
+    "sequence_parallel": ("benchmarks.sequence_parallel", "main"),
     "tp_routes": ("benchmarks.tp_routes", "main"),
     "mutants": ("benchmarks.mutants", "main"),
     "families": ("benchmarks.families", "main"),

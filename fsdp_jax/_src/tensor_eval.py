@@ -242,8 +242,8 @@ class _Ctx:
     return out
 
   # values -> replicated / partial / split forms
-  def full(self, v, why: str):
-    """The replicated value of ``v``."""
+  def full(self, v, why: str, var=None):
+    """The replicated value of ``v`` (of jaxpr variable ``var``)."""
     if isinstance(v, Split) and not _differentiable(v.x):
       return lax.all_gather(v.x, self.axis, axis=v.dim, tiled=True)
     if isinstance(v, Partial):
@@ -392,7 +392,7 @@ def _rule(eqn, invals, ctx: _Ctx) -> list:
     # hidden state, the scan's operand, is summed first where it is partial
     # (a norm's output scaling a row-parallel sum).
     body = _compat.inlinable_body(eqn)
-    invals = [ctx.full(x, "the blocked loss") if isinstance(x, Partial) or ctx.is_seq(v, x)
+    invals = [ctx.full(x, "the blocked loss", v) if isinstance(x, Partial) or ctx.is_seq(v, x)
               else x for x, v in zip(invals, eqn.invars)]
     return evaluate(body[0], body[1], invals, ctx)
   call = attention.match(eqn)

@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 
 from fsdp_jax._src import _compat
+from fsdp_jax._src import attention
 from fsdp_jax._src import context as context_lib
 from fsdp_jax._src import tensor_eval
 from fsdp_jax._src.tensor_eval import Split
@@ -147,8 +148,14 @@ class SequenceCtx(tensor_eval._Ctx):
       out = self._take_batched(eqn, *invals)
       if out is not None:
         return [out]
-    invals = [self.whole(x) if self.is_seq(v, x) else x for x, v in zip(invals, eqn.invars)]
+    invals = [self.full(x, why, v) for x, v in zip(invals, eqn.invars)]
     return super().fallback(eqn, invals, why)
+
+  def full(self, v, why: str, var=None):
+    """The replicated value of ``v``: a sequence slice by :meth:`whole`."""
+    if var is not None and self.is_seq(var, v):
+      return self.whole(v)
+    return super().full(v, why)
 
   def whole(self, v: Split):
     """A sequence slice all-gathered: where the sequence-parallel region
@@ -245,8 +252,9 @@ def dim_of(tags: dict, var):
 
 class Tags(dict):
   """``{jaxpr variable: its sequence dimension}``; ``matmuls``: the
-  variables that are matmul outputs or linear in one (a row-parallel
-  output, its bias and residual adds): the partial sums Megatron's ``g``
+  variables that are matmul (or lookup) outputs or linear in one (a
+  row-parallel output, its bias and residual adds; a lookup in an
+  embedding split by vocabulary): the partial sums Megatron's ``g``
   reduces, the ones reduce-scattered. Others (a softmax's denominator over a
   split vocabulary, soon to meet the vocabulary-split logits) are
   all-reduced."""
@@ -277,7 +285,7 @@ def sequence_dims(jaxpr, in_dims, tags: "Tags | None" = None, _seen: dict = None
     if all(d is None for d in ds):
       continue
     name = eqn.primitive.name
-    if name == "dot_general" or (name in _LINEAR and any(
+    if name in ("dot_general", "gather") or (name in _LINEAR and any(
         not isinstance(v, _compat.Literal) and v in tags.matmuls for v in eqn.invars)):
       tags.matmuls.update(v for v in eqn.outvars if not isinstance(v, _compat.DropVar))
     outs = _eqn_dims(eqn, ds, tags, seen)
@@ -339,6 +347,9 @@ def _eqn_dims(eqn, ds, tags, seen) -> list:
   ins = [tuple(np.shape(v.aval)) for v in eqn.invars]
   if _compat.is_scan(eqn):
     return _scan_dims(eqn, ds, tags, seen)
+  call = attention.match(eqn)
+  if call is not None:  # its output is laid out as the queries, [batch, seq, heads, dim]
+    return [ds[call.q]] + [None] * (len(outs) - 1)
   body = _compat.inlinable_body(eqn)
   if body is not None:
     if len(body[0].invars) != len(ds) or len(body[0].outvars) != len(outs):
