@@ -11,6 +11,8 @@ by :func:`fsdp_jax.models.from_pretrained`; nothing is allocated)::
 
     python -m fsdp_jax.plan --hf-config path/config.json --devices 64 \\
         --device H100-80GB --seq 4096 --global-batch 256 [--lora]
+    python -m fsdp_jax.plan --hf-config path/config.json --devices 8 \\
+        --seq 131072 --global-batch 8      # long sequences: context sizes tried
 
 Example:
   >>> import fsdp_jax.plan
@@ -40,6 +42,7 @@ from fsdp_jax._src.planner import programs
 from fsdp_jax._src.planner.devices import device_spec
 from fsdp_jax._src.planner.estimator import Planner
 from fsdp_jax._src.planner.search import run as _run_search
+from fsdp_jax._src.planner.search import context_sizes as _context_sizes
 from fsdp_jax._src.planner import (
     PRESETS as PRESETS,
     DeviceSpec as DeviceSpec,
@@ -91,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                  help="compute dtype: bf16 (MixedPrecision(param_dtype=bf16, "
                       "reduce_dtype=fp32) over fp32 master weights) or fp32")
+  p.add_argument("--context", type=int, action="append", default=None,
+                 help="a context size to try (repeatable; 1: no context axis). Default: 1, "
+                      "2, 4, 8 where they divide --devices and --seq, the smallest that fits "
+                      "kept (each sequence split over that many devices)")
   p.add_argument("--tensor-parallel", action="store_true",
                  help="also try the family's tensor-parallel rules (tensor sizes up to 8)")
   p.add_argument("--strategy", action="append", default=None,
@@ -103,6 +110,15 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
   p.add_argument("--json", default=None, help="also write every estimate to this file")
   return p
+
+
+def _search_contexts(space: dict, devices: int, seq: int, config) -> list:
+  """The context sizes the search tries (its errors as the command's)."""
+  batch = {"input_ids": jax.ShapeDtypeStruct((1, seq), jnp.int32)}
+  try:
+    return _context_sizes(space, devices, batch, config)
+  except ValueError as e:
+    raise _UserError(f"--context: {e}") from e
 
 
 def _configs(bundle, args):
@@ -181,8 +197,14 @@ def _needs(e: Estimate, limit: int, args) -> str:
   if e.config.sharding_strategy != ShardingStrategy.NO_SHARD and sharded > miss > 0:
     more = math.ceil(e.devices * sharded / (sharded - miss))
     out.append(f"more devices (about {more}, all else equal)")
-  out.append(f"fewer tokens per device (now {args.global_batch // max(1, e.devices)} x "
-             f"{args.seq})")
+  c = e.mesh_shape.get("context", 1)
+  if (b["activations"] >= miss and args.seq % (2 * c) == 0
+      and e.devices % (2 * c * e.mesh_shape.get("tensor", 1)) == 0):
+    out.append(f"context parallelism (--context {2 * c}: each sequence split over "
+               f"{2 * c} devices)")
+  rows = math.prod(v for k, v in e.mesh_shape.items() if k in ("replicate", "shard"))
+  out.append(f"fewer tokens per device (now {args.global_batch // max(1, rows)} x "
+             f"{args.seq // c})")
   return ", ".join(out)
 
 
@@ -196,6 +218,7 @@ def _policy_name(e: Estimate):
 
 def _rows(found: list) -> list:
   return [{"configuration": e.describe_config(), "mesh_shape": e.mesh_shape,
+           "context": e.mesh_shape.get("context", 1),
            "bytes_per_device": e.bytes_per_device, "compiled": e.compiled,
            "activation_checkpointing": _policy_name(e),
            "step_seconds": e.step_seconds,
@@ -210,11 +233,18 @@ def main(argv=None, *, model=None) -> int:
   message alone to stderr and exits with status 2.
 
   ``--json FILE`` writes an object: ``fits`` (the configurations that fit,
-  fastest first: ``configuration``, ``mesh_shape``, ``bytes_per_device``,
+  fastest first: ``configuration``, ``mesh_shape``, ``context`` (its
+  context size, 1: none), ``bytes_per_device``,
   ``compiled``, ``step_seconds``, ``tokens_per_second_per_device``),
   ``closest`` (when nothing fits: the nearest misses, smallest peak first,
   each also with ``misses_by_bytes`` and ``needs``), ``devices``,
-  ``device``, ``memory_limit_bytes``, ``global_batch``, ``seq``.
+  ``device``, ``memory_limit_bytes``, ``global_batch``, ``seq``,
+  ``context_sizes`` (those tried).
+
+  Long sequences: the search tries context sizes (``--context``; by
+  default 1, 2, 4 and 8 where they divide ``--devices`` and ``--seq``),
+  keeping for each configuration the smallest that fits; the printed
+  estimate says which it picked.
 
   ``model`` (for callers that build their own): a bundle with ``init_fn``,
   ``loss_fn``, ``wrap_policy``, ``tensor_parallel`` and ``lora_targets``,
@@ -245,7 +275,7 @@ def _main(args, model) -> int:
   if args.devices < 1:
     raise _UserError(f"--devices {args.devices}: the number of devices must be at least 1.")
   for flag, value in (("--seq", args.seq), ("--global-batch", args.global_batch),
-                      ("--top", args.top)):
+                      ("--top", args.top), *(("--context", c) for c in args.context or ())):
     if value < 1:
       raise _UserError(f"{flag} {value}: must be at least 1.")
   try:
@@ -263,6 +293,9 @@ def _main(args, model) -> int:
                args.layout]}
   if args.strategy:
     space["sharding_strategy"] = [ShardingStrategy[name] for name in args.strategy]
+  if args.context:
+    space["context"] = sorted(set(args.context))
+  contexts = _search_contexts(space, args.devices, args.seq, config)
   misses: list = []
   planner = Planner(bundle.loss_fn, optimizer=optax.adamw(1e-4), batch=batch,
                     init_fn=bundle.init_fn)
@@ -281,6 +314,10 @@ def _main(args, model) -> int:
     print(f"{len(found)} configurations fit {where}; fastest first:")
     print(table(found, args.top))
     print()
+    c = found[0].mesh_shape.get("context", 1)
+    print(f"Context parallelism (context sizes tried: {contexts}): "
+          + (f"context={c}, each sequence split into chunks of {args.seq // c} tokens over "
+             f"{c} devices." if c > 1 else "none: it fits without a context axis."))
     print(found[0])
   elif not closest:
     print(f"Nothing fits {where}.")
@@ -296,7 +333,8 @@ def _main(args, model) -> int:
     print("\n".join(rows))
   if args.json:
     out = {"devices": args.devices, "device": device.name, "memory_limit_bytes": limit,
-           "global_batch": args.global_batch, "seq": args.seq, "fits": _rows(found),
+           "global_batch": args.global_batch, "seq": args.seq, "context_sizes": contexts,
+           "fits": _rows(found),
            "closest": [dict(r, misses_by_bytes=e.bytes_per_device["total"] - limit,
                             needs=_needs(e, limit, args))
                        for r, e in zip(_rows(closest), closest)]}

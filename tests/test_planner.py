@@ -433,6 +433,38 @@ def test_search_given_meshes_skip_what_a_strategy_cannot_use(planner):
 # devices
 
 
+def test_large_updates_and_losses_compile_in_parts(planner, monkeypatch):
+  """The optimizer's update of many leaves is compiled on the distinct
+  leaves (once, twice, once plus the smallest) and summed over all: its
+  memory as the whole update's, its flops and bytes within 5%, for AdamW and
+  for a global-norm clip before it (not elementwise). A large loss's
+  segments compile one at a time: the same estimate as compiled together."""
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP, use_orig_params=True)
+  programs = importlib.import_module("fsdp_jax._src.planner.programs")
+  for opt in (OPT, optax.chain(optax.clip_by_global_norm(1.0), OPT)):
+    plan, _ = Planner(loss_fn, optimizer=opt, batch=BATCH, init_fn=init_fn).plan(
+        config, {"shard": 8})
+    leaves = programs.optimizer_inputs(plan)  # 6 leaves of 4 shapes
+    assert len({(x.shape, x.dtype) for x in leaves}) == 4 < len(leaves)
+    whole = programs.optimizer_program(plan, leaves)
+    with monkeypatch.context() as m:
+      m.setattr(programs, "WHOLE_UPDATE_LEAVES", 0)
+      parts = programs.optimizer_program(plan, leaves)
+    assert (parts.argument, parts.output, parts.alias) == (whole.argument, whole.output,
+                                                           whole.alias)
+    assert parts.temp == pytest.approx(whole.temp, abs=256)
+    # (the time's inputs: XLA fuses a clip's norm differently per program)
+    assert parts.flops == pytest.approx(whole.flops, rel=0.05)
+    assert parts.bytes_accessed == pytest.approx(whole.bytes_accessed, rel=0.05)
+  cpu = fsdp_jax.DeviceSpec.preset("cpu")
+  together = planner.estimate(config, {"shard": 8}, cpu, compile_step=False)
+  monkeypatch.setattr(programs, "SERIAL_COMPILE_EQUATIONS", 0)
+  alone = Planner(loss_fn, optimizer=OPT, batch=BATCH, init_fn=init_fn).estimate(
+      config, {"shard": 8}, cpu, compile_step=False)
+  assert alone.bytes_per_device == together.bytes_per_device
+  assert alone.step_seconds == pytest.approx(together.step_seconds, rel=1e-9)
+
+
 def test_device_presets():
   presets = fsdp_jax.plan.PRESETS
   assert set(presets) == {"H100-80GB", "H200", "A100-80GB", "B200", "cpu"}
@@ -570,6 +602,7 @@ def test_command_line_explains_what_does_not_fit(tmp_path, capsys):
       ["--hf-config", ".", "--devices", "8", "--seq", "64", "--global-batch", "16"])
   assert fsdp_jax.plan._needs(est, 10, args) == (
       "remat, CPU offload, LoRA/QLoRA (--lora), more devices (about 12, all else equal), "
+      "context parallelism (--context 2: each sequence split over 2 devices), "
       "fewer tokens per device (now 2 x 64)")
   # Offloaded: the parameters and optimizer state are off the device already
   # (8 x 1 / (1 - 0.5) devices for the gradients alone).
@@ -578,7 +611,14 @@ def test_command_line_explains_what_does_not_fit(tmp_path, capsys):
       bytes_per_device={**est.bytes_per_device, "total": 3})
   assert fsdp_jax.plan._needs(moved, 2.5, args) == (
       "remat, LoRA/QLoRA (--lora), more devices (about 16, all else equal), "
+      "context parallelism (--context 2: each sequence split over 2 devices), "
       "fewer tokens per device (now 2 x 64)")
+  # Under context=4 the tokens per device are the rows of shard=2 by a
+  # quarter of the sequence; context=8 splits it further.
+  ctx = dataclasses.replace(est, mesh_shape={"shard": 2, "context": 4})
+  assert fsdp_jax.plan._needs(ctx, 10, args).endswith(
+      "context parallelism (--context 8: each sequence split over 8 devices), "
+      "fewer tokens per device (now 8 x 16)")
 
 
 def test_command_line_mistakes_print_the_message_alone(tmp_path, capsys):
@@ -602,7 +642,7 @@ def test_command_line_mistakes_print_the_message_alone(tmp_path, capsys):
       ["--device", "H900"])
   assert ("the global batch of 12 rows is not divisible by the data-parallel size 8 of mesh "
           "{'shard': 8}. Fix: use a global batch that is a multiple of 8, e.g. 16"
-          in fails([], **{"--global-batch": "12"}))
+          in fails(["--context", "1"], **{"--global-batch": "12"}))  # context=2 would fit it
   assert "--devices 0: the number of devices must be at least 1" in fails(
       [], **{"--devices": "0"})
   assert "no_such_family" in fails([], model=None)
@@ -721,3 +761,116 @@ def test_command_line_help_runs_as_a_module():
   out = subprocess.run([sys.executable, "-m", "fsdp_jax.plan", "--help"], capture_output=True,
                        text=True, check=True)
   assert "--hf-config" in out.stdout and "H100-80GB" in out.stdout
+
+
+# --------------------------------------------------------------------------
+# context parallelism: a "context" axis in the mesh
+
+
+@pytest.fixture(scope="module")
+def llama_bundle(tmp_path_factory):
+  """A one-block Llama (rotary, grouped-query attention, SwiGLU) from
+  fsdp_jax.models."""
+  d = tmp_path_factory.mktemp("llama")
+  (d / "config.json").write_text(json.dumps(
+      {"model_type": "llama", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+       "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}))
+  return fsdp_jax.models.from_pretrained(str(d))
+
+
+def test_estimate_with_a_context_axis_matches_the_compiled_peak(llama_bundle):
+  """On shard x context (C = 2, 4) the estimate is the real step's peak:
+  the per-device batch is rows / (shard) x sequence / C, the weights are
+  sharded over shard x context, and the keys and values each layer
+  gathers whole over "context" count in the modelled peak too."""
+  model = llama_bundle
+  tokens = jax.ShapeDtypeStruct((8, 256), jnp.int32)
+  batch = {"input_ids": tokens, "labels": tokens}
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=model.wrap_policy)
+  planner = Planner(model.loss_fn, optimizer=OPT, batch=batch, init_fn=model.init_fn)
+  cpu = fsdp_jax.DeviceSpec.preset("cpu")
+  modelled = {}
+  for shape in ({"shard": 4, "context": 2}, {"shard": 2, "context": 4}):
+    mesh = fsdp_jax.make_mesh(**shape, devices=jax.devices()[:8])
+    state = jax.eval_shape(lambda: fsdp_jax.init_train_state(  # pylint: disable=cell-var-from-loop
+        init_fn=model.init_fn, rng=jax.random.key(0), optimizer=OPT, mesh=mesh, config=config))
+    ma = fsdp_jax.shard_train_step(model.loss_fn).lower(state, batch).compile().memory_analysis()
+    truth = (ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes
+             - ma.alias_size_in_bytes)
+    est = planner.estimate(config, shape, cpu)
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+    assert est.mesh_shape == shape and est.compiled
+    assert est.bytes_per_device["params"] == nbytes // 8  # over shard x context
+    assert est.bytes_per_device["total"] == pytest.approx(truth, rel=0.05)
+    assert "context" in est.comm_seconds  # K and V gathered over it
+    modelled[shape["context"]] = planner.estimate(config, shape, cpu, compile_step=False)
+    assert modelled[shape["context"]].bytes_per_device["total"] == pytest.approx(truth, rel=0.05)
+  # the same tokens per device; context=4 gathers each layer's K and V over
+  # twice the rows (4 x 256 tokens against 2 x 256): f32 [rows, 256, 2 heads, 8]
+  kv = 2 * 256 * 2 * 8 * 4
+  grown = modelled[4].bytes_per_device["total"] - modelled[2].bytes_per_device["total"]
+  assert kv <= grown <= 4 * kv, grown
+
+
+def test_search_picks_a_context_size_when_the_sequence_does_not_fit_otherwise(planner):
+  """With a memory limit no configuration without a context axis meets
+  (one row of 32 tokens per device, accumulating, is the least it can
+  hold), the search keeps context=2 (rows of 16 tokens), the smallest
+  context size that fits, confirmed compiled, and says so."""
+  config = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP)
+  cpu = fsdp_jax.DeviceSpec.preset("cpu")
+  one = planner.estimate(config, {"shard": 8}, cpu, gradient_accumulation_steps=2,
+                         accumulation="sharded")
+  two = planner.estimate(config, {"shard": 4, "context": 2}, cpu,
+                         gradient_accumulation_steps=4, accumulation="sharded")
+  limit = (one.bytes_per_device["total"] + two.bytes_per_device["total"]) // 2
+  assert two.bytes_per_device["total"] < limit < one.bytes_per_device["total"]
+  space = {"config": config, "sharding_strategy": [fsdp_jax.ShardingStrategy.FULL_SHARD],
+           "use_orig_params": [False], "remat": [False], "cpu_offload": [False]}
+  found = search_lib.run(planner, devices=8, space=space, memory_limit=limit)
+  assert [(e.describe_config(), e.compiled) for e in found] == [
+      ("FULL_SHARD flat shard=4xcontext=2 accum=4(sharded)", True)]
+  assert found[0].bytes_per_device["total"] == two.bytes_per_device["total"]
+  assert any("context=2, each sequence split into 2 chunks" in n and "context=1 did not fit" in n
+             for n in found[0].notes)
+  # Without the limit the search keeps no context axis (the least communication).
+  plain = search_lib.run(planner, devices=8, space=space, compile_step=False)
+  assert [e.mesh_shape for e in plain] == [{"shard": 8}]
+
+
+def test_context_bad_input_names_the_fix():
+  est = lambda **kw: fsdp_jax.estimate(loss_fn, optimizer=OPT, init_fn=init_fn, **kw)
+  with pytest.raises(ValueError, match=r"sequence length 32 \(dim 1\) is not divisible by the "
+                                       r"context axis size 3\. Fix: pad the sequences to a "
+                                       r"multiple of 3, e.g\. 33"):
+    est(mesh_shape={"shard": 2, "context": 3}, batch=batch_for(4))
+  with pytest.raises(ValueError, match=r"context=3 splits each sequence into 3 chunks, but the "
+                                       r"sequence length 32 is not divisible by 3\. Fix: use "
+                                       r"context sizes dividing the sequence length \(\[1, 2, 4\]\)"):
+    fsdp_jax.search(loss_fn, optimizer=OPT, batch=BATCH, init_fn=init_fn, devices=12,
+                    space={"context": [1, 3]})
+
+
+def test_command_line_answers_for_long_sequences(tmp_path, capsys):
+  """A global batch smaller than the devices (one long sequence each for
+  4 of 8 devices): the command keeps context=2; --context narrows the
+  sizes, and one that does not divide --seq is a message, status 2."""
+  out = tmp_path / "plan.json"
+  (tmp_path / "config.json").write_text("{}")
+  base = ["--hf-config", str(tmp_path / "config.json"), "--devices", "8", "--seq", str(S),
+          "--global-batch", "4", "--strategy", "FULL_SHARD", "--layout", "flat",
+          "--precision", "fp32"]
+  fsdp_jax.plan.main(base + ["--json", str(out), "--top", "1"], model=Bundle())
+  text = capsys.readouterr().out
+  assert "| 1 | FULL_SHARD flat shard=4xcontext=2 " in text
+  assert "Context parallelism (context sizes tried: [1, 2, 4, 8]): context=2" in text
+  answer = json.loads(out.read_text())
+  assert answer["context_sizes"] == [1, 2, 4, 8] and answer["fits"][0]["context"] == 2
+  assert answer["fits"][0]["mesh_shape"] == {"shard": 4, "context": 2}
+  for args, message in ((["--context", "3"], "--context: space['context'] = [3]: context=3 "
+                                             "splits each sequence into 3 chunks"),
+                        (["--context", "0"], "--context 0: must be at least 1")):
+    with pytest.raises(SystemExit) as e:
+      fsdp_jax.plan.main(base + args, model=Bundle())
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err and message in err, err

@@ -25,6 +25,7 @@ from fsdp_jax._src import attention as attention_lib
 from fsdp_jax._src import grads as grads_lib, loss as loss_lib, optim
 from fsdp_jax._src import state as state_lib, step as step_lib
 from fsdp_jax._src.config import ActivationCheckpointing, FSDPConfig
+from fsdp_jax._src.context import CONTEXT
 from fsdp_jax._src.mesh import REPLICATE, SHARD, TENSOR
 from fsdp_jax._src.planner import programs, schedule, segments as segments_lib
 from fsdp_jax._src.planner import step_program
@@ -162,7 +163,7 @@ class Estimate:
 # Checking what was asked
 
 
-_AXIS_ORDER = (REPLICATE, SHARD, TENSOR)
+_AXIS_ORDER = (REPLICATE, SHARD, CONTEXT, TENSOR)
 
 
 def check_mesh_shape(mesh_shape, config: FSDPConfig, devices: Optional[int] = None) -> dict:
@@ -170,9 +171,10 @@ def check_mesh_shape(mesh_shape, config: FSDPConfig, devices: Optional[int] = No
   if not isinstance(mesh_shape, dict) or not mesh_shape:
     raise ValueError(
         f"mesh_shape={mesh_shape!r} must be a dict of mesh axis sizes, e.g. {{'shard': 64}}, "
-        "{'replicate': 4, 'shard': 16} or {'shard': 8, 'tensor': 8}.")
+        "{'replicate': 4, 'shard': 16}, {'shard': 2, 'context': 4} or "
+        "{'shard': 8, 'tensor': 8}.")
   tensor_axis = config.tensor_parallel.axis if config.tensor_parallel is not None else TENSOR
-  order = (REPLICATE, SHARD, tensor_axis)
+  order = (REPLICATE, SHARD, CONTEXT, tensor_axis)
   unknown = [a for a in mesh_shape if a not in order]
   if unknown:
     raise ValueError(f"mesh_shape={mesh_shape!r} has axes {unknown} fsdp_jax does not use. "
@@ -216,10 +218,11 @@ def _structs(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), tree)
 
 
-def local_batch(batch, world: int, steps: int):
-  """The per-device micro-batch's shapes."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      (x.shape[0] // world // steps,) + tuple(x.shape[1:]), x.dtype), batch)
+def local_batch(plan, batch, steps: int):
+  """The per-device micro-batch's shapes: dim 0 over the data-parallel
+  devices and the microbatches; under a ``"context"`` axis the split
+  leaves' sequence over it too (:func:`fsdp_jax._src.step.local_shapes`)."""
+  return step_lib.local_shapes(plan, batch, steps)
 
 
 def _tree_bytes(tree) -> int:
@@ -314,10 +317,9 @@ class Planner:
     remat = config.activation_checkpointing is not None
     plan, ms = self.plan(dataclasses.replace(config, activation_checkpointing=None), mesh_shape)
     step_lib.check_batch(plan, self.batch)
-    world = plan.axes.world_size
     if steps > 1:
-      grads_lib.check_microbatches(local_batch(self.batch, world, 1), steps)
-    micro = local_batch(self.batch, world, steps)
+      grads_lib.check_microbatches(local_batch(plan, self.batch, 1), steps)
+    micro = local_batch(plan, self.batch, steps)
     takes_rng = loss_lib.takes_rng(self.loss_fn)
     rng = None
     if takes_rng:
@@ -330,7 +332,7 @@ class Planner:
     sharded, replicated = optim.stored.state_bytes(plan, plan.opt_layout)
     opt_bytes = sharded + replicated
     grads = sum(b.shard * b.layers for b in schedule.unit_bytes(plan).values() if b.trainable)
-    batch_bytes = _tree_bytes(local_batch(self.batch, world, 1))
+    batch_bytes = _tree_bytes(local_batch(plan, self.batch, 1))
     other = _tree_bytes(ms) + 4 + (segments_lib.nbytes(rng) if rng is not None else 0)
     arguments = batch_bytes + other + (0 if offloaded else param_bytes + opt_bytes)
     mem = schedule.memory(plan, segments, opt_prog, arguments=arguments,

@@ -16,8 +16,12 @@ import math
 import warnings
 from typing import Any, Callable, Optional
 
+import jax
+
+from fsdp_jax._src import context as context_lib
 from fsdp_jax._src.config import (RESHARD_AFTER_FORWARD, ActivationCheckpointing, CPUOffload,
                                   FSDPConfig, ShardingStrategy)
+from fsdp_jax._src.context import CONTEXT, ContextParallel
 from fsdp_jax._src.mesh import REPLICATE, SHARD, TENSOR
 from fsdp_jax._src.quantization import Quantization
 from fsdp_jax._src.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
@@ -25,7 +29,7 @@ from fsdp_jax._src.planner.devices import device_spec
 from fsdp_jax._src.planner.estimator import Estimate, Planner, check_mesh_shape
 
 _SPACE_KEYS = ("config", "sharding_strategy", "use_orig_params", "mesh_shapes", "tensor",
-               "remat", "cpu_offload", "gradient_accumulation_steps", "accumulation",
+               "context", "remat", "cpu_offload", "gradient_accumulation_steps", "accumulation",
                "lora")
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)  # pylint: disable=protected-access
 
@@ -65,24 +69,81 @@ def _divisors(n: int) -> list:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _meshes(devices: int, strategy: ShardingStrategy, tensors, tensor_axis: str) -> list:
-  """The mesh shapes worth estimating for a strategy: a data-parallel axis
-  per tensor size; HYBRID strategies over every replicate x shard split
-  with both at least 2 (a replicate axis under the other strategies shards
-  like one axis of its size, so it adds nothing)."""
-  out = []
+def _meshes(devices: int, strategy: ShardingStrategy, tensors, tensor_axis: str,
+            contexts=(1,)) -> list:
+  """The mesh shapes worth estimating for a strategy, as chains: a
+  data-parallel axis per tensor size; HYBRID strategies over every
+  replicate x shard split with both at least 2 (a replicate axis under the
+  other strategies shards like one axis of its size, so it adds nothing).
+  Each chain is one such mesh with each context size of ``contexts``
+  (ascending) in turn: ``{"shard": S, "context": C}``, the devices of a
+  sequence taken from the shard axis (the search keeps the first of a
+  chain that fits)."""
+  chains: dict = {}
   for t in tensors:
-    if devices % t:
-      continue
-    dp = devices // t
-    extra = {tensor_axis: t} if t > 1 else {}
-    if strategy in _HYBRID:
-      for r in _divisors(dp):
-        if 1 < r < dp:
-          out.append({REPLICATE: r, SHARD: dp // r, **extra})
-    else:
-      out.append({SHARD: dp, **extra})
-  return out
+    for c in contexts:
+      if devices % (t * c):
+        continue
+      dp = devices // (t * c)
+      extra = ({CONTEXT: c} if c > 1 else {}) | ({tensor_axis: t} if t > 1 else {})
+      if strategy in _HYBRID:
+        for r in _divisors(dp):
+          if 1 < r < dp:
+            chains.setdefault((t, r), []).append({REPLICATE: r, SHARD: dp // r, **extra})
+      else:
+        chains.setdefault((t, 0), []).append({SHARD: dp, **extra})
+  return list(chains.values())
+
+
+def sequence_length(batch, config: FSDPConfig) -> Optional[int]:
+  """The length of the sequences a ``"context"`` axis would split (the
+  leaves :class:`~fsdp_jax.ContextParallel` selects, along its ``dim``),
+  or None when no leaf has that dimension (or their lengths differ)."""
+  cp = config.context_parallel or ContextParallel()
+  lengths = {x.shape[cp.dim] for x, split in zip(jax.tree.leaves(batch),
+                                                 context_lib.split_mask(cp, batch))
+             if split and len(x.shape) > cp.dim}
+  return lengths.pop() if len(lengths) == 1 else None
+
+
+def _contexts(space: dict, devices: int, seq: Optional[int]) -> list:
+  """The context sizes tried, ascending: ``space['context']``, or the
+  powers of two up to 8 dividing ``devices`` and the sequence length (1:
+  none)."""
+  if "context" not in space:
+    out, c = [], 1
+    while c <= 8 and devices % c == 0 and (c == 1 or (seq is not None and seq % c == 0)):
+      out.append(c)
+      c *= 2
+    return out
+  wanted = sorted(set(space["context"]))
+  for c in wanted:
+    if not isinstance(c, int) or isinstance(c, bool) or c < 1:
+      raise ValueError(f"space['context'] = {space['context']!r}: each entry is a context "
+                       "size, an int >= 1 (1: no context axis).")
+    if c > 1 and (seq is None or seq % c):
+      what = ("no batch leaf has a sequence dimension to split" if seq is None else
+              f"the sequence length {seq} is not divisible by {c}")
+      raise ValueError(
+          f"space['context'] = {space['context']!r}: context={c} splits each sequence into "
+          f"{c} chunks, but {what}. Fix: use context sizes dividing the sequence length"
+          + (f" ({[d for d in _divisors(seq) if d <= devices and devices % d == 0]})"
+             if seq is not None else "") + ", or pad the sequences.")
+    if devices % c:
+      raise ValueError(f"space['context'] = {space['context']!r}: context={c} does not divide "
+                       f"devices={devices}. Fix: use sizes dividing {devices}.")
+  return wanted
+
+
+def context_sizes(space: dict, devices: int, batch, config: FSDPConfig) -> list:
+  """The context sizes a search over ``space`` tries (see :func:`_contexts`)."""
+  return _contexts(space, devices, sequence_length(batch, config))
+
+
+def data_parallel_rows(mesh_shape: dict, tensor_axis: str) -> int:
+  """The devices a batch's rows are split over: every axis but the tensor
+  and context axes."""
+  return math.prod(v for k, v in mesh_shape.items() if k not in (tensor_axis, CONTEXT))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +362,8 @@ def _run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional
   limit = int(memory_limit) if memory_limit is not None else None
 
   meshes_given = space.get("mesh_shapes")
-  candidates = []
+  contexts = context_sizes(space, devices, planner.batch, base)
+  chains = []
   for strategy, orig, lora in itertools.product(strategies, layouts, loras):
     # The base's reshard_after_forward=True/False is its own strategy's
     # (resolved); each strategy gets its own. A partial reshard (an int) is
@@ -317,36 +379,51 @@ def _run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional
         # A HYBRID strategy shards within groups and replicates across them:
         # only the given meshes with a replicate axis.
         meshes = [m for m in meshes if m.get(REPLICATE, 1) > 1]
+      chains += [[_Candidate(config, mesh)] for mesh in meshes]
     else:
-      meshes = _meshes(devices, strategy, tensors, tensor_axis)
-    for mesh in meshes:
-      candidates.append(_Candidate(config, mesh))
+      chains += [[_Candidate(config, mesh) for mesh in chain]
+                 for chain in _meshes(devices, strategy, tensors, tensor_axis, contexts)]
 
   found, errors, tried = [], [], 0
+  later: dict = {}  # id(estimate) -> (its chain's larger context sizes, the sizes before)
   saver_space = (remats, offloads, space.get("gradient_accumulation_steps"), accumulation)
-  for cand in candidates:
-    dp = math.prod(v for k, v in cand.mesh_shape.items() if k != tensor_axis)
-    if rows % dp:
-      errors.append(ValueError(
-          f"the global batch of {rows} rows is not divisible by the data-parallel size "
-          f"{dp} of mesh {cand.mesh_shape}. Fix: use a global batch that is a multiple of "
-          f"{dp}, e.g. {-(-rows // dp) * dp}."))
-      if meshes_given is not None:
-        raise errors[-1]
-      continue
-    try:
-      est, closest = _first_fit(planner, cand, device, limit, rows // dp, saver_space,
-                                bool(compile_step))
-    except ValueError as e:
-      if explicit_tensor or meshes_given is not None or "divide" not in str(e):
-        raise
-      errors.append(e)  # an enumerated tensor size the model cannot take
-      continue
-    tried += 1
-    if est is not None:
-      found.append(est)
-    elif misses is not None:
-      misses.append(closest)
+  for chain in chains:
+    # A chain's context sizes in turn, the smallest first (the least
+    # communication: keys and values gathered over fewer devices); the
+    # first that fits, with the savers it needs, is kept.
+    closest, passed = None, []
+    for cand in chain:
+      dp = data_parallel_rows(cand.mesh_shape, tensor_axis)
+      if rows % dp:
+        errors.append(ValueError(
+            f"the global batch of {rows} rows is not divisible by the data-parallel size "
+            f"{dp} of mesh {cand.mesh_shape}. Fix: use a global batch that is a multiple of "
+            f"{dp}, e.g. {-(-rows // dp) * dp}."))
+        if meshes_given is not None:
+          raise errors[-1]
+        continue
+      try:
+        est, miss = _first_fit(planner, cand, device, limit, rows // dp, saver_space,
+                               bool(compile_step))
+      except (ValueError, NotImplementedError) as e:
+        explicit = explicit_tensor or meshes_given is not None or (
+            CONTEXT in cand.mesh_shape and "context" in space)
+        if explicit or (isinstance(e, ValueError) and "divide" not in str(e)):
+          raise
+        errors.append(e)  # an enumerated tensor or context size the model cannot take
+        continue
+      tried += 1
+      if est is not None:
+        found.append(_context_note(est, passed))
+        later[id(found[-1])] = (chain[chain.index(cand) + 1:], passed)
+        break
+      passed.append(cand.mesh_shape.get(CONTEXT, 1))
+      if closest is None or (miss.bytes_per_device["total"]
+                             < closest.bytes_per_device["total"]):
+        closest = miss
+    else:
+      if closest is not None and misses is not None:
+        misses.append(closest)
   if not tried and errors:
     raise errors[0]
   found.sort(key=_speed)
@@ -360,13 +437,34 @@ def _run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional
       if not found or found[0].compiled:
         break
       best = found.pop(0)
-      dp = math.prod(v for k, v in best.mesh_shape.items() if k != tensor_axis)
+      dp = data_parallel_rows(best.mesh_shape, tensor_axis)
       # The candidate as enumerated: its savers are the start setting.
       config = dataclasses.replace(best.config, cpu_offload=None,
                                    activation_checkpointing=base.activation_checkpointing)
       est, closest = _first_fit(planner, _Candidate(config, best.mesh_shape),
                                 device, limit, rows // dp, saver_space, None,
                                 start=_setting(best, base))
+      if est is not None:
+        est = dataclasses.replace(est, notes=est.notes + tuple(
+            n for n in best.notes if n.startswith(_CONTEXT_NOTE)))
+      else:
+        # Dropped: the larger context sizes of its chain, confirmed in turn.
+        more, passed = later.get(id(best), ([], []))
+        passed = passed + [best.mesh_shape.get(CONTEXT, 1)]
+        for cand in more:
+          dp = data_parallel_rows(cand.mesh_shape, tensor_axis)
+          if rows % dp:
+            continue
+          try:
+            est, miss = _first_fit(planner, cand, device, limit, rows // dp, saver_space, None)
+          except (ValueError, NotImplementedError):
+            continue  # as in the modelled pass, which tried it
+          if est is not None:
+            est = _context_note(est, passed)
+            break
+          passed.append(cand.mesh_shape.get(CONTEXT, 1))
+          if miss.bytes_per_device["total"] < closest.bytes_per_device["total"]:
+            closest = miss
       if est is not None:
         found.append(est)
         found.sort(key=_speed)
@@ -377,6 +475,24 @@ def _run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional
   if misses is not None:
     misses.sort(key=lambda e: e.bytes_per_device["total"])
   return found
+
+
+_CONTEXT_NOTE = "search: context parallelism"
+
+
+def _context_note(est: Estimate, smaller: list) -> Estimate:
+  """The estimate with a note saying which context size the search kept
+  (and the smaller ones that did not fit)."""
+  c = est.mesh_shape.get(CONTEXT, 1)
+  if c == 1 and not smaller:
+    return est
+  note = (f"{_CONTEXT_NOTE}: context={c}, each sequence split into {c} chunks over the "
+          "'context' axis (keys and values all-gathered over it per layer)" if c > 1 else
+          f"{_CONTEXT_NOTE}: none (no context axis)")
+  if smaller:
+    note += (f"; the smallest context size that fits: "
+             f"{', '.join(f'context={s}' for s in smaller)} did not fit with any saver")
+  return dataclasses.replace(est, notes=est.notes + (note,))
 
 
 def _speed(e: Estimate):

@@ -25,6 +25,7 @@ import numpy as np
 
 from fsdp_jax._src import _compat, schedule
 from fsdp_jax._src._compat import Literal
+from fsdp_jax._src.context import CONTEXT
 from fsdp_jax._src.local_loss import LocalLoss
 from fsdp_jax._src.plan import Plan
 from fsdp_jax._src.schedule import regions
@@ -90,9 +91,13 @@ def stand_in(eqn, invals, sizes: dict) -> list:
       x, o = xs[0], outs[0]
       d, tiled = _compat.collective_layout(eqn)
       n = int(np.prod([sizes.get(a, 1) for a in axes]))
-      if tiled:
-        return [jnp.concatenate([x] * n, axis=d).astype(o.dtype)]
-      return [jnp.stack([x] * n, axis=d).astype(o.dtype)]
+      y = (jnp.concatenate([x] * n, axis=d) if tiled else jnp.stack([x] * n, axis=d))
+      if CONTEXT in axes:
+        # Context parallelism's keys and values, gathered whole per layer: a
+        # buffer of its own, as the all-gather's result is (not fused into
+        # the attention that reads it).
+        y = jax.lax.optimization_barrier(y)
+      return [y.astype(o.dtype)]
     if name in ("reduce_scatter", "psum_scatter"):
       x, o = xs[0], outs[0]
       d, tiled = _compat.collective_layout(eqn)

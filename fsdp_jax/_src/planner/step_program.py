@@ -120,11 +120,14 @@ def compile_step(loss_fn, plan: Plan, batch, *, model_state: Any = None, rng: An
   jaxpr, consts = _compat.split_closed(body)
   sizes = {a: int(s) for a, s in plan.mesh.shape.items()}
   # The step donates the state: the parameter, optimizer, model and hook
-  # state inputs of the body come first.
-  donated = len(jax.tree.leaves((state.params, state.opt_state, state.model_state,
-                                 state.comm_hook_state)))
+  # state leaves (the step's first inputs), wherever the body reads them (a
+  # context axis's constants come before them).
+  state_in = _state_inputs(closed, len(jax.tree.leaves(
+      (state.params, state.opt_state, state.model_state, state.comm_hook_state))))
+  donated = tuple(k for k, p in enumerate(state_in) if p is not None)
   on_host = plan.offloaded
-  structs = [_input_struct(v.aval, on_host and k < _n_offloaded(state))
+  structs = [_input_struct(v.aval, on_host and state_in[k] is not None
+                           and state_in[k] < _n_offloaded(state))
              for k, v in enumerate(jaxpr.invars)]
 
   # Where XLA computes the loss once it combined the loss's all-reduce with
@@ -142,7 +145,7 @@ def compile_step(loss_fn, plan: Plan, batch, *, model_state: Any = None, rng: An
     # A state leaf no result can reuse (as in the step itself): not the
     # user's concern here.
     warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-    lowered = jax.jit(local, donate_argnums=tuple(range(donated)),
+    lowered = jax.jit(local, donate_argnums=donated,
                       compiler_options=programs.local_options(checkpointed=checkpointed)
                       ).lower(*structs)
     compiled = lowered.compile()
@@ -173,6 +176,14 @@ def _input_struct(aval, on_host: bool):
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
   return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=jax.sharding.SingleDeviceSharding(
       jax.local_devices()[0], memory_kind="pinned_host"))
+
+
+def _state_inputs(closed, n_state: int) -> list:
+  """Per input of the step's ``shard_map`` body: the index of the step's
+  input (a state leaf: one of the first ``n_state``) it is, else None."""
+  (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]
+  outer = {v: k for k, v in enumerate(closed.jaxpr.invars[:n_state])}
+  return [None if isinstance(v, _compat.Literal) else outer.get(v) for v in eqn.invars]
 
 
 def _shard_map_body(closed):
