@@ -1,0 +1,189 @@
+"""Context parallelism for the eight families of fsdp_jax.models (no torch:
+runs on Python 3.13 too): three steps on a "context" mesh equal one unsharded
+device's losses and parameters, to 1e-5 in float32 (AdamW) and 2e-3 in bf16
+mixed precision (SGD).
+
+Each family runs through its defaults: fsdp_jax.attention (the blockwise
+kernel, blocks of 512) and the blocked loss (fsdp_jax.chunked_cross_entropy),
+re-evaluated on each device's chunk (fsdp_jax/_src/context_eval.py). The
+families are spread over context=8, shard=2 x context=4 and
+replicate=2 x shard=2 x context=2 (HYBRID_SHARD), with sequences of 8 to
+1,024 tokens (chunks of 2 to 128): packed rows (segment_ids, positions)
+whose documents cross the chunk boundaries for six families, plain rows
+(positions from jnp.arange) for two; head-tail load balancing for three,
+the unblocked loss for two. What each family adds: mistral's and qwen2's
+sliding windows (3 slots, past chunks of 2 to 16), gemma2's attention and
+final soft-capping with sliding and full layers, gemma3's per-layer window
+in a scan, phi3's LongRoPE (its long factors chosen by the largest position
+of the whole batch: a maximum over the split sequence), gpt2's learned
+positions (a lookup at split positions) with the keys over two of the
+kernel's blocks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fsdp_jax
+from fsdp_jax import models
+from helpers import assert_trees_close, jit_reference_run, train_steps
+
+S = fsdp_jax.ShardingStrategy
+V = 32
+BASE = dict(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3)
+CONFIGS = {  # windows of 3 slots
+    "llama": BASE,
+    "mistral": dict(BASE, sliding_window=3),
+    "qwen3": dict(BASE, head_dim=8),
+    "gemma2": dict(BASE, head_dim=4, query_pre_attn_scalar=8, sliding_window=3,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    "gemma3_text": dict(BASE, head_dim=4, query_pre_attn_scalar=8, sliding_window=3,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "qwen2": dict(BASE, tie_word_embeddings=True, use_sliding_window=True, sliding_window=3,
+                  max_window_layers=1),
+    "phi3": dict(BASE, sliding_window=3, max_position_embeddings=64,
+                 original_max_position_embeddings=8,
+                 rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                      short_factor=[1.0, 1.5], long_factor=[2.0, 3.0])),
+    "gpt2": dict(vocab_size=V, n_embd=16, n_layer=2, n_head=4, n_positions=1024,
+                 initializer_range=0.3),
+}
+CONTEXT_8, SHARD_CONTEXT, HYBRID = (dict(context=8), dict(shard=2, context=4),
+                                    dict(replicate=2, shard=2, context=2))
+# Each family's run: the mesh, rows x tokens, packed rows or plain ones,
+# layers scanned, head-tail load balancing (ContextParallel(load_balance=
+# True)), the unblocked loss (loss_block_tokens=None: logits[:, :-1] against
+# labels[:, 1:], a one-token halo from the next device) or the default
+# blocked one.
+RUNS = {
+    "llama": dict(mesh=CONTEXT_8, rows=1, t=16),
+    "mistral": dict(mesh=SHARD_CONTEXT, rows=2, t=64, packed=True, scan=True, balance=True),
+    "qwen3": dict(mesh=HYBRID, rows=4, t=8, unblocked=True),
+    "gemma2": dict(mesh=SHARD_CONTEXT, rows=2, t=24, packed=True),
+    "gemma3_text": dict(mesh=CONTEXT_8, rows=1, t=32, packed=True, scan=True, unblocked=True),
+    "qwen2": dict(mesh=HYBRID, rows=4, t=16, packed=True, balance=True),
+    "phi3": dict(mesh=SHARD_CONTEXT, rows=2, t=32, packed=True),
+    "gpt2": dict(mesh=CONTEXT_8, rows=1, t=1024, packed=True, balance=True),
+}
+# Adam's update of an element is lr * g / (|g| + eps): near g = 0 a rounding
+# difference d of the gradient (the sums over the chunks and then over the
+# context axis add in another order than one device's; about 1e-7 in
+# float32) moves it by lr * d / eps. The default eps (1e-8) turns that into
+# 1e-4 on gradients that are zero or nearly so (qwen2's and gpt2's key
+# biases have mathematically zero gradients: a bias added to every key
+# shifts each query's scores by a constant); eps = 1e-3 bounds it at 1e-6
+# and keeps the update sensitive to the gradient's scale (an element below
+# eps moves by lr * g / eps), so a gradient off by a factor still fails.
+LR, EPS = 1e-2, 1e-3
+
+
+def _bundle(tmp_path, family):
+  d = tmp_path / family
+  d.mkdir()
+  (d / "config.json").write_text(json.dumps({"model_type": family, **CONFIGS[family]}))
+  run = RUNS[family]
+  unblocked = {"loss_block_tokens": None} if run.get("unblocked") else {}
+  b = models.from_pretrained(str(d), scan=run.get("scan", False), **unblocked)
+  rng = np.random.default_rng(0)  # every leaf random (norms off their init)
+  params = jax.tree.map(lambda x: np.asarray(rng.normal(0.0, 0.3, x.shape), x.dtype),
+                        jax.eval_shape(b.init_fn, jax.random.key(0)))
+  return b, params
+
+
+def _batch(rows, t, packed, seed):
+  """Random tokens, 15% of the labels -100; packed: rows of documents of 1
+  to t/2 tokens (odd rows ending in padding, segment 0), their segment ids
+  and per-document positions."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, V, (rows, t)).astype(np.int32)
+  labels = np.where(rng.random((rows, t)) < 0.15, -100, ids).astype(np.int32)
+  if not packed:
+    return {"input_ids": ids, "labels": labels}
+  seg, pos = np.zeros_like(ids), np.zeros_like(ids)
+  for r in range(rows):
+    at, k = 0, 1
+    while at < t - (r % 2) * max(2, t // 8):
+      n = min(int(rng.integers(1, t // 2 + 1)), t - at)
+      seg[r, at:at + n], pos[r, at:at + n] = k, np.arange(n)
+      at, k = at + n, k + 1
+  return {"input_ids": ids, "labels": labels, "segment_ids": seg, "positions": pos}
+
+
+def _batches(family):
+  run = RUNS[family]
+  t, packed = run["t"], run.get("packed", False)
+  batches = [_batch(run["rows"], t, packed, seed) for seed in (0, 1, 0)]  # the last: trained on
+  if packed:  # documents cross the chunk boundaries
+    chunk = t // run["mesh"]["context"] // (2 if run.get("balance") else 1)
+    seg = batches[0]["segment_ids"]
+    at = np.arange(chunk, t, chunk)
+    assert (seg[:, at - 1] == seg[:, at]).any(), seg
+  return batches
+
+
+def _mean(loss_fn, dtype=None):
+  def mean(p, batch):
+    if dtype is not None:  # the mixed-precision reference: compute in dtype
+      p = jax.tree.map(lambda x: x.astype(dtype), p)
+    out = loss_fn(p, batch)
+    return (out.total / out.weight).astype(jnp.float32)
+  return mean
+
+
+def _context_run(b, params, family, batches, optimizer, **config):
+  mesh_kw = RUNS[family]["mesh"]
+  mesh = fsdp_jax.make_mesh(**mesh_kw, devices=jax.devices()[:int(np.prod(
+      list(mesh_kw.values())))])
+  if "replicate" in mesh_kw:
+    config["sharding_strategy"] = S.HYBRID_SHARD
+  if RUNS[family].get("balance"):
+    config["context_parallel"] = fsdp_jax.ContextParallel(load_balance=True)
+  config = b.fsdp_config(**config)
+  state = fsdp_jax.init_train_state(params=params, optimizer=optimizer, mesh=mesh,
+                                    config=config)
+  assert state.plan.axes.shard_axes[-1] == "context"
+  return train_steps(fsdp_jax.shard_train_step(b.loss_fn), state, batches)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_family_trains_as_one_device(family, tmp_path):
+  b, params = _bundle(tmp_path, family)
+  batches = _batches(family)
+  opt = optax.adamw(LR, eps=EPS)
+  ref_losses, ref_params = jit_reference_run(_mean(b.loss_fn), params, opt, batches)
+  state, losses = _context_run(b, params, family, batches, opt)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=0)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_params, rtol=0, atol=1e-5)
+  assert ref_losses[2] < ref_losses[0]
+
+
+def test_bf16_mixed_precision_trains_as_one_device(tmp_path):
+  """gemma2 (soft-capping, sliding layers) with MixedPrecision(param_dtype=
+  bf16, reduce_dtype=float32) against one device computing the same loss
+  on the parameters cast to bf16. SGD: Adam divides each update by the
+  gradient's own size, and bf16 rounds a gradient by about 2^-8 of its
+  leaf's scale, 1e-3 here, so Adam would move the updates of small
+  gradients by up to the learning rate even between two one-device
+  programs (fsdp_jax's mixed-precision step on one device and this
+  reference differ by 1.4e-2 after three AdamW steps: XLA rounds bf16
+  values at other places in each). Measured: 7e-4 (at lr 0.1, 1.9e-3,
+  where a data-parallel run of the rows is 1.3e-3 from the reference and
+  the reference 1.6e-3 from float32)."""
+  family = "gemma2"
+  b, params = _bundle(tmp_path, family)
+  batches = _batches(family)
+  opt = optax.sgd(0.05)
+  ref_losses, ref_params = jit_reference_run(_mean(b.loss_fn, jnp.bfloat16), params, opt,
+                                             batches)
+  mp = fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
+  state, losses = _context_run(b, params, family, batches, opt, mixed_precision=mp)
+  np.testing.assert_allclose(losses, ref_losses, rtol=2e-3, atol=0)
+  assert_trees_close(fsdp_jax.summon_full_params(state), ref_params, rtol=0, atol=2e-3)
+  assert ref_losses[2] < ref_losses[0]
