@@ -12,12 +12,12 @@ replicate=2 x shard=2 x context=2 (HYBRID_SHARD), with sequences of 8 to
 whose documents cross the chunk boundaries for six families, plain rows
 (positions from jnp.arange) for two; head-tail load balancing for three,
 the unblocked loss for two. What each family adds: mistral's and qwen2's
-sliding windows (3 slots, past chunks of 2 to 16), gemma2's attention and
-final soft-capping with sliding and full layers, gemma3's per-layer window
-in a scan, phi3's LongRoPE (its long factors chosen by the largest position
-of the whole batch: a maximum over the split sequence), gpt2's learned
-positions (a lookup at split positions) with the keys over two of the
-kernel's blocks.
+sliding windows (3 slots, reaching back past chunks of 4 and 8), gemma2's
+attention and final soft-capping with sliding and full layers, gemma3's
+per-layer window in a scan (chunks of 2), phi3's LongRoPE (its long factors
+chosen by the largest position of the whole batch: a maximum over the split
+sequence), gpt2's learned positions (a lookup at split positions) with the
+keys over two of the kernel's blocks.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ RUNS = {
     "mistral": dict(mesh=SHARD_CONTEXT, rows=2, t=64, packed=True, scan=True, balance=True),
     "qwen3": dict(mesh=HYBRID, rows=4, t=8, unblocked=True),
     "gemma2": dict(mesh=SHARD_CONTEXT, rows=2, t=24, packed=True),
-    "gemma3_text": dict(mesh=CONTEXT_8, rows=1, t=32, packed=True, scan=True, unblocked=True),
+    "gemma3_text": dict(mesh=CONTEXT_8, rows=1, t=16, packed=True, scan=True, unblocked=True),
     "qwen2": dict(mesh=HYBRID, rows=4, t=16, packed=True, balance=True),
     "phi3": dict(mesh=SHARD_CONTEXT, rows=2, t=32, packed=True),
     "gpt2": dict(mesh=CONTEXT_8, rows=1, t=1024, packed=True, balance=True),
