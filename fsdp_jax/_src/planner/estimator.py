@@ -41,8 +41,8 @@ class Estimate:
 
   Attributes:
     config: the :class:`~fsdp_jax.FSDPConfig` estimated.
-    mesh_shape: ``{"replicate": R, "shard": S, "tensor": T}`` (the axes
-      present), as :func:`fsdp_jax.make_mesh` would build it.
+    mesh_shape: ``{"replicate": R, "shard": S, "context": C, "tensor": T}``
+      (the axes present), as :func:`fsdp_jax.make_mesh` would build it.
     bytes_per_device: ``{"params", "grads", "optimizer", "activations",
       "total"}``: the stored parameter shards, the reduced gradient shards,
       the optimizer state, the activations at the peak (saved for the
@@ -535,7 +535,11 @@ def estimate(loss_fn: Callable, *, optimizer, batch, mesh_shape: dict,
     optimizer: the optax optimizer.
     batch: the *global* batch: arrays or ``jax.ShapeDtypeStruct`` s.
     mesh_shape: ``{"shard": 64}``, ``{"replicate": 4, "shard": 16}``,
-      ``{"shard": 8, "tensor": 8}``...: any number of devices.
+      ``{"shard": 8, "tensor": 8}``, ``{"shard": 2, "context": 4}``
+      (context parallelism: each sequence split into 4 chunks, the
+      weights sharded over shard x context; each layer's keys and values
+      gathered whole over ``"context"`` count in the peak)...: any number
+      of devices.
     config: the :class:`~fsdp_jax.FSDPConfig` (default ``FSDPConfig()``).
     init_fn: ``init_fn(rng)`` returning the parameters (traced only), or
     params: the parameters (arrays or ``jax.ShapeDtypeStruct`` s).
@@ -562,7 +566,8 @@ def estimate(loss_fn: Callable, *, optimizer, batch, mesh_shape: dict,
 
   Raises:
     ValueError: a mesh shape with unknown axes, a batch the data-parallel
-      size does not divide, a tensor size that does not divide a ruled
+      size does not divide, a context size that does not divide the
+      sequence length, a tensor size that does not divide a ruled
       dimension, an unknown device name; each names the fix.
 
   Example:

@@ -193,6 +193,11 @@ def search(loss_fn: Callable, *, optimizer, batch, devices: int,
     _HYBRID_SHARD_ZERO2 every ``replicate x shard`` split; with tensor
     parallelism (``config.tensor_parallel``) every tensor size dividing
     ``devices`` up to 8 that divides the ruled dimensions;
+  * context sizes (a ``"context"`` axis of size ``C`` taken from the
+    shard axis): 1 (none), then the powers of two up to 8 dividing
+    ``devices`` and the sequence length; each configuration keeps the
+    first that fits (with the savers below): the smallest, the least
+    communication. Its estimate notes which it picked;
   * with a LoRA config, LoRA and QLoRA;
   * memory savers, tried only for a candidate that does not fit without
     them and in this order, the first that fits kept: gradient accumulation
@@ -220,7 +225,8 @@ def search(loss_fn: Callable, *, optimizer, batch, devices: int,
       :class:`~fsdp_jax.FSDPConfig`: wrap policy, mixed precision, tensor
       parallel rules, LoRA), ``sharding_strategy``, ``use_orig_params``,
       ``mesh_shapes`` (explicit meshes instead of the enumerated ones),
-      ``tensor`` (tensor sizes), ``remat`` (the checkpointing policies
+      ``tensor`` (tensor sizes), ``context`` (context sizes; ``[1]``:
+      none), ``remat`` (the checkpointing policies
       allowed: ``False``, ``True`` (``"full"``), ``"dots"``, ``"offload"``),
       ``cpu_offload`` (iterable of bools), ``gradient_accumulation_steps``,
       ``accumulation``, ``lora`` (``("lora", "qlora")``).
@@ -239,7 +245,8 @@ def search(loss_fn: Callable, *, optimizer, batch, devices: int,
 
   Raises:
     ValueError: a mesh shape that does not multiply to ``devices``, a tensor
-      size that does not divide a ruled dimension, an unknown device, a
+      size that does not divide a ruled dimension, a ``space['context']``
+      size that does not divide the sequence length or ``devices``, an unknown device, a
       batch no data-parallel size divides; each names the fix.
 
   Example:
