@@ -11,7 +11,7 @@ replicate=2 x shard=2 x context=2 (HYBRID_SHARD), with sequences of 8 to
 1,024 tokens (chunks of 2 to 128): packed rows (segment_ids, positions)
 whose documents cross the chunk boundaries for six families, plain rows
 (positions from jnp.arange) for two; head-tail load balancing for three,
-the unblocked loss for two. What each family adds: mistral's and qwen2's
+the unblocked loss for two, activation checkpointing for two. What each family adds: mistral's and qwen2's
 sliding windows (3 slots, reaching back past chunks of 4 and 8), gemma2's
 attention and final soft-capping with sliding and full layers, gemma3's
 per-layer window in a scan (chunks of 2), phi3's LongRoPE (its long factors
@@ -61,15 +61,16 @@ CONTEXT_8, SHARD_CONTEXT, HYBRID = (dict(context=8), dict(shard=2, context=4),
 # layers scanned, head-tail load balancing (ContextParallel(load_balance=
 # True)), the unblocked loss (loss_block_tokens=None: logits[:, :-1] against
 # labels[:, 1:], a one-token halo from the next device) or the default
-# blocked one.
+# blocked one, the framework's activation checkpointing (its policy).
 RUNS = {
     "llama": dict(mesh=CONTEXT_8, rows=1, t=16),
-    "mistral": dict(mesh=SHARD_CONTEXT, rows=2, t=64, packed=True, scan=True, balance=True),
+    "mistral": dict(mesh=SHARD_CONTEXT, rows=2, t=64, packed=True, scan=True, balance=True,
+                    checkpoint="dots"),
     "qwen3": dict(mesh=HYBRID, rows=4, t=8, unblocked=True),
-    "gemma2": dict(mesh=SHARD_CONTEXT, rows=2, t=24, packed=True),
+    "gemma2": dict(mesh=SHARD_CONTEXT, rows=2, t=24, packed=True, checkpoint="full"),
     "gemma3_text": dict(mesh=CONTEXT_8, rows=1, t=16, packed=True, scan=True, unblocked=True),
     "qwen2": dict(mesh=HYBRID, rows=4, t=16, packed=True, balance=True),
-    "phi3": dict(mesh=SHARD_CONTEXT, rows=2, t=32, packed=True),
+    "phi3": dict(mesh=SHARD_CONTEXT, rows=4, t=32, packed=True),  # 2 rows a device
     "gpt2": dict(mesh=CONTEXT_8, rows=1, t=1024, packed=True, balance=True),
 }
 # Adam's update of an element is lr * g / (|g| + eps): near g = 0 a rounding
@@ -125,6 +126,12 @@ def _batches(family):
     seg = batches[0]["segment_ids"]
     at = np.arange(chunk, t, chunk)
     assert (seg[:, at - 1] == seg[:, at]).any(), seg
+  if family == "phi3":  # LongRoPE's choice differs between the whole batch and some chunks
+    long = lambda pos: pos.max() + 1 > CONFIGS["phi3"]["original_max_position_embeddings"]
+    pos = batches[1]["positions"]
+    chunks = [c for r in np.split(pos, run["mesh"]["shard"]) for c in np.split(
+        r, run["mesh"]["context"], axis=1)]
+    assert long(pos) and not all(long(c) for c in chunks)
   return batches
 
 
@@ -145,6 +152,9 @@ def _context_run(b, params, family, batches, optimizer, **config):
     config["sharding_strategy"] = S.HYBRID_SHARD
   if RUNS[family].get("balance"):
     config["context_parallel"] = fsdp_jax.ContextParallel(load_balance=True)
+  if RUNS[family].get("checkpoint"):
+    config["activation_checkpointing"] = fsdp_jax.ActivationCheckpointing(
+        RUNS[family]["checkpoint"])
   config = b.fsdp_config(**config)
   state = fsdp_jax.init_train_state(params=params, optimizer=optimizer, mesh=mesh,
                                     config=config)
