@@ -2,9 +2,9 @@
 """The planner against the compiled step: memory, time, cost, and what fits.
 
     python -m benchmarks planner                    # everything: PLANNER.md (about 40 min on 2 cores)
-    python -m benchmarks planner --only accuracy    # estimate vs compiled peak, 28 configurations
+    python -m benchmarks planner --only accuracy    # estimate vs compiled peak, 31 configurations
     python -m benchmarks planner --only time        # CPU measured / predicted step time
-    python -m benchmarks planner --only cost        # 70B-shaped Llama on 64 devices; a search
+    python -m benchmarks planner --only cost        # 70B-shaped Llama on 64 devices (and 8 x TP 8); a search
     python -m benchmarks planner --only fits        # Llama 3 8B / 70B on 8, 64, 512 H100s
     python -m benchmarks planner --measure-cpu      # the "cpu" DeviceSpec figures of this machine
     python -m benchmarks planner --gpu              # on a GPU host: estimate vs measured step
@@ -199,6 +199,9 @@ def accuracy_specs() -> list:
       S("policy full", (("shard", 8),), policy="full"),
       S("policy dots", (("shard", 8),), policy="dots"),
       S("policy offload", (("shard", 8),), policy="offload"),
+      S("policy full 64", (("shard", 64),), policy="full"),
+      S("policy dots 64", (("shard", 64),), policy="dots"),
+      S("policy offload 64", (("shard", 64),), policy="offload"),
       S("scan", (("shard", 8),), scan=True),
       S("scan SHARD_GRAD_OP", (("shard", 16),), scan=True, strategy="SHARD_GRAD_OP"),
       S("scan 256", (("shard", 256),), scan=True, layers=2),
@@ -357,8 +360,9 @@ def cost_child(what: str) -> None:
   jax.devices()
   rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   t0 = time.perf_counter()
-  if what == "estimate":
-    spec = llama3("70B", {"shard": 64}, seq=4096)
+  if what in ("estimate", "estimate-tp"):
+    spec = (llama3("70B", {"shard": 64}, seq=4096) if what == "estimate" else
+            llama3("70B", {"shard": 8, "tensor": 8}, seq=4096, tp=True))
     est = estimate(spec, device="H100-80GB")
     out = {"total": est.bytes_per_device["total"], "step_s": est.step_seconds,
            "fits": est.fits, "peak_at": est.peak_at, "text": str(est)}
@@ -543,7 +547,8 @@ def main(argv=None) -> int:
   if "time" in parts:
     results["time"] = time_ratios(log, "cpu")
   if "cost" in parts:
-    results["cost"] = {"estimate": cost(log, "estimate"), "search": cost(log, "search")}
+    results["cost"] = {"estimate": cost(log, "estimate"), "estimate_tp": cost(log, "estimate-tp"),
+                       "search": cost(log, "search")}
   if "fits" in parts:
     results["fits"] = fits(log, args.seq)
   results["machine"] = {"date": datetime.date.today().isoformat(),

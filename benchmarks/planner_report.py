@@ -128,6 +128,14 @@ def render(results: dict) -> str:
         f"grown by **{e['rss_growth'] / MiB:.0f} MiB** (process peak "
         f"{e['rss_peak'] / MiB:.0f} MiB, JAX and 8 simulated devices included), in a fresh "
         "process.",
+    ] + ([
+        f"- The same on `{{\"shard\": 8, \"tensor\": 8}}` (Megatron's rules on the projections): "
+        f"**{c['estimate_tp']['seconds']:.0f} s**, peak resident memory grown by "
+        f"**{c['estimate_tp']['rss_growth'] / MiB:.0f} MiB** (process peak "
+        f"{c['estimate_tp']['rss_peak'] / MiB:.0f} MiB); before the update program was "
+        "compiled on the distinct leaves and the segments one at a time (the memory XLA "
+        "freed handed back), 567 to 594 MiB.",
+    ] if "estimate_tp" in c else []) + [
         f"- `search` over the same model on 64 devices: **{s['estimated']} configurations "
         f"estimated in {s['seconds']:.0f} s** ({s['fit']} fit; best: {s['best']}), peak "
         f"resident memory grown by {s['rss_growth'] / MiB:.0f} MiB.",
