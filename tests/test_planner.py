@@ -288,9 +288,12 @@ def test_tensor_parallel_compiled_peak_keeps_the_logits():
   """Under tensor parallelism XLA combines the loss's all-reduce with the
   gradient norm's and computes the loss late, keeping the logits to the end
   of the step; the compiled estimate's stand-ins tie those all-reduces as
-  the combiner does, so it is the real step's peak (it was 10% under)."""
+  the combiner does, so it is the real step's peak (it was 10% under).
+  Megatron's all-reduces, sequence parallelism off: with it (reduce-scatters
+  and all-gathers along the sequence) the estimate is 6% under the step's
+  peak (268,609 against 285,721 bytes), not yet modelled."""
   tp = fsdp_jax.FSDPConfig(auto_wrap_policy=WRAP, tensor_parallel=fsdp_jax.TensorParallel(
-      rules=[("blocks.*.w1", "colwise"), ("blocks.*.w2", "rowwise")]))
+      rules=[("blocks.*.w1", "colwise"), ("blocks.*.w2", "rowwise")], sequence_parallel=False))
   shape = {"shard": 4, "tensor": 2}
   est = fsdp_jax.estimate(loss_fn, optimizer=OPT, batch=BATCH, init_fn=init_fn, config=tp,
                           mesh_shape=shape)
