@@ -20,7 +20,8 @@ broadcasts, reshapes that keep the split dimension whole, transposes and
 reductions follow the split; a replicated operand meeting a split one is cut
 to this device's slice. A partial value is summed over the tensor axis
 (``psum``, Megatron's ``g``) where something other than a linear operation
-reads it, and a split value is all-gathered where an operation cannot run on
+reads it (reduce-scattered along the sequence under sequence parallelism:
+:mod:`fsdp_jax._src.tensor_sequence`), and a split value is all-gathered where an operation cannot run on
 slices (a softmax over a split vocabulary, a ``while`` loop). The loss's
 outputs are replicated.
 
