@@ -392,7 +392,8 @@ def test_search_uses_memory_savers_only_when_needed(planner):
   assert est.gradient_accumulation_steps > 1 or est.remat
   assert est.step_seconds >= plain[0].step_seconds
   nothing = search_lib.run(planner, devices=8, memory_limit=limit,
-                           space={**space, "remat": [False], "gradient_accumulation_steps": [1]})
+                           space={**space, "remat": [False], "gradient_accumulation_steps": [1],
+                                  "context": [1]})
   assert nothing == []
 
 
