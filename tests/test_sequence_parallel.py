@@ -129,7 +129,7 @@ def test_llama_exact_kv_heads_at_and_under_the_tensor_size(tmp_path, shard, tens
 
 
 def test_option_is_checked():
-  with pytest.raises(TypeError, match="sequence_parallel"):
+  with pytest.raises(TypeError, match=r"sequence_parallel=.yes.\) takes True or False"):
     fsdp_jax.TensorParallel(rules=tp_model.RULES, sequence_parallel="yes")
   assert not dataclasses.replace(_config(True).tensor_parallel,
                                  sequence_parallel=False).sequence_parallel
