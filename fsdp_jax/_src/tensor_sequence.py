@@ -100,8 +100,9 @@ class SequenceCtx(tensor_eval._Ctx):
   def scan(self, eqn, invals) -> list:
     """A scan over stacked layers (as ``tensor_eval._scan``) whose carry,
     the residual stream, stays split along the sequence where the body
-    keeps it there: cut once on entry, never gathered per layer. Per-step
-    slices split along the scanned sequence are gathered."""
+    keeps it there: split once on entry (reduce-scattered, or cut from a
+    replicated value), never gathered per layer. Per-step slices split
+    along the scanned sequence are gathered."""
     p = _compat.scan_params(eqn)
     nc, ncar = p.num_consts, p.num_carry
     forms = []
