@@ -413,11 +413,16 @@ def _run(planner: Planner, *, devices: int, device="cpu", memory_limit: Optional
         est, miss = _first_fit(planner, cand, device, limit, rows // dp, saver_space,
                                bool(compile_step))
       except (ValueError, NotImplementedError) as e:
-        explicit = explicit_tensor or meshes_given is not None or (
-            CONTEXT in cand.mesh_shape and "context" in space)
-        if explicit or (isinstance(e, ValueError) and "divide" not in str(e)):
+        # An enumerated context size the step refuses (with tensor
+        # parallelism, say), or an enumerated tensor size the model
+        # cannot take, is skipped; what was asked for is an error.
+        enumerated_cp = CONTEXT in cand.mesh_shape and "context" not in space
+        divides = isinstance(e, ValueError) and "divide" in str(e)
+        if (meshes_given is not None or not (divides or enumerated_cp)
+            or (isinstance(e, ValueError) and not divides)
+            or (explicit_tensor and not enumerated_cp)):
           raise
-        errors.append(e)  # an enumerated tensor or context size the model cannot take
+        errors.append(e)
         continue
       tried += 1
       if est is not None:
