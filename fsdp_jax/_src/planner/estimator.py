@@ -337,13 +337,13 @@ class Planner:
     arguments = batch_bytes + other + (0 if offloaded else param_bytes + opt_bytes)
     mem = schedule.memory(plan, segments, opt_prog, arguments=arguments,
                           extra_outputs=16, accumulation_steps=steps,
-                          accumulation=accumulation)
+                          accumulation=accumulation, checkpointed=checkpointed or remat)
     t = schedule.step_time(plan, segments, opt_prog, device, mesh_shape=mesh_shape,
                            accumulation_steps=steps, accumulation=accumulation,
                            offloaded=offloaded)
     parts = {"arguments": arguments, **mem.parts}
     activations = sum(mem.parts.get(k, 0) for k in ("saved", "activations", "cotangents",
-                                                     "temporaries", "results"))
+                                                     "temporaries", "results", "deferred"))
     limit = int(memory_limit) if memory_limit is not None else int(device.memory_bytes)
     notes = list(_notes(plan, segments, steps, accumulation))
     host = sum(s.programs.host_bytes for s in segments)

@@ -102,10 +102,44 @@ def _var_bytes(v) -> int:
   return segments_lib.nbytes(v.aval)
 
 
+# Buffers of the matmul's output size kept alive (deferred_root_gradient).
+DEFERRED_BUFFERS = 2
+_PASS_THROUGH = frozenset({"convert_element_type", "transpose", "reshape", "copy"})
+
+
+def deferred_root_gradient(plan: Plan, segments: list) -> tuple:
+  """``(segment index, bytes)`` of the cotangent XLA keeps alive when it
+  defers a root parameter's gradient (the head's kernel, ``hidden^T @
+  dlogits``) to the root's reduction at the end of the backward: the
+  largest output of a matmul, at the top level of a segment (not in a loop:
+  a blocked loss's per-block logits are recomputed), one of whose operands
+  is a root unit's parameter (as read, or cast or transposed). ``(-1, 0)``
+  when there is none."""
+  roots = {u.index for u in plan.units if u.is_root}
+  best = (-1, 0)
+  for s in segments:
+    if s.scan is not None:
+      continue
+    from_root = {v for v, i in s.params if plan.leaves[i].unit in roots}
+    for e in s.eqns:
+      ins = [v for v in e.invars if not isinstance(v, segments_lib.Literal)]
+      if e.primitive.name in _PASS_THROUGH and ins and ins[0] in from_root:
+        from_root.update(e.outvars)
+      elif e.primitive.name == "dot_general" and any(v in from_root for v in ins):
+        size = DEFERRED_BUFFERS * segments_lib.nbytes(e.outvars[0].aval)
+        if size > best[1]:
+          best = (s.index, size)
+  return best
+
+
 def memory(plan: Plan, segments: list, opt_program, *, arguments: int, extra_outputs: int,
            accumulation_steps: int = 1, accumulation: str = "no_sync",
-           forward_prefetch: Optional[bool] = None) -> Memory:
-  """The timeline's peak (see the module docstring)."""
+           forward_prefetch: Optional[bool] = None, checkpointed: bool = False) -> Memory:
+  """The timeline's peak (see the module docstring). ``checkpointed``: units
+  run under a checkpoint (the config's or the model's); then XLA defers the
+  head's kernel gradient to the end of the backward and the logits'
+  cotangent stays alive through the units' backwards
+  (:func:`deferred_root_gradient`), counted there."""
   ub = unit_bytes(plan)
   cfg = plan.config
   strategy = cfg.sharding_strategy
@@ -263,6 +297,7 @@ def memory(plan: Plan, segments: list, opt_program, *, arguments: int, extra_out
 
   # ---- backward ---------------------------------------------------------
   done: set = set()
+  head, deferred = deferred_root_gradient(plan, segments) if checkpointed else (-1, 0)
   for s in reversed(segments):
     k = s.index
     p = s.programs
@@ -303,7 +338,8 @@ def memory(plan: Plan, segments: list, opt_program, *, arguments: int, extra_out
     point(f"backward {_label(plan, s)}", gathered=gathered,
           saved=residuals(k - 1) + bwd_live_acts(k), cotangents=cotangents(k),
           gradients=pending + reduced + loop_grads, backward=p.backward_peak * (
-              1 if s.scan is None else 1) + (p.residual_bytes * (s.layers - 1)))
+              1 if s.scan is None else 1) + (p.residual_bytes * (s.layers - 1)),
+          deferred=deferred if k < head else 0)
     # the units first read here are reduced now: leaf gradients, packed buffer
     for u in ub:
       if first.get(u) == k and u not in done:
@@ -312,7 +348,8 @@ def memory(plan: Plan, segments: list, opt_program, *, arguments: int, extra_out
           continue
         point(f"reduce-scatter {plan.units[u].display_name}", gathered=gathered,
               saved=residuals(k - 1) + bwd_live_acts(k - 1),
-              gradients=reduced + grad_leaf_bytes(u) + ub[u].reduced_full)
+              gradients=reduced + grad_leaf_bytes(u) + ub[u].reduced_full,
+              deferred=deferred if k < head else 0)
 
   # ---- optimizer ----------------------------------------------------------
   opt_transient = 0 if opt_program is None else opt_program.temp + max(
