@@ -25,8 +25,9 @@ reads it (reduce-scattered along the sequence under sequence parallelism:
 slices (a softmax over a split vocabulary, a ``while`` loop). The loss's
 outputs are replicated.
 
-Gradients follow from the same functions: each collective is a
-``jax.custom_vjp`` with Megatron's backward (``psum`` <-> identity,
+Gradients follow from the same functions: each collective
+(:mod:`fsdp_jax._src.tensor_collectives`) is a ``jax.custom_vjp`` with
+Megatron's backward (``psum`` <-> identity,
 all-gather <-> slice, and a replicated value read by split computations gets
 its cotangent summed over the tensor axis, Megatron's ``f``), so every
 replicated value's cotangent is the same on all devices of a group and each
@@ -39,7 +40,6 @@ recorded in a :class:`Report` that ``print(state.plan)`` shows.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Callable
 
@@ -53,6 +53,7 @@ from fsdp_jax._src import attention
 from fsdp_jax._src import cross_entropy
 from fsdp_jax._src import loss as loss_lib
 from fsdp_jax._src import other_axes
+from fsdp_jax._src import tensor_collectives as collectives
 
 
 @dataclasses.dataclass(eq=False)
@@ -107,116 +108,6 @@ def _kind(v):
 
 
 # --------------------------------------------------------------------------
-# The collectives, with Megatron's backward passes
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _enter(x, axis):
-  """Identity; the cotangent is summed over ``axis`` (Megatron's ``f``): a
-  replicated value read by split or partial computations."""
-  return x
-
-
-def _enter_fwd(x, axis):
-  return x, None
-
-
-def _enter_bwd(axis, _, ct):
-  return (lax.psum(ct, axis),)
-
-
-_enter.defvjp(_enter_fwd, _enter_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _sum(x, axis):
-  """``psum`` over ``axis``; identity backward (Megatron's ``g``)."""
-  return lax.psum(x, axis)
-
-
-def _sum_fwd(x, axis):
-  return lax.psum(x, axis), None
-
-
-def _sum_bwd(axis, _, ct):
-  return (ct,)
-
-
-_sum.defvjp(_sum_fwd, _sum_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather(x, axis, dim):
-  """All-gather of a split value along ``dim``; backward: this device's
-  slice of the (replicated) cotangent."""
-  return lax.all_gather(x, axis, axis=dim, tiled=True)
-
-
-def _gather_fwd(x, axis, dim):
-  return _gather(x, axis, dim), None
-
-
-def _gather_bwd(axis, dim, _, ct):
-  return (_own_slice(ct, axis, dim, ct.shape[dim] // _axis_size(axis)),)
-
-
-_gather.defvjp(_gather_fwd, _gather_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _cut(x, axis, dim, size):
-  """This device's slice of a replicated value; backward: the slices'
-  cotangents all-gathered (the replicated value's whole cotangent)."""
-  return _own_slice(x, axis, dim, size)
-
-
-def _cut_fwd(x, axis, dim, size):
-  return _own_slice(x, axis, dim, size), None
-
-
-def _cut_bwd(axis, dim, size, _, ct):
-  return (lax.all_gather(ct, axis, axis=dim, tiled=True),)
-
-
-_cut.defvjp(_cut_fwd, _cut_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _extreme(x, axis, axes, is_max):
-  """``reduce_max`` (``reduce_min``) of a split value over ``axes``, one of
-  them split: this device's, then ``pmax`` (``pmin``) over ``axis``.
-  Backward as one device's reduction: the cotangent shared equally among
-  the positions that attain the extreme, on every device."""
-  local = (jnp.max if is_max else jnp.min)(x, axis=axes)
-  return (lax.pmax if is_max else lax.pmin)(local, axis)
-
-
-def _extreme_fwd(x, axis, axes, is_max):
-  out = _extreme(x, axis, axes, is_max)
-  return out, (x, out)
-
-
-def _extreme_bwd(axis, axes, is_max, res, ct):
-  x, out = res
-  kept = tuple(d for d in range(x.ndim) if d not in axes)
-  hit = (x == lax.broadcast_in_dim(out, x.shape, kept)).astype(ct.dtype)
-  count = lax.psum(jnp.sum(hit, axis=axes), axis)
-  return (hit * lax.broadcast_in_dim(ct / count, x.shape, kept),)
-
-
-_extreme.defvjp(_extreme_fwd, _extreme_bwd)
-
-
-def _axis_size(axis) -> int:
-  return lax.axis_size(axis)
-
-
-def _own_slice(x, axis, dim: int, size: int):
-  start = lax.axis_index(axis) * size
-  return lax.dynamic_slice_in_dim(x, start, size, axis=dim)
-
-
-# --------------------------------------------------------------------------
 # The evaluator
 
 
@@ -250,12 +141,12 @@ class _Ctx:
     if isinstance(v, Partial):
       def reduce():
         self.report.add("forward all-reduce", v.x)
-        return _sum(v.x, self.axis).astype(v.dtype)
+        return collectives.psum(v.x, self.axis).astype(v.dtype)
       return self._once(("full", id(v)), v, reduce)
     if isinstance(v, Split):
       def gather():
         self.report.gather(why)
-        out = _gather(v.x, self.axis, v.dim)
+        out = collectives.gather(v.x, self.axis, v.dim)
         self.report.add("forward all-gather", out)
         return out
       return self._once(("full", id(v)), v, gather)
@@ -280,11 +171,11 @@ class _Ctx:
         operand = self.enter(operand)
       return lax.broadcast_in_dim(operand, tuple(shape), dims)
     if not _differentiable(v):
-      return _own_slice(v, self.axis, dim, np.shape(v)[dim] // self.t)
+      return collectives.own_slice(v, self.axis, dim, np.shape(v)[dim] // self.t)
 
     def make():
       self.report.add("backward all-gather", v)
-      return _cut(v, self.axis, dim, np.shape(v)[dim] // self.t)
+      return collectives.cut(v, self.axis, dim, np.shape(v)[dim] // self.t)
     return self._once(("cut", id(v), dim), v, make)
 
   # Sequence parallelism (tensor_sequence.SequenceCtx) overrides these.
@@ -307,7 +198,7 @@ class _Ctx:
       return v
     def make():
       self.report.add("backward all-reduce", v)
-      return _enter(v, self.axis)
+      return collectives.enter(v, self.axis)
     return self._once(("enter", id(v)), v, make)
 
 
@@ -526,7 +417,7 @@ def _layout(eqn, v: Split, ctx: _Ctx):
       if name in ("reduce_max", "reduce_min") and _differentiable(x):
         # A maximum over a split vocabulary (a softmax's shift): this
         # device's, then the maximum of those over the tensor axis.
-        out = _extreme(x, ctx.axis, tuple(axes), name == "reduce_max")
+        out = collectives.extreme(x, ctx.axis, tuple(axes), name == "reduce_max")
         ctx.report.add("forward all-reduce", out)
         return out
       if name != "reduce_sum":
@@ -537,7 +428,7 @@ def _layout(eqn, v: Split, ctx: _Ctx):
         # and rounded once.
         local = jnp.sum(x.astype(jnp.float32), axis=tuple(axes))
         ctx.report.add("forward all-reduce", local)
-        return _sum(local, ctx.axis).astype(x.dtype)
+        return collectives.psum(local, ctx.axis).astype(x.dtype)
       return Partial(_compat.bind_eqn(eqn, [x])[0])
     return Split(_compat.bind_eqn(eqn, [x])[0], d - sum(a < d for a in axes))
   return None

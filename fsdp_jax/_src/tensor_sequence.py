@@ -30,7 +30,6 @@ sequence slice meets a column-parallel kernel.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -40,6 +39,7 @@ from jax import lax
 from fsdp_jax._src import _compat
 from fsdp_jax._src import attention
 from fsdp_jax._src import context as context_lib
+from fsdp_jax._src import tensor_collectives as collectives
 from fsdp_jax._src import tensor_eval
 from fsdp_jax._src.tensor_eval import Split
 
@@ -83,7 +83,7 @@ class SequenceCtx(tensor_eval._Ctx):
 
     def make():
       self.report.add("forward reduce-scatter", v.x)
-      return Split(scatter(v.x, self.axis, d).astype(v.dtype), d)
+      return Split(collectives.scatter(v.x, self.axis, d).astype(v.dtype), d)
     return self._once(("scatter", id(v)), v, make)
 
   def regather(self, v: Split):
@@ -91,7 +91,7 @@ class SequenceCtx(tensor_eval._Ctx):
     only: its cotangent is reduce-scattered back, so it needs no
     ``enter`` (whose all-reduce would count the addends again)."""
     def make():
-      out = regather(v.x, self.axis, v.dim)
+      out = collectives.regather(v.x, self.axis, v.dim)
       self.report.add("forward all-gather", out)
       self._memo[("enter", id(out))] = (out, out)
       return out
@@ -163,7 +163,7 @@ class SequenceCtx(tensor_eval._Ctx):
     ends (the blocked loss's flattened tokens), as Megatron gathers before
     its head; counted, not reported as computation run unsplit."""
     def make():
-      out = tensor_eval._gather(v.x, self.axis, v.dim)
+      out = collectives.gather(v.x, self.axis, v.dim)
       self.report.add("forward all-gather", out)
       return out
     return self._once(("full", id(v)), v, make)
@@ -195,48 +195,6 @@ class SequenceCtx(tensor_eval._Ctx):
     if isinstance(x, Split) and x.dim == d:
       return x.x
     return self.split(self.full(x, why), d)
-
-
-# --------------------------------------------------------------------------
-# The collectives
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def scatter(x, axis, dim):
-  """A partial sum reduce-scattered along ``dim`` (``psum_scatter``): this
-  device's slice of the sum. Backward: the slices' cotangents all-gathered
-  (the whole cotangent, the same on every device, as each addend's)."""
-  return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
-
-
-def _scatter_fwd(x, axis, dim):
-  return scatter(x, axis, dim), None
-
-
-def _scatter_bwd(axis, dim, _, ct):
-  return (lax.all_gather(ct, axis, axis=dim, tiled=True),)
-
-
-scatter.defvjp(_scatter_fwd, _scatter_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def regather(x, axis, dim):
-  """A sequence slice all-gathered along ``dim`` as the input of split
-  computations only (column-parallel matmuls). Backward: their cotangents,
-  this device's addends of the whole one, reduce-scattered to the slice's."""
-  return lax.all_gather(x, axis, axis=dim, tiled=True)
-
-
-def _regather_fwd(x, axis, dim):
-  return regather(x, axis, dim), None
-
-
-def _regather_bwd(axis, dim, _, ct):
-  return (lax.psum_scatter(ct, axis, scatter_dimension=dim, tiled=True),)
-
-
-regather.defvjp(_regather_fwd, _regather_bwd)
 
 
 # --------------------------------------------------------------------------

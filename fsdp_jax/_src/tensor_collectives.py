@@ -1,0 +1,159 @@
+"""The collectives of tensor parallelism over the tensor axis, each a
+``jax.custom_vjp`` with Megatron's backward pass: :mod:`fsdp_jax._src.tensor_eval`'s
+(``psum`` <-> identity, all-gather <-> slice, a replicated value entering
+split computations, a maximum over a split dimension) and sequence
+parallelism's (:mod:`fsdp_jax._src.tensor_sequence`: reduce-scatter <->
+all-gather along the sequence).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def enter(x, axis):
+  """Identity; the cotangent is summed over ``axis`` (Megatron's ``f``): a
+  replicated value read by split or partial computations."""
+  return x
+
+
+def _enter_fwd(x, axis):
+  return x, None
+
+
+def _enter_bwd(axis, _, ct):
+  return (lax.psum(ct, axis),)
+
+
+enter.defvjp(_enter_fwd, _enter_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def psum(x, axis):
+  """``psum`` over ``axis``; identity backward (Megatron's ``g``)."""
+  return lax.psum(x, axis)
+
+
+def _psum_fwd(x, axis):
+  return lax.psum(x, axis), None
+
+
+def _psum_bwd(axis, _, ct):
+  return (ct,)
+
+
+psum.defvjp(_psum_fwd, _psum_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def gather(x, axis, dim):
+  """All-gather of a split value along ``dim``; backward: this device's
+  slice of the (replicated) cotangent."""
+  return lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
+def _gather_fwd(x, axis, dim):
+  return gather(x, axis, dim), None
+
+
+def _gather_bwd(axis, dim, _, ct):
+  return (own_slice(ct, axis, dim, ct.shape[dim] // axis_size(axis)),)
+
+
+gather.defvjp(_gather_fwd, _gather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def cut(x, axis, dim, size):
+  """This device's slice of a replicated value; backward: the slices'
+  cotangents all-gathered (the replicated value's whole cotangent)."""
+  return own_slice(x, axis, dim, size)
+
+
+def _cut_fwd(x, axis, dim, size):
+  return own_slice(x, axis, dim, size), None
+
+
+def _cut_bwd(axis, dim, size, _, ct):
+  return (lax.all_gather(ct, axis, axis=dim, tiled=True),)
+
+
+cut.defvjp(_cut_fwd, _cut_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def extreme(x, axis, axes, is_max):
+  """``reduce_max`` (``reduce_min``) of a split value over ``axes``, one of
+  them split: this device's, then ``pmax`` (``pmin``) over ``axis``.
+  Backward as one device's reduction: the cotangent shared equally among
+  the positions that attain the extreme, on every device."""
+  local = (jnp.max if is_max else jnp.min)(x, axis=axes)
+  return (lax.pmax if is_max else lax.pmin)(local, axis)
+
+
+def _extreme_fwd(x, axis, axes, is_max):
+  out = extreme(x, axis, axes, is_max)
+  return out, (x, out)
+
+
+def _extreme_bwd(axis, axes, is_max, res, ct):
+  x, out = res
+  kept = tuple(d for d in range(x.ndim) if d not in axes)
+  hit = (x == lax.broadcast_in_dim(out, x.shape, kept)).astype(ct.dtype)
+  count = lax.psum(jnp.sum(hit, axis=axes), axis)
+  return (hit * lax.broadcast_in_dim(ct / count, x.shape, kept),)
+
+
+extreme.defvjp(_extreme_fwd, _extreme_bwd)
+
+
+def axis_size(axis) -> int:
+  return lax.axis_size(axis)
+
+
+def own_slice(x, axis, dim: int, size: int):
+  start = lax.axis_index(axis) * size
+  return lax.dynamic_slice_in_dim(x, start, size, axis=dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def scatter(x, axis, dim):
+  """A partial sum reduce-scattered along ``dim`` (``psum_scatter``): this
+  device's slice of the sum. Backward: the slices' cotangents all-gathered
+  (the whole cotangent, the same on every device, as each addend's)."""
+  return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+
+
+def _scatter_fwd(x, axis, dim):
+  return scatter(x, axis, dim), None
+
+
+def _scatter_bwd(axis, dim, _, ct):
+  return (lax.all_gather(ct, axis, axis=dim, tiled=True),)
+
+
+scatter.defvjp(_scatter_fwd, _scatter_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def regather(x, axis, dim):
+  """A sequence slice all-gathered along ``dim`` as the input of split
+  computations only (column-parallel matmuls). Backward: their cotangents,
+  this device's addends of the whole one, reduce-scattered to the slice's."""
+  return lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
+def _regather_fwd(x, axis, dim):
+  return regather(x, axis, dim), None
+
+
+def _regather_bwd(axis, dim, _, ct):
+  return (lax.psum_scatter(ct, axis, scatter_dimension=dim, tiled=True),)
+
+
+regather.defvjp(_regather_fwd, _regather_bwd)
