@@ -2,6 +2,7 @@
 
     python -m benchmarks.planner_cli                 # Llama 3 8B, 8,192 tokens, 8 x H100-80GB
     python -m benchmarks.planner_cli --seq 4096 --devices 64 --global-batch 64
+    python -m benchmarks.planner_cli --seq 32768 --strategy FULL_SHARD --layout orig
 
 Writes Llama 3 8B's ``config.json`` (its published shape) to a temporary
 directory and runs the command on it in a fresh process without the
@@ -60,6 +61,8 @@ def child(argv) -> None:
   print(json.dumps({"wall_seconds": time.perf_counter() - t0, "seconds": dict(seconds),
                     "counts": dict(counts), "best": best.get("configuration"),
                     "best_gib": best.get("bytes_per_device", {}).get("total", 0) / 2**30,
+                    "context": best.get("context"), "compiled": best.get("compiled"),
+                    "tokens_per_s": best.get("tokens_per_second_per_device"),
                     "fitting": len(answer.get("fits", []))}))
 
 
@@ -72,7 +75,15 @@ def main(argv=None) -> int:
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--global-batch", type=int, default=8)
   p.add_argument("--device", default="H100-80GB")
+  p.add_argument("--strategy", action="append", default=[],
+                 help="passed on (repeatable; default: every strategy)")
+  p.add_argument("--layout", default=None, help="passed on: flat, orig or both")
+  p.add_argument("--context", type=int, action="append", default=[],
+                 help="passed on (repeatable; default: the command's context sizes)")
   args = p.parse_args(argv)
+  narrow = ([a for s in args.strategy for a in ("--strategy", s)]
+            + (["--layout", args.layout] if args.layout else [])
+            + [a for c in args.context for a in ("--context", str(c))])
   with tempfile.TemporaryDirectory() as d:
     with open(os.path.join(d, "config.json"), "w") as f:
       json.dump(LLAMA3_8B, f)
@@ -84,7 +95,7 @@ def main(argv=None) -> int:
                     "--hf-config", os.path.join(d, "config.json"),
                     "--devices", str(args.devices), "--device", args.device,
                     "--seq", str(args.seq), "--global-batch", str(args.global_batch),
-                    "--json", os.path.join(d, "plan.json")], env=env, check=True)
+                    "--json", os.path.join(d, "plan.json"), *narrow], env=env, check=True)
     print(f"process: {time.perf_counter() - t0:.1f} s; load average {os.getloadavg()}")
   return 0
 

@@ -104,7 +104,14 @@ def render(results: dict) -> str:
         "backend `\"offload\"` moves nothing: its truth and compiled estimate count the "
         "offloaded activations as device memory, its modelled peak counts them as host "
         "memory, as on a GPU). The model's loss is unblocked (float32 logits), as before "
-        "the families' blocked loss.",
+        "the families' blocked loss; with checkpointed units the modelled peak counts the "
+        "two logits-sized buffers XLA keeps while it defers the head's kernel gradient to "
+        "the end of the backward (docs/planner.md, \"Where it is approximate\"; without "
+        "them it was 14% to 22% under the compiled peak: `remat (nn.remat)` -19.7%, `remat "
+        "64` -21.7%, `remat what-if` -13.2%, `policy full` / `dots` / `offload` -14.2% / "
+        "-7.7% / -17.9%, and on 64 devices -14.9% / -8.4% / -19.9%). The rows of "
+        "checkpointed units were measured last (09:25 to 09:45 UTC, load average 15), after "
+        "the other rows.",
         "",
     ] + _accuracy(results["accuracy"]) + [""]
   if "time" in results:
@@ -161,4 +168,32 @@ def render(results: dict) -> str:
         "| source | run | memory per GPU | where |",
         "|---|---|---|---|",
     ] + [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in PUBLISHED] + [""]
+  if "long_context" in results:
+    lines += _long_context(results["long_context"])
   return "\n".join(lines)
+
+
+def _long_context(rows) -> list:
+  """``python -m fsdp_jax.plan --seq T`` for Llama 3 8B on 8 H100s: the
+  context size the search picked (``benchmarks/planner_cli.py``'s runs)."""
+  out = [
+      "## Long sequences: the context size the search picks",
+      "",
+      "`python -m fsdp_jax.plan --hf-config <Llama 3 8B config.json> --devices 8 --device "
+      "H100-80GB --seq T --global-batch 8` (`python -m benchmarks.planner_cli`, a fresh "
+      "process; AdamW, bf16 compute over fp32 master weights, one unit per block): the search "
+      "tries context sizes 1, 2, 4 and 8 and keeps, per configuration, the smallest that "
+      "fits. `command` names the options the run narrowed the search with; `wall s` is the "
+      "command's time on this shared 2-core machine at the load average given.",
+      "",
+      "| tokens / sequence | command | best configuration | context | memory / GPU GiB | "
+      "peak | predicted tokens/s / GPU | configurations that fit | wall s | load |",
+      "|---:|---|---|---:|---:|---|---:|---:|---:|---:|"]
+  for r in rows:
+    mem = f"{r['memory_gib']:.1f}" if r.get("memory_gib") is not None else "-"
+    tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") is not None else "-"
+    how = {True: "compiled", False: "modelled"}.get(r.get("compiled"), "-")
+    out.append(f"| {r['seq']:,} | `{r['command'] or 'every strategy and layout'}` | "
+               f"{r['best'] or 'nothing fits'} | {r.get('context') or '-'} | {mem} | {how} | "
+               f"{tps} | {r['fitting']} | {r['wall_seconds']:.0f} | {r['load']} |")
+  return out + [""]
