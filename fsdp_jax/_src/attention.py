@@ -72,6 +72,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from fsdp_jax._src import _compat
 
@@ -553,6 +554,23 @@ def _direct(spec: _Spec, tq: int, tk: int):
   return None
 
 
+_SAVED = ("fsdp_jax_attention_out", "fsdp_jax_attention_lse")
+
+
+def _saved_forward(spec: _Spec, q, k, v, extras):
+  """:func:`_blocked_forward` in a ``jax.checkpoint`` that saves its output
+  and logsumexp only. Under a caller's checkpoint with a policy (fsdp_jax's
+  units rematerialise with one), JAX applies that policy to the forward's
+  own loops and saves their carries for every (query block, key block)
+  pair: ``[T/block, T/block, ...]`` arrays, quadratic in T. The backward
+  rule reads the output and the logsumexp alone."""
+  def fwd(q, k, v, extras):
+    out, lse = _blocked_forward(spec, q, k, v, extras)
+    return checkpoint_name(out, _SAVED[0]), checkpoint_name(lse, _SAVED[1])
+  policy = jax.checkpoint_policies.save_only_these_names(*_SAVED)
+  return jax.checkpoint(fwd, policy=policy, prevent_cse=False)(q, k, v, extras)
+
+
 @functools.lru_cache(maxsize=256)
 def _kernel(spec: _Spec):
   """The ``jax.custom_vjp`` of one set of static options. Its backward
@@ -569,7 +587,7 @@ def _kernel(spec: _Spec):
     if direct is not None:
       out, pull = jax.vjp(lambda q, k, v: direct(spec, q, k, v, extras), q, k, v)
       return out, (pull, None)
-    out, lse = _blocked_forward(spec, q, k, v, extras)
+    out, lse = _saved_forward(spec, q, k, v, extras)
     return out, (None, (q, k, v, extras, out, lse))
 
   def bwd(res, g):
