@@ -59,7 +59,7 @@ def test_plain_model_collectives_and_eval():
   and V alone (all-gathers of [1, T, kv], their gradients reduce-scattered)
   besides the scalar sums and the one-token halos; over "tensor" only
   Megatron's all-reduces (the row-parallel output forward; the input's and
-  the replicated K/V's cotangents backward), no all-gather. shard_eval_step
+  the replicated K/V chunks' cotangents backward), no all-gather. shard_eval_step
   gives one device's loss."""
   config = fsdp_jax.FSDPConfig(
       tensor_parallel=_megatron([("*.wq", "colwise"), ("*.wo", "rowwise")]))
@@ -79,8 +79,10 @@ def test_plain_model_collectives_and_eval():
   assert sorted(halos) == [((1, 1),)] * 2, halos
   tensor = over(TENSOR_GROUPS)
   assert {c.kind for c in tensor} == {"all-reduce"}, tensor
+  # The replicated K/V's cotangents all-reduced on this device's chunk,
+  # before the context all-gather's transpose, not on the gathered [1, seq, kv].
   assert sorted(c.shapes for c in tensor) == [((1, seq // 2, d),)] * layers + [
-      ((1, seq // 2, d), (1, seq, kv), (1, seq, kv))] * layers, tensor
+      ((1, seq // 2, d), (1, seq // 2, kv), (1, seq // 2, kv))] * layers, tensor
   # Evaluation: the same loss over both axes, no backward.
   b = batches[0]
   got = fsdp_jax.shard_eval_step(plain_model.weighted_loss, outputs="mean")(state, b)

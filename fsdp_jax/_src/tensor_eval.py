@@ -188,6 +188,10 @@ class _Ctx:
   def scan(self, eqn, invals) -> list:
     return _scan(eqn, invals, self)
 
+  def dot(self, a, b, dn, opts: dict):
+    """A column-parallel matmul of payloads ``a`` and ``b``."""
+    return lax.dot_general(a, b, dn, **opts)
+
   def fallback(self, eqn, invals, why: str) -> list:
     return _compat.bind_eqn(eqn, [self.full(x, why) for x in invals])
 
@@ -197,6 +201,11 @@ class _Ctx:
         or not _differentiable(v)):
       return v
     def make():
+      # An all-gather over another axis (keys and values over "context"):
+      # of the entered chunk, whose cotangent is all-reduced, not the whole.
+      src = self._memo.get(("gathered", id(v)))
+      if src is not None and src[0] is v and len(src[1][0].invars) == 1:
+        return _compat.bind_eqn(src[1][0], [self.enter(src[1][1])])[0]
       self.report.add("backward all-reduce", v)
       return collectives.enter(v, self.axis)
     return self._once(("enter", id(v)), v, make)
@@ -220,6 +229,8 @@ def evaluate(jaxpr, consts, args, ctx: _Ctx) -> list:
       outs = _compat.bind_eqn(eqn, invals)
       if eqn.primitive.name == "broadcast_in_dim":
         ctx.note_broadcast(outs[0], invals[0], _compat.broadcast_dimensions(eqn))
+      elif eqn.primitive.name == "all_gather" and ctx.axis not in other_axes.named_axes(eqn):
+        ctx._memo[("gathered", id(outs[0]))] = (outs[0], (eqn, invals[0]))
     else:
       outs = _rule(eqn, invals, ctx)
     for v, x in zip(eqn.outvars, outs):
@@ -640,7 +651,7 @@ def _dot(eqn, invals, ctx: _Ctx):
   if rl is not None:  # lhs split, rhs replicated
     kind, j = rl
     if kind == "free":
-      out = lax.dot_general(lhs.x, ctx.enter(rhs), dn, **opts)
+      out = ctx.dot(lhs.x, ctx.enter(rhs), dn, opts)
       return Split(out, len(lb) + j)
     other = rc[j] if kind == "contract" else rb[j]
     if kind == "contract":
@@ -648,7 +659,7 @@ def _dot(eqn, invals, ctx: _Ctx):
     return Split(lax.dot_general(lhs.x, ctx.split(rhs, other), dn, **opts), j)
   kind, j = rr
   if kind == "free":
-    out = lax.dot_general(ctx.enter(lhs), rhs.x, dn, **opts)
+    out = ctx.dot(ctx.enter(lhs), rhs.x, dn, opts)
     return Split(out, len(lb) + len(lfree) + j)
   other = lc[j] if kind == "contract" else lb[j]
   if kind == "contract":
