@@ -121,6 +121,18 @@ def test_llama_exact_kv_heads_at_and_under_the_tensor_size(tmp_path, shard, tens
   # The lookup in the embedding split by vocabulary, then attention and MLP
   # per layer (once in the scan body).
   assert counts["forward reduce-scatter"][0] == 1 + (2 if scan else 4), counts
+  # Each column-parallel input (q/k/v's and gate/up's, per layer) keeps its
+  # sequence slice for the backward pass and all-gathers it again there
+  # (Megatron's), not the gathered input: 5 matmuls per layer.
+  assert counts["backward all-gather"][0] >= 5 * (1 if scan else 2), counts
+  if scan:
+    # In the compiled step: the scan bodies' all-gathers of [1, 8, 16]
+    # (forward: the 2 inputs; backward: the 2 re-gathered, the 2
+    # reduce-scatters' cotangents), the embedding's cotangent at the top.
+    moved = hlo.collectives(step.lower(state, data[0]).compile().as_text())
+    gathers = [c for c in moved if c.kind == "all-gather" and c.shapes == ((1, 8, 16),)
+               and c.groups and set(c.groups) <= TENSOR_GROUPS]
+    assert len(gathers) == 7, gathers
   # Run unsplit: under tensor=4 the key/value heads' reshape and the
   # attention (as without sequence parallelism); nothing else.
   gathered = state.plan.tensor_report.gathered

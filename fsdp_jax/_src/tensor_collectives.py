@@ -3,7 +3,8 @@
 (``psum`` <-> identity, all-gather <-> slice, a replicated value entering
 split computations, a maximum over a split dimension) and sequence
 parallelism's (:mod:`fsdp_jax._src.tensor_sequence`: reduce-scatter <->
-all-gather along the sequence).
+all-gather along the sequence, and a column-parallel matmul whose backward
+pass all-gathers its input's saved slice again).
 """
 
 from __future__ import annotations
@@ -157,3 +158,34 @@ def _regather_bwd(axis, dim, _, ct):
 
 
 regather.defvjp(_regather_fwd, _regather_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def regathered_dot(gathered, piece, other, axis, dim, left, dn, opts):
+  """``dot_general`` of ``gathered`` (``regather(piece, axis, dim)``, the
+  ``left`` operand, else the right) and ``other``, saving ``piece`` for the
+  backward pass instead of ``gathered`` (Megatron's sequence parallelism):
+  the backward all-gathers it again for ``other``'s gradient. ``opts``: the
+  matmul's options as ``(name, value)`` pairs. ``piece``'s cotangent is zero
+  (``gathered``'s reaches it through ``regather``)."""
+  return _dot_of(gathered, other, left, dn, opts)
+
+
+def _dot_of(gathered, other, left, dn, opts):
+  a, b = (gathered, other) if left else (other, gathered)
+  return lax.dot_general(a, b, dn, **dict(opts))
+
+
+def _regathered_dot_fwd(gathered, piece, other, axis, dim, left, dn, opts):
+  return _dot_of(gathered, other, left, dn, opts), (piece, other)
+
+
+def _regathered_dot_bwd(axis, dim, left, dn, opts, res, ct):
+  piece, other = res
+  gathered = lax.all_gather(piece, axis, axis=dim, tiled=True)
+  _, vjp = jax.vjp(lambda g, o: _dot_of(g, o, left, dn, opts), gathered, other)
+  d_gathered, d_other = vjp(ct)
+  return d_gathered, jnp.zeros_like(piece), d_other
+
+
+regathered_dot.defvjp(_regathered_dot_fwd, _regathered_dot_bwd)

@@ -25,7 +25,11 @@ divisible by the tensor size.
 :class:`SequenceCtx` is the evaluator's context with the tags: its
 ``reduce`` reduce-scatters, its ``regather`` all-gathers; the evaluator
 calls them where a partial sum meets a non-linear operation and where a
-sequence slice meets a column-parallel kernel.
+sequence slice meets a column-parallel kernel. Its ``dot`` runs that
+kernel's matmul keeping the slice, not the gathered input, for the
+backward pass, which all-gathers it again (Megatron's): the activations
+kept shrink by ``T``, scanned layers included, for one more all-gather per
+column-parallel input.
 """
 
 from __future__ import annotations
@@ -94,8 +98,23 @@ class SequenceCtx(tensor_eval._Ctx):
       out = collectives.regather(v.x, self.axis, v.dim)
       self.report.add("forward all-gather", out)
       self._memo[("enter", id(out))] = (out, out)
+      self._memo[("regathered", id(out))] = (out, v)
       return out
     return self._once(("regather", id(v)), v, make)
+
+  def dot(self, a, b, dn, opts: dict):
+    """A column-parallel matmul; of a re-gathered sequence slice
+    (:meth:`regather`), one that keeps the slice for the backward pass and
+    all-gathers it again there for the kernel's gradient (Megatron's), not
+    the gathered input (``T`` times the slice's bytes)."""
+    for left, x in ((True, a), (False, b)):
+      hit = self._memo.get(("regathered", id(x)))
+      if hit is not None and hit[0] is x and tensor_eval._differentiable(b if left else a):
+        v = hit[1]
+        self.report.add("backward all-gather", x)
+        return collectives.regathered_dot(x, v.x, b if left else a, self.axis, v.dim, left,
+                                          dn, tuple(sorted(opts.items())))
+    return super().dot(a, b, dn, opts)
 
   def scan(self, eqn, invals) -> list:
     """A scan over stacked layers (as ``tensor_eval._scan``) whose carry,
