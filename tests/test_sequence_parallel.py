@@ -82,7 +82,10 @@ def test_plain_model_exact_with_the_all_reduce_versions_bytes():
   # from a replicated value (this model's feature-split embedding, gathered:
   # the residual's gradient is all-gathered once; a vocabulary-split one is
   # reduce-scattered instead, as in benchmarks/TENSOR_PARALLEL.md part 5)
-  # and the norms' weights (their gradients summed over 'tensor').
+  # and the norms' weights (their gradients summed over 'tensor'). The
+  # backward re-gathers of the column-parallel inputs are merged here by XLA
+  # with the forward all-gathers (nothing separates the two passes in this
+  # unrolled model without units; benchmarks/TENSOR_PARALLEL.md part 5).
   assert off_bytes * 0.9 <= on_bytes <= off_bytes * 1.05, (on_bytes, off_bytes)
 
 

@@ -9,8 +9,9 @@ partial sum) along the sequence where it would all-reduce it (Megatron's
 on this device's ``1/T`` of the positions, and the next column-parallel
 matmul all-gathers its input along the sequence (``g-bar``'s dual). An
 all-reduce is a reduce-scatter plus an all-gather, so the bytes moved stay
-those of the all-reduce version; the activations between the blocks shrink
-by ``T``.
+those of the all-reduce version, but for the backward pass's re-gather of
+each column-parallel input (below); the activations between the blocks
+shrink by ``T``.
 
 The sequence is identified, never guessed from sizes: the batch leaves the
 step would split over a ``"context"`` axis (:func:`fsdp_jax._src.context.split_mask`:
