@@ -216,8 +216,16 @@ def test_attention_functions(which, balanced, monkeypatch):
     attend = lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                              local_window_size=(3, 0))
   batches = [dict(b, w=np.abs(b["w"] - 0.3)) for b in _batches(2, seed=5, seg=True)]
-  _run(_attention_loss(attend), dict(shard=2, context=2), batches, params=_attention_params(),
-       config=_balanced() if balanced else None)
+  loss = _attention_loss(attend)
+  state = _run(loss, dict(shard=2, context=2), batches, params=_attention_params(),
+               config=_balanced() if balanced else None)
+  if which == "fsdp_jax" and not balanced:
+    # K and V all-gathered forward and again backward: only this device's
+    # chunks are saved for the backward pass, not the gathered sequence.
+    text = fsdp_jax.shard_train_step(loss).lower(state, batches[0]).compile().as_text()
+    kv = [c for c in hlo.collectives(text)
+          if c.kind == "all-gather" and c.shapes[0][1:] == (SEQ, 2, KV)]
+    assert len(kv) == 4, kv
 
 
 @pytest.mark.parametrize("balanced", [False, True])

@@ -589,26 +589,57 @@ def _attention(eqn, call, invals, ctx: _Ctx):
       return ctx.gather(x) if whole else x.x
     return x if whole else ctx.cut(x, split_at, n)
 
-  kf = ctx.gather(k) if isinstance(k, Split) else k
-  vf = ctx.gather(v) if isinstance(v, Split) else v
+  regather = isinstance(k, Split) and isinstance(v, Split)
+  kf = ctx.gather(k) if isinstance(k, Split) and not regather else k
+  vf = ctx.gather(v) if isinstance(v, Split) and not regather else v
   qpos = rows(ops["q_positions"], 1, False)
   if qpos is None:
     qpos = ctx.positions(n)[None]
   kpos = rows(ops["kv_positions"], 1, True)
   if kpos is None:
-    kpos = jnp.arange(kf.shape[1], dtype=jnp.int32)
+    kpos = jnp.arange(n * ctx.c if regather else kf.shape[1], dtype=jnp.int32)
   window = ops["window"]
   if isinstance(window, Split):
     _refuse(eqn, "a window operand split along the sequence")
   qseg, kseg = rows(ops["q_segment_ids"], 1, False), rows(ops["kv_segment_ids"], 1, True)
   lay = ctx.layout
   cut = lambda x: [None] * lay.pieces if x is None else lay.split(jnp.atleast_2d(x), 1)
-  # one call per piece (head-tail: two), its query blocks within the piece
-  outs = [attention_lib.attend_local(qt, kf, vf, q_positions=pt, kv_positions=kpos,
-                                     q_segment_ids=st, kv_segment_ids=kseg, window=window,
-                                     **call.options())
-          for qt, pt, st in zip(lay.split(q.x, 1), cut(qpos), cut(qseg))]
-  return Split(lay.join(outs, 1), 1)
+  options = call.options()
+
+  def attend(q, kf, vf, extras):
+    qpos, qseg, kpos, kseg = extras
+    # one call per piece (head-tail: two), its query blocks within the piece
+    outs = [attention_lib.attend_local(qt, kf, vf, q_positions=pt, kv_positions=kpos,
+                                       q_segment_ids=st, kv_segment_ids=kseg, window=window,
+                                       **options)
+            for qt, pt, st in zip(lay.split(q, 1), cut(qpos), cut(qseg))]
+    return lay.join(outs, 1)
+
+  extras = (qpos, qseg, kpos, kseg)  # a window operand stays as it came (static or not)
+  if not regather:
+    return Split(attend(q.x, kf, vf, extras), 1)
+  return Split(_regathered_attention(attend, ctx, q.x, k.x, v.x, extras), 1)
+
+
+def _regathered_attention(attend, ctx: _Ctx, q, k, v, extras):
+  """``attend(q, K, V, extras)`` on the keys and values all-gathered from
+  this device's chunks ``k`` / ``v``, saving the chunks for the backward
+  pass, not the gathered ``[b, T, ...]`` K and V (torchtitan's and
+  Megatron's context parallelism): a ``jax.checkpoint`` that saves its
+  inputs alone, so the backward all-gathers K and V again (one more
+  all-gather of each per layer), recomputes the attention's forward (its
+  output and logsumexp) and reduce-scatters dK / dV (the all-gather's
+  transpose). A checkpoint, not a ``custom_vjp``: tensor parallelism's
+  evaluation (:mod:`tensor_eval`) runs through it, heads split."""
+  def run(q, k, v, extras):
+    def whole(x):
+      out = lax.all_gather(x, ctx.axis, axis=1, tiled=True)
+      ctx.report.add("all-gather", out)
+      return ctx.layout.natural(out, 1)  # in the sequence's order
+    return attend(q, whole(k), whole(v), extras)
+
+  return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable,
+                        prevent_cse=True)(q, k, v, extras)
 
 
 def _cumsum(eqn, v, ctx: _Ctx):
