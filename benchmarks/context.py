@@ -442,16 +442,20 @@ length. What stays above 1/C, read from XLA's live-range dump at the peak
   fsdp_jax's units rematerialise with a policy (`collectives.remat_policy`:
   save what is costly to recompute, re-gather the parameters) and JAX
   applied it inside the `custom_vjp`'s forward loops. The kernel's forward
-  now runs in its own `jax.checkpoint` that saves its output and
-  logsumexp only (`attention._saved_forward`); `shard=8` went from 728.9
-  to 507.9 MiB, `context=2` from 377.0 to 271.8, `context=4` from 209.0 to
-  156.2, `context=8` from 120.8 to 96.1. The ratios rose (the term
-  divided by C as well, and weighed most at C = 1): 0.517, 0.287 and
-  0.166 before, `context=8` missing 1.3/C by a hair then too.
-  Under `jax.checkpoint(policy=jax.checkpoint_policies.dots_saveable)`
-  (`ActivationCheckpointing("dots")`) the same carries are still saved
-  (350 MiB of grad temporaries for one 4,096-token call, 4 heads): not
-  fixed.
+  then ran in its own `jax.checkpoint` saving its output and logsumexp
+  only; `shard=8` went from 728.9 to 507.9 MiB, `context=2` from 377.0
+  to 271.8, `context=4` from 209.0 to 156.2, `context=8` from 120.8 to
+  96.1. The ratios rose (the term divided by C as well, and weighed most
+  at C = 1): 0.517, 0.287 and 0.166 before, `context=8` missing 1.3/C by
+  a hair then too. A policy that saves batched matmuls
+  (`jax.checkpoint_policies.dots_saveable`; not
+  `ActivationCheckpointing("dots")`, whose
+  `dots_with_no_batch_dims_saveable` names none of the kernel's) reached
+  through that checkpoint (jax-ml/jax#18817) and saved every pair's
+  scores and `p @ v` (351 MiB of grad temporaries for one 4,096-token
+  call, 4 heads). The forward's two loops are now `lax.while_loop` s,
+  whose bodies no policy saves from: 29.5 MiB under every policy
+  (`tests/test_attention.py`).
 
 Nothing holds a whole `[T, T]` score matrix or `[T, vocab]` logits, and
 positions are `[T]` int32. The two whole-sequence terms make the ratio

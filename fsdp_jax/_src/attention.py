@@ -12,8 +12,9 @@ The blockwise kernel
 
 The queries are cut into blocks of :data:`BLOCK_Q` rows and the keys into
 blocks of :data:`BLOCK_K` (a length they do not divide is padded; padded
-keys are masked, padded queries dropped). A ``lax.scan`` over query blocks
-runs a ``fori_loop`` over key blocks, keeping each row's running maximum,
+keys are masked, padded queries dropped). A loop over query blocks runs a
+loop over key blocks (both ``lax.while_loop`` s, whose bodies no caller's
+rematerialisation policy can save from), keeping each row's running maximum,
 sum and float32 accumulator (the online softmax); a key block that no query
 of the block can see (every pair hidden by the causal mask, the window or
 the segments, judged from each block's smallest and largest positions and
@@ -72,7 +73,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from fsdp_jax._src import _compat
 
@@ -458,15 +458,27 @@ class _Layout:
 
 def _blocked_forward(spec: _Spec, q, k, v, extras):
   """The output ``[B, Tq, N, H]`` and each row's logsumexp ``[nq, B, K, G,
-  bq]`` (float32; rows that see nothing: 0)."""
+  bq]`` (float32; rows that see nothing: 0).
+
+  Both loops are ``lax.while_loop`` s, not scans: a caller's
+  ``jax.checkpoint`` policy (fsdp_jax's units', ``dots_saveable``) applies to
+  the equations of every scan it rematerialises, the custom_vjp's forward
+  included (nested checkpoints too, jax-ml/jax#18817), and would save what
+  it names in each iteration: the scores and ``p @ v`` of every (query
+  block, key block) pair, ``[T/block, T/block, ...]`` arrays, quadratic in
+  T. JAX saves a while loop's outputs (here the output and logsumexp) and
+  nothing of its body, whatever the policy."""
   lay = _Layout(spec, q, k, v, extras)
   b, tq, n, h, _, kv = lay.shape
   g = n // kv
 
-  def query_block(_, i):
+  def query_block(i, bufs):
+    out_buf, lse_buf = bufs
     qb = lay.q[i]
 
-    def key_block(j, carry):
+    def key_block(carry):
+      j, inner = carry
+
       def update(carry):
         m_old, l_old, acc = carry
         s, _ = _scores(spec, qb, lay.k[j])
@@ -481,19 +493,27 @@ def _blocked_forward(spec: _Spec, q, k, v, extras):
         pv = jnp.einsum("bkgts,bskh->bkgth", e.astype(v.dtype), lay.v[j],
                         preferred_element_type=jnp.float32)
         return m_new, l_old * alpha + jnp.sum(e, -1), acc * alpha[..., None] + pv
-      return lax.cond(lay.visible[i, j], update, lambda c: c, carry)
+      return j + 1, lax.cond(lay.visible[i, j], update, lambda c: c, inner)
 
     init = (jnp.full((b, kv, g, lay.bq), MASKED, jnp.float32),
             jnp.zeros((b, kv, g, lay.bq), jnp.float32),
             jnp.zeros((b, kv, g, lay.bq, h), jnp.float32))
-    m, l, acc = lax.fori_loop(0, lay.nk, key_block, init)
+    _, (m, l, acc) = lax.while_loop(lambda c: c[0] < lay.nk, key_block, (jnp.int32(0), init))
     seen = l > 0
     safe = jnp.where(seen, l, 1.0)
     out = jnp.where(seen[..., None], acc / safe[..., None], 0.0)
     lse = jnp.where(seen, m + jnp.log(safe), 0.0)
-    return (), (jnp.einsum("bkgth->btkgh", out).astype(q.dtype), lse)
+    out = jnp.einsum("bkgth->btkgh", out).astype(q.dtype)
+    return (lax.dynamic_update_index_in_dim(out_buf, out, i, 0),
+            lax.dynamic_update_index_in_dim(lse_buf, lse, i, 0))
 
-  _, (out, lse) = lax.scan(query_block, (), jnp.arange(lay.nq))
+  bufs = (jnp.zeros((lay.nq, b, lay.bq, kv, g, h), q.dtype),
+          jnp.zeros((lay.nq, b, kv, g, lay.bq), jnp.float32))
+
+  def step(carry):
+    i, bufs = carry
+    return i + 1, query_block(i, bufs)
+  _, (out, lse) = lax.while_loop(lambda c: c[0] < lay.nq, step, (jnp.int32(0), bufs))
   out = jnp.moveaxis(out, 0, 1).reshape(b, lay.nq * lay.bq, n, h)[:, :tq]
   return out, lse
 
@@ -554,23 +574,6 @@ def _direct(spec: _Spec, tq: int, tk: int):
   return None
 
 
-_SAVED = ("fsdp_jax_attention_out", "fsdp_jax_attention_lse")
-
-
-def _saved_forward(spec: _Spec, q, k, v, extras):
-  """:func:`_blocked_forward` in a ``jax.checkpoint`` that saves its output
-  and logsumexp only. Under a caller's checkpoint with a policy (fsdp_jax's
-  units rematerialise with one), JAX applies that policy to the forward's
-  own loops and saves their carries for every (query block, key block)
-  pair: ``[T/block, T/block, ...]`` arrays, quadratic in T. The backward
-  rule reads the output and the logsumexp alone."""
-  def fwd(q, k, v, extras):
-    out, lse = _blocked_forward(spec, q, k, v, extras)
-    return checkpoint_name(out, _SAVED[0]), checkpoint_name(lse, _SAVED[1])
-  policy = jax.checkpoint_policies.save_only_these_names(*_SAVED)
-  return jax.checkpoint(fwd, policy=policy, prevent_cse=False)(q, k, v, extras)
-
-
 @functools.lru_cache(maxsize=256)
 def _kernel(spec: _Spec):
   """The ``jax.custom_vjp`` of one set of static options. Its backward
@@ -587,7 +590,7 @@ def _kernel(spec: _Spec):
     if direct is not None:
       out, pull = jax.vjp(lambda q, k, v: direct(spec, q, k, v, extras), q, k, v)
       return out, (pull, None)
-    out, lse = _saved_forward(spec, q, k, v, extras)
+    out, lse = _blocked_forward(spec, q, k, v, extras)
     return out, (None, (q, k, v, extras, out, lse))
 
   def bwd(res, g):
