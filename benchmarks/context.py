@@ -188,7 +188,8 @@ def comm_row(text: str, mesh, c: int, rows: int, seq: int, layers: int, hidden: 
       for s in m["shapes"]))
   kv = [m for m in moved if is_kv(m)]
   other = [m for m in moved if not is_kv(m)]
-  theory = 4 * layers * kv_bytes  # K and V gathered, their gradients scattered: payload
+  # K and V gathered forward and again backward, their gradients scattered: payload
+  theory = 6 * layers * kv_bytes
   by_kind = {}
   for m in moved:
     d = by_kind.setdefault(("K/V " if is_kv(m) else "other ") + m["kind"],
@@ -202,7 +203,7 @@ def comm_row(text: str, mesh, c: int, rows: int, seq: int, layers: int, hidden: 
   return {"kv_payload": sum(m["payload"] for m in kv), "kv_runs": sum(m["runs"] for m in kv),
           "other_payload": sum(m["payload"] for m in other),
           "total_payload": sum(m["payload"] for m in moved), "theory_payload": theory,
-          "theory_ops": 4 * layers, "kv_bytes_one": kv_bytes, "by_kind": by_kind,
+          "theory_ops": 6 * layers, "kv_bytes_one": kv_bytes, "by_kind": by_kind,
           "wire": sum(m["payload"] * (c - 1) / c for m in moved),
           "theory_wire": theory * (c - 1) / c}
 
@@ -464,9 +465,18 @@ positions are `[T]` int32. The two whole-sequence terms make the ratio
 {rows[-1]['act'] / base['act'] if base else 0:.3f}. The block temporaries are a constant, so the
 ratio falls with T (an extrapolation, not measured: about 0.15 at 16,384
 tokens); the saved K/V are 1/4 of a token's hidden size per layer
-whatever T (Llama 3 8B's proportion), a floor of {kv_share:.3f}. Not keeping them
-(re-gathering K and V over `"context"` in the backward pass, one more
-all-gather per layer) would remove that floor; not done.
+whatever T (Llama 3 8B's proportion), a floor of {kv_share:.3f}. Context
+parallelism now keeps each layer's K/V chunks instead (`context_eval`'s
+`_regathered_attention`: a `jax.checkpoint` saving its inputs; the
+backward all-gathers K and V again, recomputes the attention's forward and
+reduce-scatters dK / dV: one more all-gather of K and of V per layer,
+section 2). Measured directly at that change (`context=8`, 4,096 tokens,
+the tree of then, whose step differs from an earlier table's):
+activations 110.6 -> 100.4 MiB (temporaries 123.6 -> 113.3 MiB, 13.0 /
+12.9 MiB at 64 tokens), 10.2 of the 14 MiB that K/V floor predicts:
+0.212 -> 0.193 of `shard=8`'s 521.1 MiB then, 1.3/C still missed (the
+kernel's block temporaries remain). A table measured before it still
+holds the floor.
 """
 
 
@@ -474,7 +484,7 @@ def comm_text(store: Store, a) -> str:
   rows = [r for r in store.rows("memory").values() if "comm" in r and r["layers"] == a.layers]
   if not rows:
     return ""
-  lines = ["| layout | K/V collectives (theory) | K/V payload | theory: 4 x layers x "
+  lines = ["| layout | K/V collectives (theory) | K/V payload | theory: 6 x layers x "
            f"[1, T, {a.hidden // 4}] fp32 | K/V / theory | everything else over "
            "`\"context\"` | all / theory |"
            " wire bytes per device |", "|---|---|---|---|---|---|---|---|"]
@@ -504,7 +514,8 @@ mesh's context groups, less FSDP's own (`fsdp_all_gather[...]` /
 over the same 8 devices). Payload: an all-gather's result, a
 reduce-scatter's input (its result x C). Theory, the all-gather strategy:
 per layer K and V, `[1, T, 2 x {a.hidden // 8}]` float32 each, all-gathered forward
-and their gradients reduce-scattered backward: 4 x {a.layers} collectives of
+and again backward (each layer saves its chunks only), their gradients
+reduce-scattered backward: 6 x {a.layers} collectives of
 `T x {a.hidden // 4} x 4` bytes; on the wire each device receives (C-1)/C of each.
 
 {chr(10).join(lines)}
@@ -519,8 +530,9 @@ Largest deviation from theory: {100 * worst:.3f}% (target within 1%:
 The "other" collectives are the loss's: the labels' one-token halo from
 the next device (`labels[:, 1:]`: a `collective-permute` of `[1, 1]`), the
 blocked loss's `total` and `weight` (scalar all-reduces), and the like.
-No hidden state, logits or query moves; the backward pass does not gather
-K and V again (it reads the saved gathered copies of section 1).
+No hidden state, logits or query moves; the backward pass gathers K and V
+again (each layer saves this device's chunks, not the gathered sequence:
+section 1).
 """
 
 
