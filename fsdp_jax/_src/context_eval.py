@@ -569,7 +569,9 @@ def _attention(eqn, call, invals, ctx: _Ctx):
   so causal masks, windows and documents hold across chunk boundaries.
   Under head-tail balancing each of the device's two chunks is its own
   call, its query blocks within one chunk, so the kernel skips the key
-  blocks the causal mask hides from each."""
+  blocks the causal mask hides from each. K and V split (the usual case):
+  only their chunks are saved for the backward pass
+  (:func:`_regathered_attention`)."""
   ops = call.operands(invals)
   q, k, v = ops["q"], ops["k"], ops["v"]
   if not isinstance(q, Split) or q.dim != 1 or any(
