@@ -72,6 +72,13 @@ def _axes_of(eqn) -> tuple:
   return tuple(out)
 
 
+def _is_collective(eqn) -> bool:
+  """Whether ``eqn`` runs over mesh axes: axis names among its axis params
+  (a reduction's ``axes`` are array dimensions, not mesh axes: a
+  ``reduce_max`` in the attention is no collective)."""
+  return bool(_axes_of(eqn)) and eqn.primitive.name not in ("pjit", "jit")
+
+
 _IDENTITY = frozenset({"psum", "pmax", "pmin", "ppermute", "pbroadcast", "pvary",
                        "psum_invariant", "psum2", "pmean", "ppermute_p"})
 
@@ -121,7 +128,7 @@ def stand_in(eqn, invals, sizes: dict) -> list:
 
 def _contains_collective(jaxpr) -> bool:
   for e in jaxpr.eqns:
-    if _compat.axis_params(e) and e.primitive.name not in ("pjit", "jit"):
+    if _is_collective(e):
       return True
     for j in _compat.nested_jaxprs(e):
       if _contains_collective(j):
@@ -182,7 +189,7 @@ def _evaluate(jaxpr, consts, args, sizes: dict, params: set) -> list:
       inner_params = {bv for bv, ov in zip(body.invars, eqn.invars)
                       if not isinstance(ov, Literal) and ov in from_params}
       outs = _evaluate(body, body_consts, invals, sizes, inner_params)
-    elif _compat.axis_params(eqn) and eqn.primitive.name not in ("pjit", "jit"):
+    elif _is_collective(eqn):
       outs = stand_in(eqn, invals, sizes)
     else:
       if any(_contains_collective(j) for j in _compat.nested_jaxprs(eqn)):
