@@ -67,12 +67,12 @@ MUTANTS = (
            ("tests/test_engine.py", "tests/test_wrap.py")),
     Mutant("tensor-all-reduce", "the all-reduce over \"tensor\" after a row-parallel "
            "matmul dropped in the training step (Megatron's g: forward identity)",
-           "fsdp_jax/_src/tensor_eval.py",
+           "fsdp_jax/_src/tensor_collectives.py",
            "return lax.psum(x, axis), None", "return x, None",
            ("tests/test_tensor_parallel.py",)),
     Mutant("tensor-all-reduce-eval", "the same all-reduce dropped where nothing is "
            "differentiated (the evaluation step, forward only)",
-           "fsdp_jax/_src/tensor_eval.py",
+           "fsdp_jax/_src/tensor_collectives.py",
            "return lax.psum(x, axis)", "return x",
            ("tests/test_eval.py",)),
     Mutant("lora-scale", "LoRA's adapter scale alpha / rank doubled",
