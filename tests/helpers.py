@@ -85,6 +85,38 @@ def lazy_modules(*names: str):
   return tuple(LazyModule(n) for n in names)
 
 
+FAMILY_VOCAB = 32
+
+
+def family_configs(*, phi3_positions: int, gpt2_positions: int) -> dict:
+  """The eight families' tiny transformers configs (vocabulary 32, hidden
+  16, 2 layers, 4 query heads over 2 key/value heads; windows of 3 slots,
+  gemma2's soft-capping, phi3's LongRoPE past 8 positions), keyed by
+  ``model_type``. ``phi3_positions`` / ``gpt2_positions``: phi3's
+  ``max_position_embeddings`` (it sets LongRoPE's attention factor) and
+  gpt2's learned positions."""
+  base = dict(vocab_size=FAMILY_VOCAB, hidden_size=16, intermediate_size=24,
+              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              initializer_range=0.3)
+  return {
+      "llama": base,
+      "mistral": dict(base, sliding_window=3),
+      "qwen3": dict(base, head_dim=8),
+      "gemma2": dict(base, head_dim=4, query_pre_attn_scalar=8, sliding_window=3,
+                     attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+      "gemma3_text": dict(base, head_dim=4, query_pre_attn_scalar=8, sliding_window=3,
+                          layer_types=["sliding_attention", "full_attention"]),
+      "qwen2": dict(base, tie_word_embeddings=True, use_sliding_window=True, sliding_window=3,
+                    max_window_layers=1),
+      "phi3": dict(base, sliding_window=3, max_position_embeddings=phi3_positions,
+                   original_max_position_embeddings=8,
+                   rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                        short_factor=[1.0, 1.5], long_factor=[2.0, 3.0])),
+      "gpt2": dict(vocab_size=FAMILY_VOCAB, n_embd=16, n_layer=2, n_head=4,
+                   n_positions=gpt2_positions, initializer_range=0.3),
+  }
+
+
 def mesh_for(strategy, n, replicate=None):
   devices = jax.devices()[: n * (replicate or 1)]
   if replicate is not None:

@@ -32,29 +32,13 @@ import pytest
 
 import fsdp_jax
 from fsdp_jax import models
-from helpers import assert_trees_close, jit_reference_run, train_steps
+from helpers import (FAMILY_VOCAB, assert_trees_close, family_configs, jit_reference_run,
+                     train_steps)
 
 S = fsdp_jax.ShardingStrategy
-V = 32
-BASE = dict(vocab_size=V, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3)
-CONFIGS = {  # windows of 3 slots
-    "llama": BASE,
-    "mistral": dict(BASE, sliding_window=3),
-    "qwen3": dict(BASE, head_dim=8),
-    "gemma2": dict(BASE, head_dim=4, query_pre_attn_scalar=8, sliding_window=3,
-                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
-    "gemma3_text": dict(BASE, head_dim=4, query_pre_attn_scalar=8, sliding_window=3,
-                        layer_types=["sliding_attention", "full_attention"]),
-    "qwen2": dict(BASE, tie_word_embeddings=True, use_sliding_window=True, sliding_window=3,
-                  max_window_layers=1),
-    "phi3": dict(BASE, sliding_window=3, max_position_embeddings=64,
-                 original_max_position_embeddings=8,
-                 rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
-                                      short_factor=[1.0, 1.5], long_factor=[2.0, 3.0])),
-    "gpt2": dict(vocab_size=V, n_embd=16, n_layer=2, n_head=4, n_positions=1024,
-                 initializer_range=0.3),
-}
+V = FAMILY_VOCAB
+# windows of 3 slots; gpt2's 1,024 learned positions take the 1,024-token runs
+CONFIGS = family_configs(phi3_positions=64, gpt2_positions=1024)
 CONTEXT_8, SHARD_CONTEXT, HYBRID = (dict(context=8), dict(shard=2, context=4),
                                     dict(replicate=2, shard=2, context=2))
 # Each family's run: the mesh, rows x tokens, packed rows or plain ones,

@@ -51,22 +51,36 @@ def _psum_bwd(axis, _, ct):
 psum.defvjp(_psum_fwd, _psum_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def gather(x, axis, dim):
-  """All-gather of a split value along ``dim``; backward: this device's
-  slice of the (replicated) cotangent."""
+def _all_gather(x, axis, dim):
   return lax.all_gather(x, axis, axis=dim, tiled=True)
 
 
-def _gather_fwd(x, axis, dim):
-  return gather(x, axis, dim), None
+def _reduce_scatter(x, axis, dim):
+  return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
 
 
-def _gather_bwd(axis, dim, _, ct):
-  return (own_slice(ct, axis, dim, ct.shape[dim] // axis_size(axis)),)
+def _transposed(forward, backward, name: str, doc: str):
+  """``forward(x, axis, dim)`` as a ``jax.custom_vjp`` whose backward is
+  ``backward`` of the cotangent (each the other's transpose)."""
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+  def f(x, axis, dim):
+    return forward(x, axis, dim)
+
+  f.defvjp(lambda x, axis, dim: (f(x, axis, dim), None),
+           lambda axis, dim, _, ct: (backward(ct, axis, dim),))
+  f.__name__ = f.__qualname__ = name
+  f.__doc__ = doc
+  return f
 
 
-gather.defvjp(_gather_fwd, _gather_bwd)
+def _own_part(ct, axis, dim):
+  return own_slice(ct, axis, dim, ct.shape[dim] // axis_size(axis))
+
+
+gather = _transposed(_all_gather, _own_part, "gather", """\
+All-gather of a split value along ``dim``; backward: this device's
+slice of the (replicated) cotangent.""")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -81,7 +95,7 @@ def _cut_fwd(x, axis, dim, size):
 
 
 def _cut_bwd(axis, dim, size, _, ct):
-  return (lax.all_gather(ct, axis, axis=dim, tiled=True),)
+  return (_all_gather(ct, axis, dim),)
 
 
 cut.defvjp(_cut_fwd, _cut_bwd)
@@ -122,42 +136,15 @@ def own_slice(x, axis, dim: int, size: int):
   return lax.dynamic_slice_in_dim(x, start, size, axis=dim)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def scatter(x, axis, dim):
-  """A partial sum reduce-scattered along ``dim`` (``psum_scatter``): this
-  device's slice of the sum. Backward: the slices' cotangents all-gathered
-  (the whole cotangent, the same on every device, as each addend's)."""
-  return lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+scatter = _transposed(_reduce_scatter, _all_gather, "scatter", """\
+A partial sum reduce-scattered along ``dim`` (``psum_scatter``): this
+device's slice of the sum. Backward: the slices' cotangents all-gathered
+(the whole cotangent, the same on every device, as each addend's).""")
 
-
-def _scatter_fwd(x, axis, dim):
-  return scatter(x, axis, dim), None
-
-
-def _scatter_bwd(axis, dim, _, ct):
-  return (lax.all_gather(ct, axis, axis=dim, tiled=True),)
-
-
-scatter.defvjp(_scatter_fwd, _scatter_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def regather(x, axis, dim):
-  """A sequence slice all-gathered along ``dim`` as the input of split
-  computations only (column-parallel matmuls). Backward: their cotangents,
-  this device's addends of the whole one, reduce-scattered to the slice's."""
-  return lax.all_gather(x, axis, axis=dim, tiled=True)
-
-
-def _regather_fwd(x, axis, dim):
-  return regather(x, axis, dim), None
-
-
-def _regather_bwd(axis, dim, _, ct):
-  return (lax.psum_scatter(ct, axis, scatter_dimension=dim, tiled=True),)
-
-
-regather.defvjp(_regather_fwd, _regather_bwd)
+regather = _transposed(_all_gather, _reduce_scatter, "regather", """\
+A sequence slice all-gathered along ``dim`` as the input of split
+computations only (column-parallel matmuls). Backward: their cotangents,
+this device's addends of the whole one, reduce-scattered to the slice's.""")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
@@ -182,7 +169,7 @@ def _regathered_dot_fwd(gathered, piece, other, axis, dim, left, dn, opts):
 
 def _regathered_dot_bwd(axis, dim, left, dn, opts, res, ct):
   piece, other = res
-  gathered = lax.all_gather(piece, axis, axis=dim, tiled=True)
+  gathered = _all_gather(piece, axis, dim)
   _, vjp = jax.vjp(lambda g, o: _dot_of(g, o, left, dn, opts), gathered, other)
   d_gathered, d_other = vjp(ct)
   return d_gathered, jnp.zeros_like(piece), d_other
