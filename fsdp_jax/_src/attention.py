@@ -10,7 +10,8 @@ families call it (``models.layers.attend``).
 The blockwise kernel
 --------------------
 
-The queries are cut into blocks of :data:`BLOCK_Q` rows and the keys into
+The queries are cut into blocks of :data:`BLOCK_Q` rows (a quarter of the
+queries where that is less, down to :data:`MIN_BLOCK_Q`) and the keys into
 blocks of :data:`BLOCK_K` (a length they do not divide is padded; padded
 keys are masked, padded queries dropped). A loop over query blocks runs a
 loop over key blocks (both ``lax.while_loop`` s, whose bodies no caller's
@@ -77,9 +78,12 @@ from jax import lax
 from fsdp_jax._src import _compat
 
 # Rows per query block and per key block of the blockwise kernel (a block's
-# scores are BLOCK_Q * BLOCK_K * heads * batch float32s).
+# scores are BLOCK_Q * BLOCK_K * heads * batch float32s). A call's query
+# blocks hold at most a quarter of its queries, down to MIN_BLOCK_Q rows
+# (:func:`_default_block_q`).
 BLOCK_Q = 512
 BLOCK_K = 512
+MIN_BLOCK_Q = 128
 MASKED = float(np.finfo(np.float32).min)
 IMPLEMENTATIONS = (None, "xla", "cudnn")
 _OPERANDS = ("q_positions", "kv_positions", "q_segment_ids", "kv_segment_ids", "window")
@@ -265,6 +269,20 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, window=None,
                       soft_cap=soft_cap, scale=scale, implementation=implementation)
 
 
+def _default_block_q(tq: int, tk: int) -> int:
+  """The query block of a call of ``tq`` queries and ``tk`` keys: one block
+  where both fit one (the plain path), else :data:`BLOCK_Q` rows, or a
+  quarter of the queries where that is less, down to :data:`MIN_BLOCK_Q`.
+  The kernel's block temporaries (the backward's scores, probabilities and
+  their cotangents, ``[batch, heads, block_q, block_k]`` float32 each) are
+  a constant per call; a device's short query chunk under a context axis
+  (512 of 4,096 tokens at ``context=8``) would otherwise be one block whose
+  temporaries weigh like a quarter of its activations (benchmarks/CONTEXT.md)."""
+  if tq <= BLOCK_Q and tk <= BLOCK_K:
+    return BLOCK_Q
+  return min(BLOCK_Q, max(MIN_BLOCK_Q, tq // 4))
+
+
 def attend_local(q, k, v, *, q_positions=None, kv_positions=None, q_segment_ids=None,
                  kv_segment_ids=None, causal: bool = True, window=None,
                  soft_cap: Optional[float] = None, scale: Optional[float] = None,
@@ -274,7 +292,7 @@ def attend_local(q, k, v, *, q_positions=None, kv_positions=None, q_segment_ids=
   ``[batch or 1, seq]`` / ``[seq]`` ints; positions default to ``arange``):
   what :func:`attention` calls, and what a context-parallel step calls with
   a device's query chunk and the gathered keys and values. ``block_q`` /
-  ``block_k``: the kernel's block sizes (default :data:`BLOCK_Q`,
+  ``block_k``: the kernel's block sizes (default :func:`_default_block_q`,
   :data:`BLOCK_K`). Differentiable in ``q``, ``k``, ``v``."""
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("attention: pass both q_segment_ids and kv_segment_ids, or neither.")
@@ -294,7 +312,8 @@ def attend_local(q, k, v, *, q_positions=None, kv_positions=None, q_segment_ids=
   spec = _Spec(causal=bool(causal), window=None if static_window is None else int(static_window),
                soft_cap=None if soft_cap is None else float(soft_cap),
                scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
-               implementation=implementation, block_q=int(block_q or BLOCK_Q),
+               implementation=implementation,
+               block_q=int(block_q or _default_block_q(q.shape[1], k.shape[1])),
                block_k=int(block_k or BLOCK_K), operands=names)
   return _kernel(spec)(q, k, v, *(extras[n] for n in names))
 
