@@ -185,10 +185,12 @@ def test_mixed_precision_bf16(orig):
   quarter of bf16's half-ulp: the row-parallel partial sums are added in
   float32 and rounded once, but the compiler fuses and rounds the two
   programs' bf16 operations differently; measured 1.8e-4 on jax 0.12, 0 on
-  0.10), both within bf16 rounding of a single-device run that casts the
-  parameters to bf16 in the loss."""
+  0.10, with two layers), both within bf16 rounding of a single-device run
+  that casts the parameters to bf16 in the loss. One layer: its column- and
+  row-parallel matmuls are the casts and reductions a second layer
+  repeats."""
   mp = fsdp_jax.MixedPrecision(param_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
-  params, data, opt = model_params(), batches(2), optax.sgd(0.3)
+  params, data, opt = model_params(layers=1), batches(2), optax.sgd(0.3)
 
   def bf16_loss(p, b):
     return loss_fn(jax.tree.map(lambda x: x.astype(jnp.bfloat16), p), b).astype(jnp.float32)
@@ -375,7 +377,10 @@ def test_cpu_offload_clip_grad_norm_and_summon_write():
 
 
 def test_checkpoint_reshards_across_meshes(tmp_path):
-  params = model_params()
+  """One layer: resharding reads each leaf's slices the same way whatever
+  the depth (test_state_dicts_full_and_sharded loads two layers across
+  tensor sizes)."""
+  params = model_params(layers=1)
   data = batches(3, size=24)
   opt = optax.adam(1e-2)
   cfg = tp_config(use_orig_params=True)
@@ -505,11 +510,12 @@ class LinenBlock(nn.Module):
 
 
 class LinenModel(nn.Module):
+  """One block: the rules match by module name, the same in every block."""
+
   @nn.compact
   def __call__(self, tokens):
     x = nn.Embed(VOCAB, D, name="embed_tokens")(tokens)
-    for i in range(LAYERS):
-      x = LinenBlock(name=f"layers_{i}")(x)
+    x = LinenBlock(name="layers_0")(x)
     return nn.Dense(VOCAB, name="lm_head")(nn.RMSNorm(name="final_norm")(x))
 
 
@@ -698,17 +704,26 @@ def test_qlora_colwise_split_is_refused():
     _init(model_params(), cfg, mesh(4, 2))
 
 
-@pytest.mark.parametrize("quantized", [False, True])
-def test_pretrained_into_lora_tensor_parallel(tmp_path, quantized):
-  """A checkpoint loads into a LoRA state under tensor parallelism: each
-  device reads its slice of the base (QLoRA: its rows, encoded on the host
-  as at init), the factors start as at init (B = 0), and the merged model
-  is the checkpoint (exactly; within int8 rounding for QLoRA)."""
+@pytest.fixture(scope="module")
+def one_layer_checkpoint(tmp_path_factory):
+  """(params, weight map, directory) of a one-layer Hugging Face-layout
+  checkpoint, written once for both cases of the LoRA loading test."""
   params = model_params(layers=1)
   wm = _weight_map(params)
   src = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1),
                                   mesh=fsdp_jax.make_mesh(shard=8), config=fsdp_jax.FSDPConfig())
-  pretrained.save(src, tmp_path / "in", wm)
+  path = tmp_path_factory.mktemp("one_layer") / "in"
+  pretrained.save(src, path, wm)
+  return params, wm, path
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_pretrained_into_lora_tensor_parallel(one_layer_checkpoint, quantized):
+  """A checkpoint loads into a LoRA state under tensor parallelism: each
+  device reads its slice of the base (QLoRA: its rows, encoded on the host
+  as at init), the factors start as at init (B = 0), and the merged model
+  is the checkpoint (exactly; within int8 rounding for QLoRA)."""
+  params, wm, path = one_layer_checkpoint
   q = fsdp_jax.Quantization(dtype=jnp.int8, block_size=8) if quantized else None
   lora = fsdp_jax.LoRA(targets=("*.wo", "*.down"), rank=2, base_quantization=q)
   cfg = fsdp_jax.FSDPConfig(lora=lora, use_orig_params=True,
@@ -716,7 +731,7 @@ def test_pretrained_into_lora_tensor_parallel(tmp_path, quantized):
   load = lambda c, m: fsdp_jax.summon_full_params(fsdp_jax.init_train_state(
       init_fn=lambda rng: model_params(seed=5, layers=1), rng=jax.random.key(0),
       optimizer=optax.sgd(0.1), mesh=m, config=c,
-      pretrained=pretrained.load(tmp_path / "in", wm)))
+      pretrained=pretrained.load(path, wm)))
   full = load(cfg, mesh(4, 2))
   # The same bytes as FSDP alone loads (the same host encode, row by row).
   alone = load(fsdp_jax.FSDPConfig(lora=lora, use_orig_params=True),
