@@ -255,10 +255,12 @@ def test_split_leaves_stored_and_gathered_as_slices(wrapped_tp):
 def test_stacked_layers_scan_accumulation_and_clipping():
   stacked, scan_loss = _stacked(model_params()), scan_loss_fn
   cfg = tp_config(stacked_layers=("layers",), use_orig_params=True)
-  opt = optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))
-  data = batches(2, size=8)
-  # Reference: clipping in the optimizer, two micro-batches averaged.
-  ref_losses, ref_params = jit_reference_run(scan_loss, stacked, opt, data)
+  opt = WHOLE_TENSOR["clip_by_global_norm"]()
+  data = batches()
+  # Reference: clipping in the optimizer, two micro-batches averaged (the
+  # single-device run of test_whole_tensor_optimizers' global-norm case).
+  ref_losses, ref_params = reference(("clip_by_global_norm", True), scan_loss, stacked, opt,
+                                     data)
   m = mesh(2, 4)
   state = fsdp_jax.init_train_state(params=stacked, optimizer=optax.adam(1e-2), mesh=m,
                                     config=cfg)
@@ -286,8 +288,10 @@ def scan_loss_fn(p, b):
 
 
 WHOLE_TENSOR = {
+    # (Adam at 1e-2: the optimizer test_stacked_layers_scan_accumulation_and_
+    # clipping clips by max_norm=, sharing this case's reference.)
     "clip_by_global_norm": lambda: optax.chain(optax.clip_by_global_norm(0.05),
-                                               optax.adamw(3e-2)),
+                                               optax.adam(1e-2)),
     # A global norm and Adafactor at once, in both views: the clipped
     # gradients' squares are Adafactor's statistics (compared with FSDP
     # alone's below). The two share the single-device reference and FSDP
