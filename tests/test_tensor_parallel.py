@@ -626,24 +626,42 @@ def _weight_map(params):
   return pretrained.WeightMap(rules)
 
 
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+  """``layers -> (params, weight map, directory)``: a Hugging Face-layout
+  checkpoint of model_params(layers=layers), written once for the module's
+  loading tests."""
+  made = {}
+
+  def get(layers):
+    if layers not in made:
+      params = model_params(layers=layers)
+      wm = _weight_map(params)
+      src = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1),
+                                      mesh=fsdp_jax.make_mesh(shard=8),
+                                      config=fsdp_jax.FSDPConfig())
+      path = tmp_path_factory.mktemp(f"hf_{layers}_layers") / "in"
+      pretrained.save(src, path, wm)
+      made[layers] = params, wm, path
+    return made[layers]
+
+  return get
+
+
 @pytest.mark.parametrize("orig", [False, True])
-def test_pretrained_loader_reads_each_devices_2d_slice(tmp_path, orig):
+def test_pretrained_loader_reads_each_devices_2d_slice(hf_checkpoint, tmp_path, orig):
   """A Hugging Face-layout checkpoint (PyTorch [out, in] weights) loads into
   the tensor-parallel layout: each device's shard is read from its tensor
   slice of the file (a transposed column range for a row-parallel kernel),
   and saving writes the same tensors back."""
 
-  params = model_params()
-  wm = _weight_map(params)
-  src = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1),
-                                  mesh=fsdp_jax.make_mesh(shard=8), config=fsdp_jax.FSDPConfig())
-  pretrained.save(src, tmp_path / "in", wm)
+  params, wm, path = hf_checkpoint(LAYERS)
   cfg = tp_config(use_orig_params=orig, auto_wrap_policy=fsdp_jax.ModuleWrapPolicy(["layers.*"]))
   for m in (mesh(4, 2), mesh(3, 2), mesh(1, 8)):
     state = fsdp_jax.init_train_state(
         init_fn=lambda rng: model_params(seed=5), rng=jax.random.key(0),
         optimizer=optax.sgd(0.1), mesh=m, config=cfg,
-        pretrained=pretrained.load(tmp_path / "in", wm))
+        pretrained=pretrained.load(path, wm))
     assert_trees_close(fsdp_jax.summon_full_params(state), params, rtol=0, atol=0)
   pretrained.save(state, tmp_path / "out", wm)
   back = fsdp_jax.init_train_state(
@@ -708,26 +726,13 @@ def test_qlora_colwise_split_is_refused():
     _init(model_params(), cfg, mesh(4, 2))
 
 
-@pytest.fixture(scope="module")
-def one_layer_checkpoint(tmp_path_factory):
-  """(params, weight map, directory) of a one-layer Hugging Face-layout
-  checkpoint, written once for both cases of the LoRA loading test."""
-  params = model_params(layers=1)
-  wm = _weight_map(params)
-  src = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1),
-                                  mesh=fsdp_jax.make_mesh(shard=8), config=fsdp_jax.FSDPConfig())
-  path = tmp_path_factory.mktemp("one_layer") / "in"
-  pretrained.save(src, path, wm)
-  return params, wm, path
-
-
 @pytest.mark.parametrize("quantized", [False, True])
-def test_pretrained_into_lora_tensor_parallel(one_layer_checkpoint, quantized):
+def test_pretrained_into_lora_tensor_parallel(hf_checkpoint, quantized):
   """A checkpoint loads into a LoRA state under tensor parallelism: each
   device reads its slice of the base (QLoRA: its rows, encoded on the host
   as at init), the factors start as at init (B = 0), and the merged model
   is the checkpoint (exactly; within int8 rounding for QLoRA)."""
-  params, wm, path = one_layer_checkpoint
+  params, wm, path = hf_checkpoint(1)
   q = fsdp_jax.Quantization(dtype=jnp.int8, block_size=8) if quantized else None
   lora = fsdp_jax.LoRA(targets=("*.wo", "*.down"), rank=2, base_quantization=q)
   cfg = fsdp_jax.FSDPConfig(lora=lora, use_orig_params=True,
