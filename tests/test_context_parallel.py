@@ -98,18 +98,31 @@ def _ratio(loss_fn):
   return f
 
 
+# One device's runs by key: cases of one loss, parameters and batches on
+# other meshes or configs compare against one reference, compiled once.
+_REFERENCES = {}
+
+
 def _run(loss_fn, mesh_kw, batches, strategy=S.FULL_SHARD, params=None, config=None,
-         atol=1e-5, eps=1e-8, ref_fn=None):
+         atol=1e-5, eps=1e-8, ref_fn=None, ref_key=None):
+  """Adam steps on the mesh equal to one device's (``ref_key``: a reference
+  shared between cases of the same loss, parameters, batches and eps).
+  Returns the final state and its step."""
   params, opt = _params() if params is None else params, optax.adam(1e-2, eps=eps)
-  ref_losses, ref_params = jit_reference_run(_ratio(ref_fn or loss_fn), params, opt, batches)
+  if ref_key is None or ref_key not in _REFERENCES:
+    ref = jit_reference_run(_ratio(ref_fn or loss_fn), params, opt, batches)
+    if ref_key is not None:
+      _REFERENCES[ref_key] = ref
+  ref_losses, ref_params = _REFERENCES[ref_key] if ref_key is not None else ref
   mesh = fsdp_jax.make_mesh(**mesh_kw, devices=jax.devices()[:int(np.prod(
       list(mesh_kw.values())))])
   cfg = config or fsdp_jax.FSDPConfig(sharding_strategy=strategy)
   state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=cfg)
-  state, losses = train_steps(fsdp_jax.shard_train_step(loss_fn), state, batches)
+  step = fsdp_jax.shard_train_step(loss_fn)
+  state, losses = train_steps(step, state, batches)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_params, rtol=1e-5, atol=atol)
-  return state
+  return state, step
 
 
 def _balanced(strategy=S.FULL_SHARD, **kw):
@@ -130,24 +143,31 @@ def _balanced(strategy=S.FULL_SHARD, **kw):
 def test_plain_model_matches_one_device(mesh_kw, strategy, b, balanced):
   tp = fsdp_jax.TensorParallel(rules=[("*.wq", "colwise"), ("*.wo", "rowwise")])
   kw = {"tensor_parallel": tp} if "tensor" in mesh_kw else {}
-  state = _run(weighted_loss, mesh_kw, _batches(b), strategy,
-               config=_balanced(strategy, **kw) if balanced else None)
+  state, _ = _run(weighted_loss, mesh_kw, _batches(b), strategy,
+                  config=_balanced(strategy, **kw) if balanced else None,
+                  ref_key=("weighted_loss", b))  # one reference for the cases of b rows
   # The weights are sharded over shard x context.
   assert state.plan.axes.shard_axes[-1] == "context"
   assert state.plan.n == mesh_kw["shard"] * mesh_kw["context"]
+
+
+def windowed_loss(p, batch):
+  """weighted_loss with a sliding window of 3 positions."""
+  return weighted_loss(p, dict(batch, window=3))
 
 
 @pytest.mark.parametrize("balanced", [False, True])
 def test_context_8_packed_documents_and_window(balanced):
   """Documents crossing chunk boundaries (segment ids) and a sliding window
   on context=8: chunks of 2 tokens (head-tail balanced: 16 chunks of 1,
-  every neighbour another device's or the device's own other chunk)."""
-  w = lambda p, b: weighted_loss(p, dict(b, window=3))
-  if balanced:  # the window and the documents on 16 chunks of 1
-    _run(w, dict(context=8), _batches(1, seed=3, seg=True), config=_balanced())
-    return
-  _run(weighted_loss, dict(context=8), _batches(1, seed=3, seg=True))
-  _run(w, dict(shard=2, context=2), _batches(2, seed=4, seg=True))
+  every neighbour another device's or the device's own other chunk). Both
+  cases against one reference run. (Folded: the same loss on shard=2 x
+  context=2, the shard axis splitting only rows, as in test_plain_mean_loss
+  and test_plain_model_matches_one_device; the documents' mask without the
+  window, a term of this one. fsdp_jax.attention's window and documents on
+  shard=2 x context=2: test_attention_functions.)"""
+  _run(windowed_loss, dict(context=8), _batches(1, seed=3, seg=True),
+       config=_balanced() if balanced else None, ref_key="context_8")
 
 
 def blocked_loss(p, batch):
@@ -217,12 +237,13 @@ def test_attention_functions(which, balanced, monkeypatch):
                                                              local_window_size=(3, 0))
   batches = [dict(b, w=np.abs(b["w"] - 0.3)) for b in _batches(2, seed=5, seg=True)]
   loss = _attention_loss(attend)
-  state = _run(loss, dict(shard=2, context=2), batches, params=_attention_params(),
-               config=_balanced() if balanced else None)
+  state, step = _run(loss, dict(shard=2, context=2), batches, params=_attention_params(),
+                      config=_balanced() if balanced else None)
   if which == "fsdp_jax" and not balanced:
     # K and V all-gathered forward and again backward: only this device's
     # chunks are saved for the backward pass, not the gathered sequence.
-    text = fsdp_jax.shard_train_step(loss).lower(state, batches[0]).compile().as_text()
+    # (The trained step's own program: lowered again, compiled once.)
+    text = step.lower(state, batches[0]).compile().as_text()
     kv = [c for c in hlo.collectives(text)
           if c.kind == "all-gather" and c.shapes[0][1:] == (SEQ, 2, KV)]
     assert len(kv) == 4, kv
@@ -255,7 +276,8 @@ def test_llama_family(tmp_path, balanced):
   # gradient's last-bit differences into 1e-3 relative updates).
   cp = fsdp_jax.ContextParallel(load_balance=balanced)  # head-tail: 8 chunks of 2
   _run(b.loss_fn, dict(shard=2, context=4), batches, params=params,
-       config=b.fsdp_config(context_parallel=cp), eps=1e-4, ref_fn=unblocked.loss_fn)
+       config=b.fsdp_config(context_parallel=cp), eps=1e-4, ref_fn=unblocked.loss_fn,
+       ref_key="llama")  # both cases: one device's unblocked run, compiled once
 
 
 @pytest.mark.parametrize("balanced", [False, True])
@@ -345,16 +367,18 @@ def test_config_and_mesh():
 def test_eval_step():
   """shard_eval_step on a context axis: a weighted mean and per-example
   outputs, as one device computes them; head-tail balanced too (the batch
-  passed in its natural order, permuted by the step), where a sequence
-  length 2C does not divide is refused, naming the fix."""
+  passed in its natural order, permuted by the step: the weighted mean;
+  the per-example outputs' reduction over the sequence is the mean's),
+  where a sequence length 2C does not divide is refused, naming the fix."""
   mesh = fsdp_jax.make_mesh(shard=2, context=2, devices=jax.devices()[:4])
   params = _params()
   b = _batches(2)[0]
   per_example = lambda p, x: jnp.mean(_forward(p, x["ids"]) ** 2, axis=(1, 2))
-  for config in (fsdp_jax.FSDPConfig(), _balanced()):
+  both = ((weighted_loss, "mean"), (per_example, "batch"))
+  for config, cases in ((fsdp_jax.FSDPConfig(), both), (_balanced(), both[:1])):
     state = fsdp_jax.init_train_state(params=params, optimizer=optax.sgd(0.1), mesh=mesh,
                                       config=config)
-    for fn, outputs in ((weighted_loss, "mean"), (per_example, "batch")):
+    for fn, outputs in cases:
       got = fsdp_jax.shard_eval_step(fn, outputs=outputs)(state, b)
       want = _ratio(fn)(params, b)
       np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
