@@ -76,6 +76,14 @@ def setup():
   return params, batches
 
 
+@pytest.fixture(scope="module")
+def reference(setup):
+  """One device's two Adam steps (fp32), compiled once for both layer
+  layouts below."""
+  params, batches = setup
+  return jit_reference_run(_ratio, params, optax.adam(1e-2), batches)
+
+
 def _train(params, batches, mesh_kw, config):
   n = int(np.prod(list(mesh_kw.values())))
   mesh = fsdp_jax.make_mesh(**mesh_kw, devices=jax.devices()[:n])
@@ -89,11 +97,11 @@ def _train(params, batches, mesh_kw, config):
     ((), dict(shard=2, context=2)),                # the scan's layers gathered whole
     (("params.layers",), dict(context=4)),        # one layer per iteration
 ])
-def test_linen_scan_over_layers(setup, stacked, mesh_kw):
+def test_linen_scan_over_layers(setup, reference, stacked, mesh_kw):
   """nn.scan(nn.remat(Block)) whose carry is split along the sequence: the
   loss and parameters after two Adam steps equal one device's (fp32)."""
   params, batches = setup
-  ref_losses, ref_params = jit_reference_run(_ratio, params, optax.adam(1e-2), batches)
+  ref_losses, ref_params = reference
   config = fsdp_jax.FSDPConfig(stacked_layers=stacked)
   if stacked:
     state, losses = _train(params, batches, mesh_kw, config)
