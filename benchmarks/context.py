@@ -406,6 +406,12 @@ def memory_text(store: Store, a) -> str:
                  f"(1/{1 / ratio:.2f}) | {target} | {r['total'] / MIB:,.1f} MiB |")
   kv_dim = a.hidden // LLAMA["num_attention_heads"] * LLAMA["num_key_value_heads"]
   kv_share = 2 * kv_dim * 4 * seq * a.layers / base["act"] if base else float("nan")
+  ratios = [(int(r["layout"][2:]), r["act"] / base["act"]) for r in rows[1:]] if base else []
+  met = [c for c, x in ratios if x <= 1.3 / c]
+  missed = [c for c, x in ratios if x > 1.3 / c]
+  verdict = (f"holds for C = {', '.join(map(str, met)) or 'none'}"
+             + (f" and misses for C = {', '.join(map(str, missed))}" if missed else "")
+             + f" at this length ({', '.join(f'{x:.3f}' for _, x in ratios)})")
   return f"""### 1. Memory: one sequence over C devices
 
 A Llama-shaped family model (`fsdp_jax.models.from_pretrained` of a
@@ -423,60 +429,44 @@ context group on `make_mesh(shard=8/C, context=C)` against one sequence of
 
 {chr(10).join(lines)}
 
-The memory target holds for C = 2 and 4 and misses for C = 8 at this
-length. What stays above 1/C, read from XLA's live-range dump at the peak
-(`xla_dump_to`; C = 1 and 4 at 2,048 tokens, C = 8 at 4,096):
+The memory target {verdict}. How it got there, read from XLA's
+live-range dumps at the peak (`xla_dump_to`):
 
-* the gathered keys and values each layer keeps for its backward pass
-  (`fsdp_jax.attention`'s residuals: the whole sequence's K and V,
-  `[1, {seq:,}, 2, {a.hidden // 8}]` each, {2 * kv_dim * 4 * seq * a.layers / MIB:.1f} MiB over the {a.layers} layers whatever
-  C: {kv_share:.3f} of one sequence per device's activations);
-* the attention kernel's block temporaries (the backward's `[1, 2, 4,
-  512, 512]` float32 scores, probabilities and their cotangents: a
-  constant 25 MiB or so that the tiny-T baseline does not hold, which
-  weighs {25 * MIB / base['act'] if base else 0:.3f} of one sequence per device's activations here);
-* and, fixed with this benchmark, a quadratic term in every layout: the
+* a quadratic term in every layout, fixed with this benchmark: the
   compiled step kept, for every layer, the forward kernel's loop carries
   of every (query block, key block) pair (`f32[nq, nk, 1, 2, 4, 512,
-  32]`, the running accumulator, maximum and sum: `(T/C) x T / 512` pairs
-  of 512 x 34 x 8 float32 per layer, 272 MiB of `shard=8`'s 729 MiB here).
-  fsdp_jax's units rematerialise with a policy (`collectives.remat_policy`:
-  save what is costly to recompute, re-gather the parameters) and JAX
-  applied it inside the `custom_vjp`'s forward loops. The kernel's forward
-  then ran in its own `jax.checkpoint` saving its output and logsumexp
-  only; `shard=8` went from 728.9 to 507.9 MiB, `context=2` from 377.0
-  to 271.8, `context=4` from 209.0 to 156.2, `context=8` from 120.8 to
-  96.1. The ratios rose (the term divided by C as well, and weighed most
-  at C = 1): 0.517, 0.287 and 0.166 before, `context=8` missing 1.3/C by
-  a hair then too. A policy that saves batched matmuls
-  (`jax.checkpoint_policies.dots_saveable`; not
-  `ActivationCheckpointing("dots")`, whose
-  `dots_with_no_batch_dims_saveable` names none of the kernel's) reached
-  through that checkpoint (jax-ml/jax#18817) and saved every pair's
-  scores and `p @ v` (351 MiB of grad temporaries for one 4,096-token
-  call, 4 heads). The forward's two loops are now `lax.while_loop` s,
-  whose bodies no policy saves from: 29.5 MiB under every policy
-  (`tests/test_attention.py`).
+  32]`: `(T/C) x T / 512` pairs of 512 x 34 x 8 float32 per layer, 272
+  MiB of `shard=8`'s 729 MiB then). fsdp_jax's units rematerialise with
+  a policy (`collectives.remat_policy`) and JAX applied it inside the
+  `custom_vjp`'s forward loops; a policy that saves batched matmuls
+  (`jax.checkpoint_policies.dots_saveable`) reached through a checkpoint
+  too (jax-ml/jax#18817) and saved every pair's scores and `p @ v` (351
+  MiB for one 4,096-token call). The forward's two loops are now
+  `lax.while_loop` s, whose bodies no policy saves from (29.5 MiB under
+  every policy, `tests/test_attention.py`): `shard=8` 728.9 -> 507.9
+  MiB, `context=8` 120.8 -> 96.1;
+* the gathered keys and values each layer kept for its backward pass
+  (the whole sequence's K and V, `[1, {seq:,}, 2, {a.hidden // 8}]` each,
+  {2 * kv_dim * 4 * seq * a.layers / MIB:.1f} MiB over the {a.layers} layers whatever C: {kv_share:.3f} of one sequence per
+  device's activations): context parallelism keeps each layer's K/V
+  chunks instead (`context_eval`'s `_regathered_attention`, a
+  `jax.checkpoint` saving its inputs; the backward all-gathers K and V
+  again, section 2): `context=8` 110.6 -> 100.4 MiB on the tree of then
+  (10.2 of the 14 MiB predicted);
+* the attention kernel's block temporaries (the backward's `[1, 2, 4,
+  block_q, 512]` float32 scores, probabilities and their cotangents, a
+  constant per call that the tiny-T baseline does not hold): with one
+  512-row query block per 512-token chunk they were about 25 MiB, 0.049
+  of `shard=8`'s activations, and kept `context=8` at 0.193. A call's
+  query blocks now hold at most a quarter of its queries (down to 128
+  rows; `attention._default_block_q`): `context=8` 100.4 -> 81.6 MiB
+  (0.193 -> 0.157), the other layouts unchanged (their chunks of 1,024
+  tokens and more: 256- and 512-row blocks), and the `context=8` step
+  1.9x faster on CPU (section 5's script: 15.05 -> 8.02 s against
+  `shard=8`'s 3.22 / 3.61 s, one process each).
 
 Nothing holds a whole `[T, T]` score matrix or `[T, vocab]` logits, and
-positions are `[T]` int32. The two whole-sequence terms make the ratio
-`1/C + (saved K/V) + (block temporaries) / activations(C=1)`: here
-`1/8 + {kv_share:.3f} + {25 * MIB / base['act'] if base else 0:.3f}`, against the measured
-{rows[-1]['act'] / base['act'] if base else 0:.3f}. The block temporaries are a constant, so the
-ratio falls with T (an extrapolation, not measured: about 0.15 at 16,384
-tokens); the saved K/V are 1/4 of a token's hidden size per layer
-whatever T (Llama 3 8B's proportion), a floor of {kv_share:.3f}. Context
-parallelism now keeps each layer's K/V chunks instead (`context_eval`'s
-`_regathered_attention`: a `jax.checkpoint` saving its inputs; the
-backward all-gathers K and V again, recomputes the attention's forward and
-reduce-scatters dK / dV: one more all-gather of K and of V per layer,
-section 2). Measured directly at that change (`context=8`, 4,096 tokens,
-the tree of then, whose step differs from an earlier table's):
-activations 110.6 -> 100.4 MiB (temporaries 123.6 -> 113.3 MiB, 13.0 /
-12.9 MiB at 64 tokens), 10.2 of the 14 MiB that K/V floor predicts:
-0.212 -> 0.193 of `shard=8`'s 521.1 MiB then, 1.3/C still missed (the
-kernel's block temporaries remain). A table measured before it still
-holds the floor.
+positions are `[T]` int32.
 """
 
 
@@ -569,8 +559,20 @@ average {'; '.join(sorted({r['load'] for r in rows.values()}))}).
     str(c) for c in a.contexts if c not in rows) + "." if set(a.contexts) - set(rows) else ""}
 The arguments (the sharded weights and AdamW's moments) are the same for
 every C; what scales is the temporaries, whose per-token part divides by
-C while the saved gathered K/V and the attention's block temporaries
-(section 1) do not.
+C while the whole sequence's keys and values do not. At C = 8 the
+longest sequence's chunks are 2,880 tokens (512-row query blocks: the
+block temporaries are not what misses 6.4x there). Read from XLA's
+memory-usage report of the `context=8` step at 8,192 tokens (257.0 MiB
+of temporaries, 2026-11-29): about 100 MiB of its allocation slots hold
+only whole-sequence K/V buffers (`f32[1, 8192, 2, 32]` gathered, and
+the kernel's blocked copies `f32[16, 1, 512, 2, 32]`), more than one
+layer's worth live at once. Not the units' rematerialisation policy
+(excluding context all-gathers from `collectives.remat_policy` changed
+nothing); XLA starting the backward's re-gathers early accounts for 19
+MiB of it (a `custom_vjp` that ties the re-gather to the cotangent with
+an `optimization_barrier`, tried: 257.0 -> 238.0 MiB; not kept, as a
+`custom_vjp` there is opaque to tensor parallelism's head split). The
+rest is not yet attributed.
 """
 
 
