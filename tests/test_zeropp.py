@@ -42,14 +42,21 @@ def _consecutive(k: int, n: int) -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def _run(strategy, n, replicate, orig, **kw):
+  """Trains STEPS steps; returns the losses, the full parameters, the
+  compiled step's HLO text (the program the steps ran: lowering it first
+  compiles it once for both) and the plan."""
   kw = {k: v for k, v in kw.items()}
   params = mlp_params()
   batches = [mlp_batch(seed=10 + i) for i in range(STEPS)]
   config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, auto_wrap_policy=WRAP,
                                use_orig_params=orig, **kw)
-  losses, state = sharded_run(mlp_loss, params, batches, optax.adam(1e-2),
-                              mesh_for(strategy, n, replicate), config)
-  return losses, fsdp_jax.summon_full_params(state)
+  mesh, opt = mesh_for(strategy, n, replicate), optax.adam(1e-2)
+  state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=config)
+  step = fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=config)
+  text = step.lower(state, batches[0]).compile().as_text()
+  plan = state.plan
+  state, losses = train_steps(step, state, batches)
+  return losses, fsdp_jax.summon_full_params(state), text, plan
 
 
 def _compile(params, batch, mesh, loss=mlp_loss, opt=None, **kw):
@@ -65,13 +72,33 @@ def _compile(params, batch, mesh, loss=mlp_loss, opt=None, **kw):
 
 
 HPZ_CASES = [  # (strategy, shard size, replicate, k, use_orig_params)
-    # Each case in one layout, both layouts for k = 2 and 4 and over the 2-D
-    # meshes: the flat and per-leaf gathers share the grouping code. On a
-    # 1-D mesh, groups of half the shards (8 by 4) and of a quarter (8 by
-    # 2), and groups of 3 (6 by 3).
-    (S.FULL_SHARD, 8, None, 4, False), (S.FULL_SHARD, 8, None, 2, True),
-    (S.FULL_SHARD, 6, None, 3, False),
+    # Each case in one layout: on a 1-D mesh, groups of half the shards (8
+    # by 4, flat) and groups of 3 (6 by 3); over the 2-D meshes, pairs inside
+    # each "shard" row (HYBRID_SHARD, flat) and groups of 4 over
+    # ("replicate", "shard") (per-leaf). The flat and per-leaf gathers share
+    # the grouping code; groups of a quarter of a 1-D mesh (8 by 2, per-leaf)
+    # ran the same code as the HYBRID pairs and the per-leaf 4x2 case.
+    (S.FULL_SHARD, 8, None, 4, False), (S.FULL_SHARD, 6, None, 3, False),
     (S.HYBRID_SHARD, 4, 2, 2, False), (S.FULL_SHARD, 4, 2, 4, True)]
+
+
+def _check_backward_gathers_within_groups(text, plan, k, groups, case):
+  """The compiled step gathers every unit once over the shard axes, and the
+  resharded blocks (not the root) again in backward, within ``groups``."""
+  colls = hlo.collectives(text)
+  gathers = [c for c in colls if c.kind == "all-gather"]
+  world = {tuple(sorted(g)) for c in colls if c.kind == "reduce-scatter"
+           for g in _groups(c.replica_groups)}
+  forward = [c for c in gathers if {tuple(sorted(g)) for g in _groups(c.replica_groups)} == world]
+  backward = [c for c in gathers if _groups(c.replica_groups) == groups]
+  units = len(plan.units)
+  # Flat: one gather per unit; per-leaf (use_orig_params) may gather a
+  # unit's leaves apart in forward.
+  assert len(forward) == units or (plan.config.use_orig_params and len(forward) > units), case
+  assert len(backward) == units - 1 and len(gathers) == len(forward) + units - 1, case
+  # The group rebuilds the whole unit: the same result shape as the forward's.
+  assert {c.shapes for c in backward} <= {c.shapes for c in forward}, case
+  assert f"groups of {k}" in str(plan), case
 
 
 @pytest.mark.slow
@@ -81,11 +108,16 @@ def test_reshard_after_forward_k_equals_full_shard_bitwise():
   The cases run in one test (the bitwise comparison needs XLA's default
   fusion emitters: it runs with XLA's default settings, in the process
   test_stacked_unit_regathers_within_groups_inside_the_loop needs anyway:
-  conftest.py)."""
+  conftest.py). Each hpZ step's compiled program is also checked: its
+  backward all-gathers run within groups of k (formerly a test of its own,
+  test_backward_gathers_run_within_groups_of_k, which compiled the same
+  steps again)."""
   for strategy, n, replicate, k, orig in HPZ_CASES:
     case = f"{strategy.name} {replicate or 1}x{n} k={k} use_orig_params={orig}"
-    ref_losses, ref_params = _run(strategy, n, replicate, orig)
-    losses, params = _run(strategy, n, replicate, orig, reshard_after_forward=k)
+    ref_losses, ref_params, _, _ = _run(strategy, n, replicate, orig)
+    losses, params, text, plan = _run(strategy, n, replicate, orig, reshard_after_forward=k)
+    _check_backward_gathers_within_groups(text, plan, k, _consecutive(k, n * (replicate or 1)),
+                                          case)
     assert losses == ref_losses, case
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
                                                             err_msg=case),
@@ -110,31 +142,6 @@ def test_reshard_after_forward_k_with_bf16_accumulation_and_clipping():
   assert out[True][0] == out[2][0]
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                out[True][1], out[2][1])
-
-
-@pytest.mark.parametrize("strategy,n,replicate,k,groups", [
-    (S.FULL_SHARD, 8, None, 4, _consecutive(4, 8)),
-    (S.HYBRID_SHARD, 4, 2, 2, _consecutive(2, 8)),  # pairs inside each "shard" row
-    (S.FULL_SHARD, 4, 2, 4, _consecutive(4, 8)),    # over ("replicate", "shard"): one row each
-])
-@pytest.mark.slow
-def test_backward_gathers_run_within_groups_of_k(strategy, n, replicate, k, groups):
-  mesh = mesh_for(strategy, n, replicate)
-  state, compiled = _compile(mlp_params(), mlp_batch(), mesh, sharding_strategy=strategy,
-                             reshard_after_forward=k)
-  colls = hlo.collectives(compiled.as_text())
-  gathers = [c for c in colls if c.kind == "all-gather"]
-  world = {tuple(sorted(g)) for c in colls if c.kind == "reduce-scatter"
-           for g in _groups(c.replica_groups)}
-  forward = [c for c in gathers if {tuple(sorted(g)) for g in _groups(c.replica_groups)} == world]
-  backward = [c for c in gathers if _groups(c.replica_groups) == groups]
-  units = len(state.plan.units)
-  # Every unit gathered once over the shard axes; the three resharded blocks
-  # (not the root) again in backward, within groups of k, and nothing else.
-  assert len(forward) == units and len(backward) == units - 1 and len(gathers) == 2 * units - 1
-  # The group rebuilds the whole unit: the same result shape as the forward's.
-  assert {c.shapes for c in backward} <= {c.shapes for c in forward}
-  assert f"groups of {k}" in str(state.plan)
 
 
 @pytest.mark.slow
@@ -403,10 +410,13 @@ def test_quantized_reduction_is_hierarchical_on_a_2d_mesh(strategy, hops):
   assert found == collections.Counter(hops * 4)  # the same hops for each of the 4 units
 
 
+_grad = jax.jit(jax.grad(mlp_loss))  # one program per batch shape, not op by op
+
+
 def _local_grads(params, batch, devices):
   """Each device's gradient of its mean loss (the rows it gets)."""
   rows = batch["x"].shape[0] // devices
-  return [jax.grad(mlp_loss)(params, jax.tree.map(lambda x: x[j * rows:(j + 1) * rows], batch))
+  return [_grad(params, jax.tree.map(lambda x: x[j * rows:(j + 1) * rows], batch))
           for j in range(devices)]
 
 
@@ -436,7 +446,7 @@ def test_quantized_reduction_error_is_bounded(strategy, n, replicate, hops, q):
                                     mesh=mesh_for(strategy, n, replicate), config=cfg)
   got = fsdp_jax.custom.sharded_grads(mlp_loss, state, batch)
   got = jax.tree.map(lambda g, p: np.asarray(g)[:p.shape[0]], got, params)
-  exact = jax.grad(mlp_loss)(params, batch)
+  exact = _grad(params, batch)
   locals_ = _local_grads(params, batch, world)
   m = q.max_value
   steps = 1.0 if q.stochastic(gradient=True) else 0.5
@@ -524,12 +534,14 @@ def test_quantized_training_stays_close_to_unquantized():
   # One compiled step per setting, run from a fresh state for each seed.
   steps = {name: fsdp_jax.shard_train_step(mlp_loss, opt, mesh=mesh, config=cfg)
            for name, cfg in configs.items()}
+  # One initial state per setting, copied for each seed (the steps donate it).
+  inits = {name: fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=cfg)
+           for name, cfg in configs.items()}
   for seed in (0, 100, 200):
     batches = [mlp_batch(seed=seed + i, d_in=16, n=32) for i in range(30)]
     final = {}
-    for name, cfg in configs.items():
-      state = fsdp_jax.init_train_state(params=params, optimizer=opt, mesh=mesh, config=cfg)
-      _, losses = train_steps(steps[name], state, batches)
+    for name in configs:
+      _, losses = train_steps(steps[name], jax.tree.map(jnp.copy, inits[name]), batches)
       final[name] = losses[-1]
     assert final["exact"] < 0.8 * mlp_loss(params, batches[0])  # it trained
     for name, loss in final.items():
