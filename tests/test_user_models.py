@@ -932,6 +932,13 @@ def eqx_loss(model, batch, key=None):
 EQX_OPT = optax.adam(1e-2)
 
 
+@functools.lru_cache(maxsize=None)
+def eqx_model():
+  """EqxTransformer(key=key(0)), built once, under one jit (op by op, each
+  of its initialisers' operations is a program of its own)."""
+  return eqx.filter_jit(lambda k: EqxTransformer(key=k))(jax.random.key(0))
+
+
 def eqx_batches(n=12):
   rng = np.random.default_rng(31)
   out = []
@@ -946,7 +953,7 @@ def eqx_reference(world):
   """equinox's own loop: eqx.filter_jit, eqx.filter_value_and_grad, optax.
   ``world=None``: dropout off, the global batch; else dropout on, each
   device's rows with the key the step gives that device."""
-  model = EqxTransformer(key=jax.random.key(0))
+  model = eqx_model()
   params0 = eqx.filter(model, eqx.is_inexact_array)
   opt_state = EQX_OPT.init(params0)
   rng = jax.random.key(11)
@@ -980,7 +987,7 @@ def eqx_reference(world):
 def test_equinox_transformer_matches_filter_jit(strategy, shard, replicate, orig, dropout):
   world = world_of(shard, replicate)
   batches, params0, ref_losses, ref_params = eqx_reference(world if dropout else None)
-  model = EqxTransformer(key=jax.random.key(0))
+  model = eqx_model()
   params, static = eqx.partition(model, eqx.is_inexact_array)
   mesh = make_mesh(shard, replicate)
   config = fsdp_jax.FSDPConfig(sharding_strategy=strategy, use_orig_params=orig,
@@ -1012,8 +1019,10 @@ def test_equinox_transformer_matches_filter_jit(strategy, shard, replicate, orig
   assert_moved(ref_params, params0)
   trained = fsdp_jax.summon_full_params(state)
   assert_trees_close(trained, ref_params)
-  # The trained parameters combine back into a callable model.
-  logits = eqx.combine(trained, static)(batches[0]["x"][0])
+  # The trained parameters combine back into a callable model (traced, not
+  # run op by op: its numbers are the reference's, checked above).
+  logits = eqx.filter_eval_shape(lambda m, x: m(x), eqx.combine(trained, static),
+                                 batches[0]["x"][0])
   assert logits.shape == (EQX_SEQ, EQX_VOCAB)
 
 
