@@ -265,7 +265,7 @@ def test_flax_linen_model_targets_modules():
   model = Model()
   x = jax.random.normal(jax.random.key(0), (12, 6))
   y = jax.random.normal(jax.random.key(1), (12, 3))
-  params = model.init(jax.random.key(2), x)["params"]
+  params = jax.jit(model.init)(jax.random.key(2), x)["params"]  # one program, not op by op
   loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
   lora = fsdp_jax.LoRA(targets=("*.wq", "*.wv"), rank=2, alpha=4.0, trainable=("*.norm",))
   batches = [{"x": x, "y": y}] * 3
@@ -305,7 +305,9 @@ def test_flax_nnx_model():
         x = b(x)
       return self.head(x)
 
-  graphdef, params = nnx.split(Model(nnx.Rngs(0)), nnx.Param)
+  # Built under one jit (op by op, each initialiser is a program of its own).
+  graphdef = nnx.split(nnx.eval_shape(lambda: Model(nnx.Rngs(0))), nnx.Param)[0]
+  params = jax.jit(lambda: nnx.split(Model(nnx.Rngs(0)), nnx.Param)[1])()
 
   def loss_fn(p, b):
     return jnp.mean((nnx.merge(graphdef, p)(b["x"]) - b["y"]) ** 2)
@@ -543,7 +545,7 @@ def nd_model():
   model = _NDModel()
   x = jax.random.normal(jax.random.key(0), (12, 3, ND))
   y = jax.random.normal(jax.random.key(1), (12, 3, 4))
-  params = model.init(jax.random.key(2), x)["params"]
+  params = jax.jit(model.init)(jax.random.key(2), x)["params"]  # one program, not op by op
   loss_fn = lambda p, b: jnp.mean((model.apply({"params": p}, b["x"]) - b["y"]) ** 2)
   return params, loss_fn, [{"x": x, "y": y}] * 2
 
