@@ -62,6 +62,7 @@ import optax  # noqa: E402
 import fsdp_jax  # noqa: E402
 import fsdp_jax.models  # noqa: E402
 from fsdp_jax._src import _compat, local_loss  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GIB = 2 ** 30
@@ -435,15 +436,7 @@ def step_times(log, rounds, seq, layers) -> dict:
       jax.block_until_ready(m["loss"])
       steps[name] = [step, state, data, []]
   names = list(steps)
-  for r in range(rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      step, state, data, times = steps[name]
-      t = time.perf_counter()
-      state, m = step(state, data)
-      jax.block_until_ready(m["loss"])
-      times.append(time.perf_counter() - t)
-      steps[name][1] = state
-  med = {n: float(np.median(steps[n][3])) for n in names}
+  med = harness.rotated_step_medians(steps, rounds)
   log("time " + "  ".join(f"{n} {med[n]:.3f}s ({med[n] / med['none']:.2f}x)" for n in names))
   return {"median_s": med, "ratio": {n: med[n] / med["none"] for n in names}}
 

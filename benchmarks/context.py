@@ -48,7 +48,7 @@ import optax  # noqa: E402
 import fsdp_jax  # noqa: E402
 import fsdp_jax.models  # noqa: E402
 from fsdp_jax._src import hlo  # noqa: E402
-from benchmarks import hlo_stats  # noqa: E402
+from benchmarks import harness, hlo_stats  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIB = 2 ** 20
@@ -334,15 +334,7 @@ def part_time(bench: Bench, store: Store, a) -> None:
     bench.log(f"time {layout}: {rows} x {seq} tokens, first loss {float(m['loss']):.4f}")
   names = list(steps)
   t = time.perf_counter()
-  for r in range(a.rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      step, state, data, times = steps[name][:4]
-      t0 = time.perf_counter()
-      state, m = step(state, data)
-      jax.block_until_ready(m["loss"])
-      times.append(time.perf_counter() - t0)
-      steps[name][1] = state
-  med = {n: float(np.median(steps[n][3])) for n in names}
+  med = harness.rotated_step_medians(steps, a.rounds)
   store.put("time", f"{a.time_tokens} | {a.time_layers}", {
       "tokens": a.time_tokens, "layers": a.time_layers, "rounds": a.rounds,
       "median_s": med, "ratio": {n: med[n] / med["fsdp8"] for n in names},

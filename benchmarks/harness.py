@@ -612,6 +612,24 @@ def save_weights(params, path):
 # Measurement driver
 
 
+def rotated_step_medians(steps: dict, rounds: int) -> dict:
+  """Median seconds of one step per entry of ``steps`` (name ->
+  ``[step, state, batch, times, ...]``, each compiled and warmed up): one
+  step of each per round, the order rotated every round so that load from
+  other processes hits every entry alike. Each entry's state advances and
+  its ``times`` fill in place."""
+  names = list(steps)
+  for r in range(rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      step, state, data, times = steps[name][:4]
+      t0 = time.perf_counter()
+      state, m = step(state, data)
+      jax.block_until_ready(m["loss"])
+      times.append(time.perf_counter() - t0)
+      steps[name][1] = state
+  return {n: float(np.median(steps[n][3])) for n in names}
+
+
 def measure_times(variants: list, warmup: int, rounds: int, log):
   """Warm-up calls, then ``rounds`` round-robin rounds over all variants
   (rotating the order each round) so that load from other processes hits
