@@ -663,13 +663,13 @@ a step takes about the sum of the devices' work, not the slowest
 device's: the causal imbalance across the context group (the last chunk
 sees every key, the first only its own) does not show here; on real
 devices each step waits for the last chunk (head-tail load balancing
-evens it). The collectives are memory copies on this CPU. The ratios
-move with the machine's load: an earlier run on 2026-11-29 (before the
-attention fixes of section 1, with fewer processes competing) gave
-1.20x, 1.51x and 2.23x for C = 2, 4, 8. The fixes add no attention pass
-(checked on one call under the units' policy: the gradient's program has
-5 loops, was 8); what makes context=8 cost more than its FLOPs here is
-not established.
+evens it). The collectives are memory copies on this CPU. With one
+512-row query block per 512-token chunk `context=8` took 4.67x
+`shard=8`'s step (15.05 against 3.22 s, 2026-11-29, one process); with a
+call's query blocks at most a quarter of its queries (section 1) it
+takes about its FLOPs' ratio. The ratios move with the machine's load:
+an earlier run on 2026-11-29 with other work on both cores gave 2.51x
+for C = 8.
 """
 
 
