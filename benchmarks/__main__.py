@@ -28,6 +28,7 @@
     python -m benchmarks activations    # checkpointing policies and the blocked loss (ACTIVATIONS.md)
     python -m benchmarks data           # fsdp_jax.data: padding and tokens/s of the pipeline (DATA.md)
     python -m benchmarks context        # context parallelism: memory, longest sequence, collectives, time (CONTEXT.md)
+    python -m benchmarks context_exact  # context parallelism trains 2,048-4,096-token packed rows as one device (CONTEXT.md)
 
 ``python -m benchmarks <name> --help`` lists a measurement's options.
 """
@@ -71,6 +72,7 @@ MEASUREMENTS = {
     "activations": ("benchmarks.activations", "main"),
     "data": ("benchmarks.data", "main"),
     "context": ("benchmarks.context", "main"),
+    "context_exact": ("benchmarks.context_exact", "main"),
 }
 
 
