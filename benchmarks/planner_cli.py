@@ -3,8 +3,9 @@
     python -m benchmarks.planner_cli                 # Llama 3 8B, 8,192 tokens, 8 x H100-80GB
     python -m benchmarks.planner_cli --seq 4096 --devices 64 --global-batch 64
     python -m benchmarks.planner_cli --seq 32768 --strategy FULL_SHARD --layout orig
+    python -m benchmarks.planner_cli --model 70b --seq 4096   # Llama 3 70B's shape
 
-Writes Llama 3 8B's ``config.json`` (its published shape) to a temporary
+Writes Llama 3 8B's (or 70B's) ``config.json`` (its published shape) to a temporary
 directory and runs the command on it in a fresh process without the
 shell's ``XLA_FLAGS`` (as from a plain shell), with timers around the
 planner's compiles: the step compiled per device (the search's
@@ -29,6 +30,9 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
              "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
              "tie_word_embeddings": False, "torch_dtype": "bfloat16", "hidden_act": "silu"}
+LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "intermediate_size": 28672,
+              "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8}
+MODELS = {"8b": LLAMA3_8B, "70b": LLAMA3_70B}
 
 
 def child(argv) -> None:
@@ -71,6 +75,7 @@ def main(argv=None) -> int:
     child(argv[1:])
     return 0
   p = argparse.ArgumentParser(prog="python -m benchmarks.planner_cli", description=__doc__)
+  p.add_argument("--model", choices=sorted(MODELS), default="8b", help="Llama 3's shape")
   p.add_argument("--seq", type=int, default=8192)
   p.add_argument("--devices", type=int, default=8)
   p.add_argument("--global-batch", type=int, default=8)
@@ -86,7 +91,7 @@ def main(argv=None) -> int:
             + [a for c in args.context for a in ("--context", str(c))])
   with tempfile.TemporaryDirectory() as d:
     with open(os.path.join(d, "config.json"), "w") as f:
-      json.dump(LLAMA3_8B, f)
+      json.dump(MODELS[args.model], f)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
