@@ -181,3 +181,52 @@ def test_bf16_mixed_precision_trains_as_one_device(tmp_path):
   np.testing.assert_allclose(losses, ref_losses, rtol=2e-3, atol=0)
   assert_trees_close(fsdp_jax.summon_full_params(state), ref_params, rtol=0, atol=2e-3)
   assert ref_losses[2] < ref_losses[0]
+
+
+@pytest.mark.parametrize("balance", [False, True])
+def test_full_shard_keeps_chunks_not_the_gathered_sequence(balance, tmp_path):
+  """What a FULL_SHARD step under a context axis keeps for its backward
+  pass is this device's chunk: no layer keeps the all-gathered keys and
+  values (the whole sequence's, C chunks) nor their blocks. The step
+  rematerialises with its own policy, which JAX applies inside the
+  attention's checkpoint too (jax-ml/jax#18817); the saved residuals are the
+  checkpoints' ``reduce_precision`` equations in the traced step (jax
+  inserts one on each), read from the jaxpr without compiling. Before the
+  kernel named its output and logsumexp (which that policy saves), the
+  backward pass ran the kernel's forward loops again and each layer kept
+  their inputs: K and V of the whole sequence in the kernel's blocks
+  (``[4, 1, 512, 4, 4]`` here)."""
+  t, c = 2048, 4
+  d = tmp_path / "llama"
+  d.mkdir()
+  # MHA (K/V as wide as the hidden state): the whole sequence's K holds
+  # more than twice the largest chunk-sized residual (the MLP's [1, 512, 24])
+  (d / "config.json").write_text(json.dumps({**CONFIGS["llama"], "model_type": "llama",
+                                             "num_key_value_heads": 4,
+                                             "max_position_embeddings": t}))
+  b = models.from_pretrained(str(d))
+  mesh = fsdp_jax.make_mesh(shard=2, context=c, devices=jax.devices())
+  extra = {"context_parallel": fsdp_jax.ContextParallel(load_balance=True)} if balance else {}
+  config = b.fsdp_config(**extra)
+  opt = optax.sgd(0.1)
+  state = jax.eval_shape(lambda: fsdp_jax.init_train_state(
+      init_fn=b.init_fn, rng=jax.random.key(0), optimizer=opt, mesh=mesh, config=config))
+  step = fsdp_jax.shard_train_step(b.loss_fn, opt, mesh=mesh, config=config)
+  batch = {k: jax.ShapeDtypeStruct((2, t), jnp.int32) for k in ("input_ids", "labels")}
+  saved = []
+
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == "reduce_precision":
+        saved.append(tuple(e.outvars[0].aval.shape))
+      for p in e.params.values():
+        for j in (p if isinstance(p, (tuple, list)) else (p,)):
+          inner = getattr(j, "jaxpr", j)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(step.jitted.trace(state, batch).jaxpr.jaxpr)
+  kv = CONFIGS["llama"]["hidden_size"]  # 4 key-value heads x head_dim
+  assert saved, "no checkpoint residuals found"
+  whole = [s for s in saved if int(np.prod(s)) >= t * kv]
+  assert not whole, f"residuals of the whole sequence's size (K: [1, {t}, {kv}]): {whole}"

@@ -74,6 +74,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from fsdp_jax._src import _compat
 
@@ -86,6 +87,13 @@ BLOCK_K = 512
 MIN_BLOCK_Q = 128
 MASKED = float(np.finfo(np.float32).min)
 IMPLEMENTATIONS = (None, "xla", "cudnn")
+# The forward's output and logsumexp (``jax.ad_checkpoint.checkpoint_name``):
+# what its backward reads besides the operands. A checkpoint policy that
+# saves them (fsdp_jax's unit policies save every name; context
+# parallelism's attention saves these alone) spares the backward pass the
+# forward's loops, which a ``lax.while_loop`` would otherwise rerun whole
+# from its inputs: the blocked queries, keys and values.
+OUT_NAME, LSE_NAME = "fsdp_jax.attention.out", "fsdp_jax.attention.lse"
 _OPERANDS = ("q_positions", "kv_positions", "q_segment_ids", "kv_segment_ids", "window")
 
 
@@ -485,8 +493,14 @@ def _blocked_forward(spec: _Spec, q, k, v, extras):
   included (nested checkpoints too, jax-ml/jax#18817), and would save what
   it names in each iteration: the scores and ``p @ v`` of every (query
   block, key block) pair, ``[T/block, T/block, ...]`` arrays, quadratic in
-  T. JAX saves a while loop's outputs (here the output and logsumexp) and
-  nothing of its body, whatever the policy."""
+  T. Of a while loop JAX saves nothing, whatever the policy: where the
+  backward pass needs its outputs it runs the loop again, whole, from its
+  inputs, which it then keeps (the blocked queries, keys and values: under
+  a context axis, the keys and values of the whole sequence). The output
+  and logsumexp are therefore named (:data:`OUT_NAME`, :data:`LSE_NAME`)
+  after the loops: a policy that saves them (fsdp_jax's unit policies save
+  every name) spares the backward pass the forward's loops and their
+  inputs."""
   lay = _Layout(spec, q, k, v, extras)
   b, tq, n, h, _, kv = lay.shape
   g = n // kv
@@ -534,7 +548,7 @@ def _blocked_forward(spec: _Spec, q, k, v, extras):
     return i + 1, query_block(i, bufs)
   _, (out, lse) = lax.while_loop(lambda c: c[0] < lay.nq, step, (jnp.int32(0), bufs))
   out = jnp.moveaxis(out, 0, 1).reshape(b, lay.nq * lay.bq, n, h)[:, :tq]
-  return out, lse
+  return checkpoint_name(out, OUT_NAME), checkpoint_name(lse, LSE_NAME)
 
 
 def _blocked_backward(spec: _Spec, q, k, v, extras, out, lse, g_out):

@@ -623,16 +623,26 @@ def _attention(eqn, call, invals, ctx: _Ctx):
   return Split(_regathered_attention(attend, ctx, q.x, k.x, v.x, extras), 1)
 
 
+# What the regathered attention keeps besides its inputs: the kernel's output
+# and logsumexp (its backward then runs without the forward's loops).
+_SAVE_ATTENTION_OUT = jax.checkpoint_policies.save_only_these_names(
+    attention_lib.OUT_NAME, attention_lib.LSE_NAME)
+
+
 def _regathered_attention(attend, ctx: _Ctx, q, k, v, extras):
   """``attend(q, K, V, extras)`` on the keys and values all-gathered from
   this device's chunks ``k`` / ``v``, saving the chunks for the backward
   pass, not the gathered ``[b, T, ...]`` K and V (torchtitan's and
   Megatron's context parallelism): a ``jax.checkpoint`` that saves its
-  inputs alone, so the backward all-gathers K and V again (one more
-  all-gather of each per layer), recomputes the attention's forward (its
-  output and logsumexp) and reduce-scatters dK / dV (the all-gather's
-  transpose). A checkpoint, not a ``custom_vjp``: tensor parallelism's
-  evaluation (:mod:`tensor_eval`) runs through it, heads split."""
+  inputs and the kernel's output and logsumexp (named by the kernel), so
+  the backward all-gathers K and V again (one more all-gather of each per
+  layer), runs the kernel's backward and reduce-scatters dK / dV (the
+  all-gather's transpose). Under a FULL_SHARD step's remat JAX applies the
+  step's policy here instead of this one (jax-ml/jax#18817); that policy
+  saves the names too, and with them nothing of the gathered sequence
+  (tests/test_context_families.py). A checkpoint, not a ``custom_vjp``:
+  tensor parallelism's evaluation (:mod:`tensor_eval`) runs through it,
+  heads split."""
   def run(q, k, v, extras):
     def whole(x):
       out = lax.all_gather(x, ctx.axis, axis=1, tiled=True)
@@ -640,8 +650,7 @@ def _regathered_attention(attend, ctx: _Ctx, q, k, v, extras):
       return ctx.layout.natural(out, 1)  # in the sequence's order
     return attend(q, whole(k), whole(v), extras)
 
-  return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable,
-                        prevent_cse=True)(q, k, v, extras)
+  return jax.checkpoint(run, policy=_SAVE_ATTENTION_OUT, prevent_cse=True)(q, k, v, extras)
 
 
 def _cumsum(eqn, v, ctx: _Ctx):
