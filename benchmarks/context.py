@@ -444,7 +444,20 @@ live-range dumps at the peak (`xla_dump_to`):
   chunks instead (`context_eval`'s `_regathered_attention`, a
   `jax.checkpoint` saving its inputs; the backward all-gathers K and V
   again, section 2): `context=8` 110.6 -> 100.4 MiB on the tree of then
-  (10.2 of the 14 MiB predicted);
+  (10.2 of the 14 MiB predicted). Only partly: under FULL_SHARD the step
+  rematerialises with its own policy, which JAX applies inside that
+  checkpoint too (jax-ml/jax#18817), and of the kernel's forward (two
+  `lax.while_loop`s) JAX saves nothing, so the backward pass ran the
+  loops again from their inputs, which the step's policy kept: every
+  layer's K and V of the whole sequence in the kernel's blocks
+  (`f32[T/512, 1, 512, 2, 32]`; at 8,192 tokens 19 such buffers, 38 MiB,
+  at the peak of `context=8`'s step). The kernel now names its output and
+  logsumexp (`jax.ad_checkpoint.checkpoint_name`), which the step's
+  policy saves: the backward pass reads them and runs no forward loop
+  (`tests/test_context_families.py` checks the saved residuals). At
+  4,096 tokens `context=8` 81.6 -> 65.7 MiB (0.157 -> 0.129), `context=4`
+  149.4 -> 133.5, `context=2` 281.5 -> 265.8, and `shard=8`, which saved
+  its blocked queries, keys and values the same way, 521.1 -> 507.9;
 * the attention kernel's block temporaries (the backward's `[1, 2, 4,
   block_q, 512]` float32 scores, probabilities and their cotangents, a
   constant per call that the tiny-T baseline does not hold): with one
@@ -551,14 +564,14 @@ average {'; '.join(sorted({r['load'] for r in rows.values()}))}).
     str(c) for c in a.contexts if c not in rows) + "." if set(a.contexts) - set(rows) else ""}
 The arguments (the sharded weights and AdamW's moments) are the same for
 every C; what scales is the temporaries, whose per-token part divides by
-C while the whole sequence's keys and values do not. At C = 8 the
-longest sequence's chunks are 2,880 tokens (512-row query blocks: the
-block temporaries are not what misses 6.4x there); each more token of
-its chunk costs about 0.151 MiB of peak against 0.111 at C = 1 (the
-slopes between the compiles above: 19.3 KiB per token of the sequence at
-C = 8, 113.7 KiB at C = 1), and what makes up the difference (the
-gathered K/V and their gradients' reduce-scatter inputs are a few MiB,
-transient per layer) is not yet attributed.
+C while the whole sequence's keys and values do not. At C = 8 each more
+token of a device's chunk costs about 0.128 MiB of peak against 0.116 at
+C = 1 (the slopes between the compiles above): the difference is one
+layer's gathered keys and values and their gradients (transient, the
+whole sequence's). Before the step saved the attention kernel's output
+and logsumexp (section 1) it was 0.151 MiB: every layer kept the whole
+sequence's blocked K and V, and C = 8 reached 23,040 tokens, 6.21x
+(missed).
 """
 
 
@@ -663,13 +676,18 @@ a step takes about the sum of the devices' work, not the slowest
 device's: the causal imbalance across the context group (the last chunk
 sees every key, the first only its own) does not show here; on real
 devices each step waits for the last chunk (head-tail load balancing
-evens it). The collectives are memory copies on this CPU. With one
-512-row query block per 512-token chunk `context=8` took 4.67x
-`shard=8`'s step (15.05 against 3.22 s, 2026-11-29, one process); with a
-call's query blocks at most a quarter of its queries (section 1) it
-takes about its FLOPs' ratio. The ratios move with the machine's load:
-an earlier run on 2026-11-29 with other work on both cores gave 2.51x
-for C = 8.
+evens it). The collectives are memory copies on this CPU. `shard=8`'s
+512-token sequences take the kernel's plain path (one block: the scores
+whole), the longer ones the blockwise kernel. Its history on this
+machine, 2026-11-29, `context=8` against `shard=8`: 4.67x with one
+512-row query block per 512-token chunk (15.05 against 3.22 s, one
+process); 1.99x with a call's query blocks at most a quarter of its
+queries (section 1); 1.35x since the backward pass no longer runs the
+kernel's forward loops again (section 1: the step saves the kernel's
+output and logsumexp), which also puts `context=2` and `4` under
+`shard=8`'s step. The ratios move with the machine's load (an earlier
+run with other work on both cores gave 2.51x for C = 8 where a quiet one
+gave 1.99x).
 """
 
 
