@@ -62,12 +62,36 @@ def child(argv) -> None:
   fsdp_jax.plan.main(argv)
   answer = json.load(open(out[0])) if out else {}
   best = (answer.get("fits") or [{}])[0]
-  print(json.dumps({"wall_seconds": time.perf_counter() - t0, "seconds": dict(seconds),
-                    "counts": dict(counts), "best": best.get("configuration"),
-                    "best_gib": best.get("bytes_per_device", {}).get("total", 0) / 2**30,
-                    "context": best.get("context"), "compiled": best.get("compiled"),
-                    "tokens_per_s": best.get("tokens_per_second_per_device"),
-                    "fitting": len(answer.get("fits", []))}))
+  summary = {"wall_seconds": time.perf_counter() - t0, "seconds": dict(seconds),
+             "counts": dict(counts), "best": best.get("configuration"),
+             "best_gib": best.get("bytes_per_device", {}).get("total", 0) / 2**30,
+             "context": best.get("context"), "compiled": best.get("compiled"),
+             "tokens_per_s": best.get("tokens_per_second_per_device"),
+             "fitting": len(answer.get("fits", []))}
+  print(json.dumps(summary))
+  if out:
+    with open(out[0] + ".summary", "w") as f:
+      json.dump(summary, f)
+
+
+def record(path: str, args, narrow: list, summary: dict, load: str) -> None:
+  """The run as a row of ``planner.json``'s ``long_context`` (PLANNER.md's
+  "Long sequences" table), replacing one of the same model, length,
+  devices and command."""
+  results = json.load(open(path)) if os.path.exists(path) else {}
+  row = {"model": args.model, "seq": args.seq, "devices": args.devices,
+         "command": " ".join(narrow), "best": summary["best"], "context": summary["context"],
+         "memory_gib": summary["best_gib"] if summary["best"] else None,
+         "compiled": summary["compiled"], "tokens_per_s": summary["tokens_per_s"],
+         "fitting": summary["fitting"], "wall_seconds": summary["wall_seconds"], "load": load,
+         "date": time.strftime("%Y-%m-%d", time.gmtime()),
+         "unit_program_seconds": round(summary["seconds"].get("unit programs", 0.0), 1),
+         "loss_trace_seconds": round(summary["seconds"].get("loss traces", 0.0), 1)}
+  same = lambda r: ((r.get("model", "8b"), r["seq"], r.get("devices", 8), r["command"])
+                    == (row["model"], row["seq"], row["devices"], row["command"]))
+  results["long_context"] = [r for r in results.get("long_context", []) if not same(r)] + [row]
+  with open(path, "w") as f:
+    json.dump(results, f, indent=1, default=str)
 
 
 def main(argv=None) -> int:
@@ -85,6 +109,9 @@ def main(argv=None) -> int:
   p.add_argument("--layout", default=None, help="passed on: flat, orig or both")
   p.add_argument("--context", type=int, action="append", default=[],
                  help="passed on (repeatable; default: the command's context sizes)")
+  p.add_argument("--record", default=None, metavar="PLANNER_JSON",
+                 help="add the answer to this planner.json's long_context rows "
+                      "(benchmarks/planner.json: PLANNER.md's 'Long sequences' table)")
   args = p.parse_args(argv)
   narrow = ([a for s in args.strategy for a in ("--strategy", s)]
             + (["--layout", args.layout] if args.layout else [])
@@ -101,7 +128,11 @@ def main(argv=None) -> int:
                     "--devices", str(args.devices), "--device", args.device,
                     "--seq", str(args.seq), "--global-batch", str(args.global_batch),
                     "--json", os.path.join(d, "plan.json"), *narrow], env=env, check=True)
-    print(f"process: {time.perf_counter() - t0:.1f} s; load average {os.getloadavg()}")
+    load = os.getloadavg()
+    print(f"process: {time.perf_counter() - t0:.1f} s; load average {load}")
+    if args.record:
+      with open(os.path.join(d, "plan.json.summary")) as f:
+        record(args.record, args, narrow, json.load(f), ", ".join(f"{x:.1f}" for x in load))
   return 0
 
 

@@ -174,26 +174,33 @@ def render(results: dict) -> str:
 
 
 def _long_context(rows) -> list:
-  """``python -m fsdp_jax.plan --seq T`` for Llama 3 8B on 8 H100s: the
-  context size the search picked (``benchmarks/planner_cli.py``'s runs)."""
+  """``python -m fsdp_jax.plan --seq T`` for Llama 3 8B and 70B on 8 H100s:
+  what the search picked, the context size with it
+  (``benchmarks/planner_cli.py --record``'s runs)."""
   out = [
-      "## Long sequences: the context size the search picks",
+      "## Long sequences: what the search picks",
       "",
-      "`python -m fsdp_jax.plan --hf-config <Llama 3 8B config.json> --devices 8 --device "
-      "H100-80GB --seq T --global-batch 8` (`python -m benchmarks.planner_cli`, a fresh "
-      "process; AdamW, bf16 compute over fp32 master weights, one unit per block): the search "
-      "tries context sizes 1, 2, 4 and 8 and keeps, per configuration, the smallest that "
-      "fits. `command` names the options the run narrowed the search with; `wall s` is the "
-      "command's time on this shared 2-core machine at the load average given.",
+      "`python -m fsdp_jax.plan --hf-config <Llama 3 8B or 70B config.json> --devices 8 "
+      "--device H100-80GB --seq T --global-batch 8` (`python -m benchmarks.planner_cli "
+      "[--model 70b] --record benchmarks/planner.json`, a fresh process; full fine-tuning, "
+      "AdamW, bf16 compute over fp32 master weights, one unit per block): the search tries "
+      "the activation checkpointing policies, CPU offload, gradient accumulation and context "
+      "sizes 1, 2, 4 and 8 (per configuration the smallest that fits). `command` names the "
+      "options the run narrowed the search with; `wall s` is the command's time on this "
+      "shared 2-core machine at the load average given.",
       "",
-      "| tokens / sequence | command | best configuration | context | memory / GPU GiB | "
-      "peak | predicted tokens/s / GPU | configurations that fit | wall s | load |",
-      "|---:|---|---|---:|---:|---|---:|---:|---:|---:|"]
-  for r in rows:
+      "| Llama 3 | tokens / sequence | command | best configuration | context | "
+      "memory / GPU GiB | peak | predicted tokens/s / GPU | configurations that fit | "
+      "wall s | load | date |",
+      "|---|---:|---|---|---:|---:|---|---:|---:|---:|---|---|"]
+  order = lambda r: (int(r.get("model", "8b")[:-1]), r["seq"])
+  for r in sorted(rows, key=order):
     mem = f"{r['memory_gib']:.1f}" if r.get("memory_gib") is not None else "-"
     tps = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") is not None else "-"
     how = {True: "compiled", False: "modelled"}.get(r.get("compiled"), "-")
-    out.append(f"| {r['seq']:,} | `{r['command'] or 'every strategy and layout'}` | "
+    out.append(f"| {r.get('model', '8b').upper()} | {r['seq']:,} | "
+               f"`{r['command'] or 'every strategy and layout'}` | "
                f"{r['best'] or 'nothing fits'} | {r.get('context') or '-'} | {mem} | {how} | "
-               f"{tps} | {r['fitting']} | {r['wall_seconds']:.0f} | {r['load']} |")
+               f"{tps} | {r['fitting']} | {r['wall_seconds']:.0f} | {r['load']} | "
+               f"{r.get('date', '-')} |")
   return out + [""]
