@@ -165,6 +165,52 @@ def match(eqn) -> Optional[Call]:
 # Checks
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelWork:
+  """The matmul FLOPs a call's blockwise kernel runs (:func:`kernel_work`):
+  ``pairs`` visible (query block, key block) pairs, each costing
+  ``forward_per_pair`` FLOPs in the forward pass (``q @ k^T`` and ``p @
+  v``) and ``backward_per_pair`` in the backward (the scores again, ``dv``,
+  ``dp``, ``dk``, ``dq``)."""
+
+  pairs: int
+  forward_per_pair: float
+  backward_per_pair: float
+
+
+def kernel_work(eqn) -> Optional[KernelWork]:
+  """What the blockwise kernel computes for ``eqn`` (a call :func:`match`
+  recognises), or None where the call takes the plain or cuDNN path (one
+  program without loops). The visible pairs are counted from the shapes
+  and the static mask alone: the queries as the last ``Tq`` of the ``Tk``
+  positions (the whole sequence; under a context axis the device holding
+  the sequence's end, which every step waits for), segments ignored. The
+  planner reads it: XLA's ``cost_analysis()`` counts a loop's body once,
+  so of this kernel it counts about one pair."""
+  spec = getattr(_compat.custom_vjp_backward(eqn), "fsdp_jax_attention", None)
+  if not isinstance(spec, _Spec):
+    return None
+  call = match(eqn)
+  b, tq, n, h = eqn.invars[call.q].aval.shape
+  tk = eqn.invars[call.k].aval.shape[1]
+  if _direct(spec, tq, tk) is not None:
+    return None
+  bq, bk = min(spec.block_q, tq), min(spec.block_k, tk)
+  nq, nk = -(-tq // bq), -(-tk // bk)
+  offset, pairs = tk - tq, 0
+  for i in range(nq):
+    lo, hi = offset + i * bq, offset + min((i + 1) * bq, tq) - 1
+    last = min(nk - 1, hi // bk) if spec.causal else nk - 1
+    first = 0
+    if spec.window is not None:
+      first = max(0, (lo - spec.window + 1) // bk)
+      if not spec.causal:
+        last = min(nk - 1, (hi + spec.window - 1) // bk)
+    pairs += max(0, last - first + 1)
+  block = b * bq * bk * n * h
+  return KernelWork(pairs, 4.0 * block, 10.0 * block)
+
+
 def _check(q, k, v, q_positions, kv_positions, q_seg, kv_seg, window, soft_cap, scale,
            implementation) -> None:
   qs, ks, vs = np.shape(q), np.shape(k), np.shape(v)

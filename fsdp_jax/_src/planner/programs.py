@@ -26,7 +26,8 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from fsdp_jax._src import _compat, collectives, hlo, mesh as mesh_lib, schedule
+from fsdp_jax._src import _compat, attention as attention_lib, collectives, hlo
+from fsdp_jax._src import mesh as mesh_lib, schedule
 from fsdp_jax._src._compat import Literal
 from fsdp_jax._src.config import ActivationCheckpointing
 from fsdp_jax._src.plan import Plan
@@ -90,6 +91,28 @@ def _compiled(lowered) -> Compiled:
   return Compiled(int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
                   int(m.temp_size_in_bytes), int(m.alias_size_in_bytes),
                   float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)))
+
+
+def attention_flops(eqns) -> tuple:
+  """``(forward, backward)`` FLOPs of the blockwise attention calls among
+  ``eqns`` (nested jaxprs included, a scan's body times its length) that
+  XLA's ``cost_analysis()`` leaves out: it counts a loop's body once, so of
+  a call's kernel about one (query block, key block) pair
+  (:func:`fsdp_jax._src.attention.kernel_work`; at 4,096 tokens it counted
+  0.56 of the kernel's 17 GFLOP forward). The step time's roofline adds
+  them."""
+  fwd = bwd = 0.0
+  for e in eqns:
+    work = attention_lib.kernel_work(e)
+    if work is not None:
+      fwd += (work.pairs - 1) * work.forward_per_pair
+      bwd += (work.pairs - 1) * work.backward_per_pair
+      continue
+    times = _compat.scan_params(e).length if e.primitive.name == "scan" else 1
+    for sub in _compat.nested_jaxprs(e):
+      f, b = attention_flops(sub.eqns)
+      fwd, bwd = fwd + times * f, bwd + times * b
+  return fwd, bwd
 
 
 def _canonical(eqns, invars, outvars, texts: dict) -> tuple:
@@ -288,8 +311,12 @@ class Compiler:
     key = (_canonical(eqns, theta_vars + act_vars, out_vars, self._texts), tuple(diff_theta),
            tuple(tangent_in), tuple(tangent_out), is_loop, ck, self.checkpointed)
     if key not in self._cache and key not in self._pending:
-      self._pending[key] = self._lower(fn, theta_vars, act_vars, out_vars, diff_theta,
-                                       tangent_in, tangent_out, is_loop, ck is not None)
+      lowered = self._lower(fn, theta_vars, act_vars, out_vars, diff_theta,
+                            tangent_in, tangent_out, is_loop, ck is not None)
+      # a checkpointed unit's backward program runs its forward again
+      fwd_extra, bwd_extra = attention_flops(eqns)
+      self._pending[key] = dataclasses.replace(
+          lowered, extra_flops=(fwd_extra, bwd_extra + (fwd_extra if ck is not None else 0.0)))
     host = (seg.layers if is_loop else 1) if ck is not None and self.offload else 0
     return key, saved_names, theta_ids, ([] if is_loop else list(out_vars)), host
 
@@ -466,13 +493,19 @@ class _Lowered:
   output_bytes: int  # the forward's outputs, which the backward program returns too
   n_grads: int  # the backward program's results before the forward's outputs
   out_order: tuple  # those outputs' positions among the segment's outputs
+  # (forward, backward) FLOPs the programs run that cost_analysis() leaves
+  # out (attention_flops); the backward program runs the forward too
+  extra_flops: tuple = (0.0, 0.0)
 
   def compile(self) -> "_Raw":
+    fx, bx = self.extra_flops
     forward = _compiled(self.forward)
+    forward = dataclasses.replace(forward, flops=forward.flops + fx)
     backward, peak, residual, saved_out = None, 0, self.residual_bytes, ()
     if self.backward is not None:
       executable = self.backward.compile()
       backward = _compiled(executable)
+      backward = dataclasses.replace(backward, flops=backward.flops + fx + bx)
       # Less the gathered parameters (the schedule holds them) and the
       # forward's outputs, which the program returns only to keep them
       # computed before the backward (in the step the next unit reads them).
