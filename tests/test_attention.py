@@ -478,7 +478,8 @@ def test_attention_flops_complete_xlas_count():
   plain path's count (one block of 1,024: no loop) to 2% (the addition is
   matmuls only; the softmax's elementwise work on the 7 uncounted pairs,
   about 5 FLOPs a score, is 1.7% here; a pair more or less would be 12.5%),
-  and a scan of 3 layers of it adds 3 times as much."""
+  and over a scan of 3 layers of it (XLA: one iteration) 3 times the
+  plain path's.""" 
   shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in
             ((1, 1024, 4, 64), (1, 1024, 2, 64), (1, 1024, 2, 64))]
 
@@ -494,4 +495,4 @@ def test_attention_flops_complete_xlas_count():
   def scanned(q, k, v):
     return jax.lax.scan(lambda c, _: (blocked(c, k, v), None), q, None, length=3)[0]
   extra3, _ = programs.attention_flops(jax.make_jaxpr(scanned)(*shapes).jaxpr.eqns)
-  assert extra3 == 3 * extra
+  np.testing.assert_allclose(flops(scanned) + extra3, 3 * flops(plain), rtol=0.02)

@@ -27,6 +27,7 @@ import pytest
 
 import fsdp_jax
 from fsdp_jax import models
+from fsdp_jax._src.planner import programs
 from helpers import jit_reference_run
 
 V, T = 40, 9
@@ -221,3 +222,34 @@ def test_errors(tmp_path):
   for bad in (0, 1.5, True, "512"):
     with pytest.raises(ValueError, match=r"loss_block_tokens=.*positive int"):
       _family(tmp_path, "llama", loss_block_tokens=bad)
+
+
+def test_planner_counts_every_block():
+  """XLA's cost_analysis() counts a loop's body once: of the blocked loss
+  (4 blocks of 64 tokens) one block forward, one of each backward pass.
+  With planner.programs.attention_flops' addition the blocked loss's value
+  and gradient count what the unblocked head's do (its logits and their
+  two gradient matmuls, one program without loops) to 2% (softmax work
+  aside, as the planner adds matmuls only)."""
+  n, d, vocab = 256, 64, 512
+  shapes = (jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((d, vocab), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.int32))
+
+  def blocked(h, w, y):
+    out = fsdp_jax.chunked_cross_entropy(h, w, y, block_tokens=64)
+    return out.total
+
+  def unblocked(h, w, y):
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(h @ w, y))
+
+  def counted(f, grad):
+    g = jax.grad(f, argnums=(0, 1)) if grad else f
+    return jax.jit(g).lower(*shapes).compile().cost_analysis()["flops"]
+
+  fwd, bwd = programs.attention_flops(jax.make_jaxpr(blocked)(*shapes).jaxpr.eqns)
+  assert fwd > 0 and bwd > 0
+  np.testing.assert_allclose(counted(blocked, False) + fwd, counted(unblocked, False), rtol=0.02)
+  # the blocked backward computes the logits twice more (one per pass)
+  matmul = 2.0 * n * d * vocab
+  np.testing.assert_allclose(counted(blocked, True) + fwd + bwd,
+                             counted(unblocked, True) + 2 * matmul, rtol=0.02)

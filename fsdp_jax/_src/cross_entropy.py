@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fsdp_jax._src import _compat
 from fsdp_jax._src.loss import WeightedLoss
 
 IGNORE_INDEX = -100
@@ -261,3 +262,21 @@ _blocked.defvjp(_blocked_fwd, _blocked_bwd)
 # own body on the slices (JAX differentiates it) instead of gathering the
 # head for this rule.
 BACKWARD = _blocked_bwd
+
+
+def blocked_work(eqn):
+  """``(blocks, forward FLOPs per block, backward FLOPs per block)`` of the
+  matmuls the blocked sum of a :func:`chunked_cross_entropy` call's
+  equation runs, or None for another equation: per block of tokens the
+  head's logits forward; backward, the logits again and ``dh`` over blocks
+  of tokens, then the logits again and ``dW`` over as many blocks of the
+  vocabulary. The planner reads it: XLA's ``cost_analysis()`` counts a
+  loop's body once, one block of each pass."""
+  static = _compat.custom_vjp_static_args(eqn)
+  if _compat.custom_vjp_backward(eqn) is not BACKWARD or not static:
+    return None
+  block = int(static[0])
+  n, d = eqn.invars[-3].aval.shape
+  vocab = eqn.invars[-2].aval.shape[1]
+  per = 2.0 * block * d * vocab
+  return n // block, per, 4.0 * per

@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from fsdp_jax._src import _compat, attention as attention_lib, collectives, hlo
+from fsdp_jax._src import _compat, attention as attention_lib, collectives, cross_entropy, hlo
 from fsdp_jax._src import mesh as mesh_lib, schedule
 from fsdp_jax._src._compat import Literal
 from fsdp_jax._src.config import ActivationCheckpointing
@@ -93,26 +93,54 @@ def _compiled(lowered) -> Compiled:
                   float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)))
 
 
-def attention_flops(eqns) -> tuple:
-  """``(forward, backward)`` FLOPs of the blockwise attention calls among
-  ``eqns`` (nested jaxprs included, a scan's body times its length) that
-  XLA's ``cost_analysis()`` leaves out: it counts a loop's body once, so of
-  a call's kernel about one (query block, key block) pair
-  (:func:`fsdp_jax._src.attention.kernel_work`; at 4,096 tokens it counted
-  0.56 of the kernel's 17 GFLOP forward). The step time's roofline adds
-  them."""
-  fwd = bwd = 0.0
+def _dot_flops(eqn) -> float:
+  """A ``dot_general``'s FLOPs: 2 x its result's elements x the contracted
+  size."""
+  (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+  shape = eqn.invars[0].aval.shape
+  return 2.0 * float(np.prod(eqn.outvars[0].aval.shape)) * float(
+      np.prod([shape[d] for d in lhs_contract]))
+
+
+def _loop_work(eqns) -> np.ndarray:
+  """``[forward, forward as XLA counts it, backward, backward as XLA counts
+  it]`` matmul FLOPs of ``eqns``: loops whole, and as ``cost_analysis()``
+  counts them (a loop's body once)."""
+  total = np.zeros(4)
   for e in eqns:
     work = attention_lib.kernel_work(e)
     if work is not None:
-      fwd += (work.pairs - 1) * work.forward_per_pair
-      bwd += (work.pairs - 1) * work.backward_per_pair
+      total += [work.pairs * work.forward_per_pair, work.forward_per_pair,
+                work.pairs * work.backward_per_pair, work.backward_per_pair]
+      continue
+    loss = cross_entropy.blocked_work(e)
+    if loss is not None:
+      blocks, fwd, bwd = loss
+      total += [blocks * fwd, fwd, blocks * bwd, bwd]
+      continue
+    if e.primitive.name == "dot_general":
+      f = _dot_flops(e)
+      total += [f, f, 2 * f, 2 * f]  # backward: one matmul per operand
       continue
     times = _compat.scan_params(e).length if e.primitive.name == "scan" else 1
     for sub in _compat.nested_jaxprs(e):
-      f, b = attention_flops(sub.eqns)
-      fwd, bwd = fwd + times * f, bwd + times * b
-  return fwd, bwd
+      inner = _loop_work(sub.eqns)
+      total += [times * inner[0], inner[1], times * inner[2], inner[3]]
+  return total
+
+
+def attention_flops(eqns) -> tuple:
+  """``(forward, backward)`` FLOPs of the loops among ``eqns`` that XLA's
+  ``cost_analysis()`` leaves out: it counts a loop's body once, so of
+  ``fsdp_jax.attention``'s blockwise kernel about one (query block, key
+  block) pair (:func:`fsdp_jax._src.attention.kernel_work`; at 4,096 tokens
+  it counted 0.56 of the kernel's 17 GFLOP forward), of the blocked loss
+  one block (:func:`fsdp_jax._src.cross_entropy.blocked_work`), of a
+  ``lax.scan`` one iteration's matmuls (nested jaxprs included; a
+  ``while_loop`` of unknown length stays counted once). The step time's
+  roofline adds them."""
+  fwd, fwd_counted, bwd, bwd_counted = _loop_work(eqns)
+  return fwd - fwd_counted, bwd - bwd_counted
 
 
 def _canonical(eqns, invars, outvars, texts: dict) -> tuple:
