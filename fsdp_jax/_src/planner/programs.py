@@ -96,7 +96,7 @@ def _compiled(lowered) -> Compiled:
 def _dot_flops(eqn) -> float:
   """A ``dot_general``'s FLOPs: 2 x its result's elements x the contracted
   size."""
-  (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+  (lhs_contract, _), _ = _compat.dot_dimension_numbers(eqn)
   shape = eqn.invars[0].aval.shape
   return 2.0 * float(np.prod(eqn.outvars[0].aval.shape)) * float(
       np.prod([shape[d] for d in lhs_contract]))
