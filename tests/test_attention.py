@@ -472,9 +472,9 @@ def test_kernel_work_counts_the_visible_pairs(causal, window, tq):
   assert work.forward_per_pair == 4 * bq * bk * 4 * 16
 
 
-def test_attention_flops_complete_xlas_count():
+def test_uncounted_loop_flops_complete_xlas_count():
   """Non-causal 1,024 x 1,024 (8 pairs of blocks): XLA's count of the
-  blockwise forward plus planner.programs.attention_flops' addition is the
+  blockwise forward plus planner.programs.uncounted_loop_flops' addition is the
   plain path's count (one block of 1,024: no loop) to 2% (the addition is
   matmuls only; the softmax's elementwise work on the 7 uncounted pairs,
   about 5 FLOPs a score, is 1.7% here; a pair more or less would be 12.5%),
@@ -488,11 +488,11 @@ def test_attention_flops_complete_xlas_count():
 
   blocked = lambda q, k, v: A.attend_local(q, k, v, causal=False)
   plain = lambda q, k, v: A.attend_local(q, k, v, causal=False, block_q=1024, block_k=1024)
-  extra, _ = programs.attention_flops(jax.make_jaxpr(blocked)(*shapes).jaxpr.eqns)
+  extra, _ = programs.uncounted_loop_flops(jax.make_jaxpr(blocked)(*shapes).jaxpr.eqns)
   assert extra > 0
   np.testing.assert_allclose(flops(blocked) + extra, flops(plain), rtol=0.02)
 
   def scanned(q, k, v):
     return jax.lax.scan(lambda c, _: (blocked(c, k, v), None), q, None, length=3)[0]
-  extra3, _ = programs.attention_flops(jax.make_jaxpr(scanned)(*shapes).jaxpr.eqns)
+  extra3, _ = programs.uncounted_loop_flops(jax.make_jaxpr(scanned)(*shapes).jaxpr.eqns)
   np.testing.assert_allclose(flops(scanned) + extra3, 3 * flops(plain), rtol=0.02)

@@ -227,7 +227,7 @@ def test_errors(tmp_path):
 def test_planner_counts_every_block():
   """XLA's cost_analysis() counts a loop's body once: of the blocked loss
   (4 blocks of 64 tokens) one block forward, one of each backward pass.
-  With planner.programs.attention_flops' addition the blocked loss's value
+  With planner.programs.uncounted_loop_flops' addition the blocked loss's value
   and gradient count what the unblocked head's do (its logits and their
   two gradient matmuls, one program without loops) to 2% (softmax work
   aside, as the planner adds matmuls only)."""
@@ -246,7 +246,7 @@ def test_planner_counts_every_block():
     g = jax.grad(f, argnums=(0, 1)) if grad else f
     return jax.jit(g).lower(*shapes).compile().cost_analysis()["flops"]
 
-  fwd, bwd = programs.attention_flops(jax.make_jaxpr(blocked)(*shapes).jaxpr.eqns)
+  fwd, bwd = programs.uncounted_loop_flops(jax.make_jaxpr(blocked)(*shapes).jaxpr.eqns)
   assert fwd > 0 and bwd > 0
   np.testing.assert_allclose(counted(blocked, False) + fwd, counted(unblocked, False), rtol=0.02)
   # the blocked backward computes the logits twice more (one per pass)

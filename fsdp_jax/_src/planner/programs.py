@@ -129,7 +129,7 @@ def _loop_work(eqns) -> np.ndarray:
   return total
 
 
-def attention_flops(eqns) -> tuple:
+def uncounted_loop_flops(eqns) -> tuple:
   """``(forward, backward)`` FLOPs of the loops among ``eqns`` that XLA's
   ``cost_analysis()`` leaves out: it counts a loop's body once, so of
   ``fsdp_jax.attention``'s blockwise kernel about one (query block, key
@@ -342,7 +342,7 @@ class Compiler:
       lowered = self._lower(fn, theta_vars, act_vars, out_vars, diff_theta,
                             tangent_in, tangent_out, is_loop, ck is not None)
       # a checkpointed unit's backward program runs its forward again
-      fwd_extra, bwd_extra = attention_flops(eqns)
+      fwd_extra, bwd_extra = uncounted_loop_flops(eqns)
       self._pending[key] = dataclasses.replace(
           lowered, extra_flops=(fwd_extra, bwd_extra + (fwd_extra if ck is not None else 0.0)))
     host = (seg.layers if is_loop else 1) if ck is not None and self.offload else 0
@@ -522,7 +522,7 @@ class _Lowered:
   n_grads: int  # the backward program's results before the forward's outputs
   out_order: tuple  # those outputs' positions among the segment's outputs
   # (forward, backward) FLOPs the programs run that cost_analysis() leaves
-  # out (attention_flops); the backward program runs the forward too
+  # out (uncounted_loop_flops); the backward program runs the forward too
   extra_flops: tuple = (0.0, 0.0)
 
   def compile(self) -> "_Raw":
